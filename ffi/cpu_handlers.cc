@@ -1,0 +1,105 @@
+#include "cpu_handlers.h"
+
+#include <cstdint>
+#include <string>
+
+#include "reference_mla.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_flashmla {
+namespace {
+
+// Shapes are validated in Python at trace time; these checks only guard the memory the
+// reference touches, so that a malformed direct call is an error and not a crash.
+ffi::Error CheckRank(const char* name, ffi::Span<const int64_t> dims, size_t rank) {
+  if (dims.size() != rank)
+    return ffi::Error::InvalidArgument(std::string(name) + " must have rank " +
+                                       std::to_string(rank) + ", got " +
+                                       std::to_string(dims.size()));
+  return ffi::Error::Success();
+}
+
+ffi::Error MlaMetadataCpuImpl(ffi::Buffer<ffi::S32> seq_lens,
+                              ffi::ResultBuffer<ffi::S32> tile_scheduler_metadata,
+                              ffi::ResultBuffer<ffi::S32> num_splits) {
+  const auto md_dims = tile_scheduler_metadata->dimensions();
+  if (auto err = CheckRank("tile_scheduler_metadata", md_dims, 2); err.failure()) return err;
+  if (md_dims[1] != kMetadataFields || md_dims[0] < 1)
+    return ffi::Error::InvalidArgument("tile_scheduler_metadata must be (num_sm_parts >= 1, 8)");
+  const int64_t batch = static_cast<int64_t>(seq_lens.element_count());
+  if (static_cast<int64_t>(num_splits->element_count()) != batch + 1)
+    return ffi::Error::InvalidArgument("num_splits must have batch + 1 elements");
+  ScheduleDecode(seq_lens.typed_data(), batch, md_dims[0],
+                 reinterpret_cast<SchedulerRow*>(tile_scheduler_metadata->typed_data()),
+                 num_splits->typed_data());
+  return ffi::Error::Success();
+}
+
+ffi::Error MlaDecodeCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
+                            ffi::Buffer<ffi::S32> block_table, ffi::Buffer<ffi::S32> seq_lens,
+                            ffi::Buffer<ffi::S32> tile_scheduler_metadata,
+                            ffi::Buffer<ffi::S32> num_splits, float softmax_scale, bool causal,
+                            ffi::Result<ffi::AnyBuffer> out,
+                            ffi::ResultBuffer<ffi::F32> lse) {
+  const auto q_dims = q.dimensions();
+  const auto kv_dims = kv_cache.dimensions();
+  const auto bt_dims = block_table.dimensions();
+  const auto md_dims = tile_scheduler_metadata.dimensions();
+  const auto out_dims = out->dimensions();
+  if (auto err = CheckRank("q", q_dims, 4); err.failure()) return err;
+  if (auto err = CheckRank("kv_cache", kv_dims, 4); err.failure()) return err;
+  if (auto err = CheckRank("block_table", bt_dims, 2); err.failure()) return err;
+  if (auto err = CheckRank("tile_scheduler_metadata", md_dims, 2); err.failure()) return err;
+  if (auto err = CheckRank("out", out_dims, 4); err.failure()) return err;
+  if (q.element_type() != kv_cache.element_type() || q.element_type() != out->element_type())
+    return ffi::Error::InvalidArgument("q, kv_cache and out must share one dtype");
+  HalfType dtype;
+  if (q.element_type() == ffi::DataType::BF16) {
+    dtype = HalfType::kBFloat16;
+  } else if (q.element_type() == ffi::DataType::F16) {
+    dtype = HalfType::kFloat16;
+  } else {
+    return ffi::Error::InvalidArgument("q must be bfloat16 or float16");
+  }
+  const DecodeProblem problem{dtype,       q_dims[0],  q_dims[1],     q_dims[2],
+                              q_dims[3],   out_dims[3], kv_dims[0],   bt_dims[1],
+                              md_dims[0],  softmax_scale, causal};
+  if (kv_dims[1] != kPageSize || kv_dims[2] != 1 || kv_dims[3] != problem.head_dim ||
+      bt_dims[0] != problem.batch || static_cast<int64_t>(seq_lens.element_count()) != problem.batch ||
+      static_cast<int64_t>(num_splits.element_count()) != problem.batch + 1 || md_dims[1] != kMetadataFields ||
+      problem.head_dim_v > problem.head_dim)
+    return ffi::Error::InvalidArgument("mla_decode operands have inconsistent shapes");
+  const std::string message = DecodeReference(
+      problem, static_cast<const uint16_t*>(q.untyped_data()),
+      static_cast<const uint16_t*>(kv_cache.untyped_data()), block_table.typed_data(),
+      seq_lens.typed_data(),
+      reinterpret_cast<const SchedulerRow*>(tile_scheduler_metadata.typed_data()),
+      num_splits.typed_data(), static_cast<uint16_t*>(out->untyped_data()), lse->typed_data());
+  if (!message.empty()) return ffi::Error::InvalidArgument(message);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaMetadataCpu, MlaMetadataCpuImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // seq_lens
+                                  .Ret<ffi::Buffer<ffi::S32>>()     // tile_scheduler_metadata
+                                  .Ret<ffi::Buffer<ffi::S32>>());   // num_splits
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaDecodeCpu, MlaDecodeCpuImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()            // q
+                                  .Arg<ffi::AnyBuffer>()            // kv_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // block_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // seq_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // tile_scheduler_metadata
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // num_splits
+                                  .Attr<float>("softmax_scale")
+                                  .Attr<bool>("causal")
+                                  .Ret<ffi::AnyBuffer>()            // out
+                                  .Ret<ffi::Buffer<ffi::F32>>());   // lse
+
+}  // namespace jax_flashmla

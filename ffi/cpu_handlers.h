@@ -1,0 +1,14 @@
+// XLA FFI handlers of the CPU custom-call targets (the C++ reference of FlashMLA).
+#ifndef JAX_FLASHMLA_FFI_CPU_HANDLERS_H_
+#define JAX_FLASHMLA_FFI_CPU_HANDLERS_H_
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_flashmla {
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaDecodeCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaMetadataCpu);
+
+}  // namespace jax_flashmla
+
+#endif  // JAX_FLASHMLA_FFI_CPU_HANDLERS_H_

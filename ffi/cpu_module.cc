@@ -1,0 +1,22 @@
+// The CPU extension module: the custom-call targets every JAX install can use.
+#include <nanobind/nanobind.h>
+
+#include "nb_capsule.h"
+#include "cpu_handlers.h"
+
+namespace nb = nanobind;
+
+namespace jax_flashmla {
+namespace {
+
+NB_MODULE(_cpu, m) {
+  m.def("registrations", []() {
+    nb::dict targets;
+    targets["jax_flashmla_mla_decode"] = EncapsulateFfiHandler(kMlaDecodeCpu);
+    targets["jax_flashmla_mla_metadata"] = EncapsulateFfiHandler(kMlaMetadataCpu);
+    return targets;
+  });
+}
+
+}  // namespace
+}  // namespace jax_flashmla

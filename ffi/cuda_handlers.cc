@@ -1,0 +1,129 @@
+#include "cuda_handlers.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <exception>
+#include <string>
+#include <string_view>
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "torch_bridge.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_flashmla {
+namespace {
+
+// FlashMLA writes 7 fields of each 8-int scheduler row; the last is never written, so it is
+// zeroed to keep XLA's buffer deterministic.
+constexpr int64_t kUnwrittenMetadataField = 7;
+
+at::Tensor Wrap(ffi::AnyBuffer buffer, int device) {
+  return WrapBuffer(buffer.untyped_data(), buffer.dimensions(), buffer.element_type(), device);
+}
+
+template <ffi::DataType T>
+at::Tensor Wrap(ffi::Buffer<T> buffer, int device) {
+  return WrapBuffer(buffer.untyped_data(), buffer.dimensions(), T, device);
+}
+
+// Runs `body` with XLA's stream as torch's current stream, turning any exception (a torch
+// check inside the op, a missing op) into an XLA error that JAX raises in Python.
+template <typename Body>
+ffi::Error OnXlaStream(cudaStream_t stream, int32_t device, std::string_view what, Body body) {
+  try {
+    c10::cuda::CUDAStreamGuard guard(
+        c10::cuda::getStreamFromExternal(stream, static_cast<c10::DeviceIndex>(device)));
+    body();
+    return ffi::Error::Success();
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(std::string(what) + " failed: " + e.what());
+  } catch (...) {
+    return ffi::Error::Internal(std::string(what) + " failed with an unknown exception");
+  }
+}
+
+ffi::Error MlaMetadataCudaImpl(cudaStream_t stream, int32_t device,
+                               ffi::Buffer<ffi::S32> seq_lens, std::string_view op,
+                               int64_t num_q_tokens_per_head_k, int64_t num_heads_k,
+                               int64_t num_heads_q,
+                               ffi::ResultBuffer<ffi::S32> tile_scheduler_metadata,
+                               ffi::ResultBuffer<ffi::S32> num_splits) {
+  return OnXlaStream(stream, device, op, [&] {
+    OpArgs args;
+    Slot(args, OpArg::kSeqLens) = Wrap(seq_lens, device);
+    Slot(args, OpArg::kQTokensPerHeadK) = num_q_tokens_per_head_k;
+    Slot(args, OpArg::kNumHeadsK) = num_heads_k;
+    Slot(args, OpArg::kNumHeadsQ) = num_heads_q;
+    Slot(args, OpArg::kIsFp8) = false;
+    const auto results = CallTorchOp(op, args);
+    if (results.size() < 2) throw std::runtime_error("expected (metadata, num_splits)");
+    const at::Tensor metadata = Wrap(*tile_scheduler_metadata, device);
+    CopyToResult(results[0], metadata, "tile_scheduler_metadata");
+    metadata.select(1, kUnwrittenMetadataField).zero_();
+    CopyToResult(results[1], Wrap(*num_splits, device), "num_splits");
+  });
+}
+
+ffi::Error MlaDecodeCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
+                             ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> block_table,
+                             ffi::Buffer<ffi::S32> seq_lens,
+                             ffi::Buffer<ffi::S32> tile_scheduler_metadata,
+                             ffi::Buffer<ffi::S32> num_splits, std::string_view op,
+                             float softmax_scale, bool causal, ffi::Result<ffi::AnyBuffer> out,
+                             ffi::ResultBuffer<ffi::F32> lse) {
+  return OnXlaStream(stream, device, op, [&] {
+    OpArgs args;
+    Slot(args, OpArg::kQ) = Wrap(q, device);
+    Slot(args, OpArg::kKvCache) = Wrap(kv_cache, device);
+    Slot(args, OpArg::kHeadDimV) = out->dimensions().back();
+    Slot(args, OpArg::kSeqLens) = Wrap(seq_lens, device);
+    Slot(args, OpArg::kBlockTable) = Wrap(block_table, device);
+    Slot(args, OpArg::kSoftmaxScale) = static_cast<double>(softmax_scale);
+    Slot(args, OpArg::kCausal) = causal;
+    Slot(args, OpArg::kTileSchedulerMetadata) = Wrap(tile_scheduler_metadata, device);
+    Slot(args, OpArg::kNumSplits) = Wrap(num_splits, device);
+    Slot(args, OpArg::kIsFp8) = false;
+    const auto results = CallTorchOp(op, args);
+    if (results.size() < 2) throw std::runtime_error("expected (out, lse)");
+    CopyToResult(results[0], Wrap(*out, device), "out");
+    CopyToResult(results[1], Wrap(*lse, device), "lse");
+  });
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaMetadataCuda, MlaMetadataCudaImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // seq_lens
+                                  .Attr<std::string_view>("op")
+                                  .Attr<int64_t>("num_q_tokens_per_head_k")
+                                  .Attr<int64_t>("num_heads_k")
+                                  .Attr<int64_t>("num_heads_q")
+                                  .Ret<ffi::Buffer<ffi::S32>>()     // tile_scheduler_metadata
+                                  .Ret<ffi::Buffer<ffi::S32>>());   // num_splits
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaDecodeCuda, MlaDecodeCudaImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()            // q
+                                  .Arg<ffi::AnyBuffer>()            // kv_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // block_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // seq_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // tile_scheduler_metadata
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // num_splits
+                                  .Attr<std::string_view>("op")
+                                  .Attr<float>("softmax_scale")
+                                  .Attr<bool>("causal")
+                                  .Ret<ffi::AnyBuffer>()            // out
+                                  .Ret<ffi::Buffer<ffi::F32>>());   // lse
+
+}  // namespace jax_flashmla

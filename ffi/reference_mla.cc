@@ -1,0 +1,216 @@
+#include "reference_mla.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace jax_flashmla {
+namespace {
+
+// Cost, in blocks, of one (part, request) piece beyond its blocks: loading q, writing a
+// partial result and combining it. Keeps the scheduler from cutting requests too finely.
+constexpr int64_t kPieceOverheadBlocks = 5;
+
+int64_t NumBlocks(int32_t seq_len) { return (std::max<int32_t>(seq_len, 0) + kPageSize - 1) / kPageSize; }
+
+float HalfToFloat(uint16_t bits, HalfType type) {
+  if (type == HalfType::kBFloat16) {
+    uint32_t word = static_cast<uint32_t>(bits) << 16;
+    float value;
+    std::memcpy(&value, &word, sizeof(value));
+    return value;
+  }
+  _Float16 half;
+  std::memcpy(&half, &bits, sizeof(bits));
+  return static_cast<float>(half);
+}
+
+uint16_t FloatToHalf(float value, HalfType type) {
+  if (type == HalfType::kBFloat16) {
+    uint32_t word;
+    std::memcpy(&word, &value, sizeof(word));
+    if (std::isnan(value)) return 0x7fc0;
+    word += 0x7fff + ((word >> 16) & 1);  // round to nearest even
+    return static_cast<uint16_t>(word >> 16);
+  }
+  _Float16 half = static_cast<_Float16>(value);
+  uint16_t bits;
+  std::memcpy(&bits, &half, sizeof(bits));
+  return bits;
+}
+
+// Online-softmax state of one (query token, head) over the keys seen so far.
+struct RowState {
+  float max = -std::numeric_limits<float>::infinity();
+  float sum = 0.f;
+};
+
+}  // namespace
+
+void ScheduleDecode(const int32_t* seq_lens, int64_t batch, int64_t num_parts,
+                    SchedulerRow* rows, int32_t* num_splits) {
+  int64_t total_cost = 0;
+  for (int64_t r = 0; r < batch; ++r) {
+    int64_t blocks = NumBlocks(seq_lens[r]);
+    if (blocks > 0) total_cost += blocks + kPieceOverheadBlocks;
+  }
+  const int64_t payload = (total_cost + num_parts - 1) / num_parts + kPieceOverheadBlocks;
+
+  std::vector<int32_t> splits_of(batch, 0);
+  int64_t req = 0, block = 0, split = 0;
+  for (int64_t part = 0; part < num_parts; ++part) {
+    SchedulerRow row{};
+    row.begin_req = static_cast<int32_t>(req);
+    row.begin_block = static_cast<int32_t>(block);
+    row.begin_split = static_cast<int32_t>(split);
+    row.first_req_is_split = block > 0;
+    row.end_req = row.begin_req - 1;  // empty until a piece is taken
+    // The last part takes whatever is left, so no work can fall off the end.
+    int64_t budget = part + 1 == num_parts ? std::numeric_limits<int64_t>::max() : payload;
+    while (req < batch) {
+      const int64_t blocks = NumBlocks(seq_lens[req]);
+      if (blocks == 0) {
+        ++req;
+        continue;
+      }
+      const int64_t cost = blocks - block + kPieceOverheadBlocks;
+      if (cost <= budget) {
+        budget -= cost;
+        splits_of[req] = static_cast<int32_t>(split + 1);
+        row.end_req = static_cast<int32_t>(req);
+        row.end_block = static_cast<int32_t>(blocks);
+        row.last_req_is_split = 0;
+        ++req;
+        block = 0;
+        split = 0;
+        continue;
+      }
+      const int64_t take = budget - kPieceOverheadBlocks;
+      if (take > 0) {
+        block += take;
+        row.end_req = static_cast<int32_t>(req);
+        row.end_block = static_cast<int32_t>(block);
+        row.last_req_is_split = 1;
+        ++split;
+      }
+      break;
+    }
+    if (row.end_req < row.begin_req) row.begin_block = row.begin_split = row.first_req_is_split = 0;
+    rows[part] = row;
+  }
+  num_splits[0] = 0;
+  for (int64_t r = 0; r < batch; ++r) num_splits[r + 1] = num_splits[r] + splits_of[r];
+}
+
+std::string DecodeReference(const DecodeProblem& p, const uint16_t* q, const uint16_t* kv_cache,
+                            const int32_t* block_table, const int32_t* seq_lens,
+                            const SchedulerRow* rows, const int32_t* num_splits, uint16_t* out,
+                            float* lse) {
+  const int64_t rows_per_req = p.seqlen_q * p.heads_q;  // (query token, head) pairs
+  const int64_t total_splits = num_splits[p.batch];
+  for (int64_t r = 0; r < p.batch; ++r) {
+    if (seq_lens[r] < 0 || seq_lens[r] > p.max_pages * kPageSize)
+      return "seq_lens[" + std::to_string(r) + "] = " + std::to_string(seq_lens[r]) +
+             " is outside [0, max_pages * 64 = " + std::to_string(p.max_pages * kPageSize) + "]";
+    if (num_splits[r + 1] < num_splits[r])
+      return "num_splits is not a non-decreasing prefix sum; was it computed for these seq_lens?";
+  }
+  // Partial results of every split: normalised output and LSE per (query token, head).
+  std::vector<float> part_out(total_splits * rows_per_req * p.head_dim_v, 0.f);
+  std::vector<float> part_lse(total_splits * rows_per_req, -std::numeric_limits<float>::infinity());
+  std::vector<float> q_row(p.head_dim), key(kPageSize * p.head_dim);
+  std::vector<float> q_req(rows_per_req * p.head_dim);
+  std::vector<RowState> state(rows_per_req);
+  std::vector<float> acc(rows_per_req * p.head_dim_v);
+
+  for (int64_t part = 0; part < p.num_parts; ++part) {
+    const SchedulerRow& row = rows[part];
+    for (int64_t r = row.begin_req; r <= row.end_req; ++r) {
+      if (r < 0 || r >= p.batch) return "tile_scheduler_metadata names a request outside the batch";
+      const int64_t blocks = NumBlocks(seq_lens[r]);
+      const int64_t first = r == row.begin_req ? row.begin_block : 0;
+      const int64_t last = std::min<int64_t>(r == row.end_req ? row.end_block : blocks, blocks);
+      if (first >= last) continue;
+      const int64_t split = num_splits[r] + (r == row.begin_req ? row.begin_split : 0);
+      if (split >= num_splits[r + 1]) return "tile_scheduler_metadata does not match num_splits";
+
+      for (int64_t i = 0; i < rows_per_req * p.head_dim; ++i)
+        q_req[i] = HalfToFloat(q[r * rows_per_req * p.head_dim + i], p.dtype);
+      std::fill(state.begin(), state.end(), RowState{});
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t b = first; b < last; ++b) {
+        const int32_t page = block_table[r * p.max_pages + b];
+        if (page < 0 || page >= p.num_pages)
+          return "block_table[" + std::to_string(r) + ", " + std::to_string(b) + "] = " +
+                 std::to_string(page) + " is not a page of the cache (num_pages = " +
+                 std::to_string(p.num_pages) + ")";
+        const int64_t tokens = std::min<int64_t>(kPageSize, seq_lens[r] - b * kPageSize);
+        for (int64_t t = 0; t < tokens * p.head_dim; ++t)
+          key[t] = HalfToFloat(kv_cache[page * kPageSize * p.head_dim + t], p.dtype);
+        for (int64_t qi = 0; qi < p.seqlen_q; ++qi) {
+          const int64_t visible = p.causal ? seq_lens[r] - p.seqlen_q + qi + 1 : seq_lens[r];
+          const int64_t n = std::min<int64_t>(tokens, visible - b * kPageSize);
+          for (int64_t h = 0; h < p.heads_q; ++h) {
+            const int64_t idx = qi * p.heads_q + h;
+            const float* qv = &q_req[idx * p.head_dim];
+            float* a = &acc[idx * p.head_dim_v];
+            for (int64_t t = 0; t < n; ++t) {
+              const float* k = &key[t * p.head_dim];
+              float s = 0.f;
+              for (int64_t d = 0; d < p.head_dim; ++d) s += qv[d] * k[d];
+              s *= p.softmax_scale;
+              RowState& st = state[idx];
+              const float new_max = std::max(st.max, s);
+              const float rescale = std::exp(st.max - new_max);
+              const float w = std::exp(s - new_max);
+              st.sum = st.sum * rescale + w;
+              for (int64_t d = 0; d < p.head_dim_v; ++d) a[d] = a[d] * rescale + w * k[d];
+              st.max = new_max;
+            }
+          }
+        }
+      }
+      for (int64_t idx = 0; idx < rows_per_req; ++idx) {
+        const RowState& st = state[idx];
+        if (st.sum == 0.f) continue;  // this piece saw no key of this query: lse stays -inf
+        float* o = &part_out[(split * rows_per_req + idx) * p.head_dim_v];
+        for (int64_t d = 0; d < p.head_dim_v; ++d) o[d] = acc[idx * p.head_dim_v + d] / st.sum;
+        part_lse[split * rows_per_req + idx] = st.max + std::log(st.sum);
+      }
+    }
+  }
+
+  // Combine the splits of each request through their LSEs.
+  std::vector<float> combined(p.head_dim_v);
+  for (int64_t r = 0; r < p.batch; ++r) {
+    for (int64_t qi = 0; qi < p.seqlen_q; ++qi) {
+      for (int64_t h = 0; h < p.heads_q; ++h) {
+        const int64_t idx = qi * p.heads_q + h;
+        float max_lse = -std::numeric_limits<float>::infinity();
+        for (int64_t s = num_splits[r]; s < num_splits[r + 1]; ++s)
+          max_lse = std::max(max_lse, part_lse[s * rows_per_req + idx]);
+        std::fill(combined.begin(), combined.end(), 0.f);
+        float row_lse = std::numeric_limits<float>::infinity();  // FlashMLA: no key seen
+        if (max_lse != -std::numeric_limits<float>::infinity()) {
+          float weight_sum = 0.f;
+          for (int64_t s = num_splits[r]; s < num_splits[r + 1]; ++s) {
+            const float w = std::exp(part_lse[s * rows_per_req + idx] - max_lse);
+            weight_sum += w;
+            const float* o = &part_out[(s * rows_per_req + idx) * p.head_dim_v];
+            for (int64_t d = 0; d < p.head_dim_v; ++d) combined[d] += w * o[d];
+          }
+          for (float& c : combined) c /= weight_sum;
+          row_lse = max_lse + std::log(weight_sum);
+        }
+        uint16_t* dst = &out[(r * rows_per_req + idx) * p.head_dim_v];
+        for (int64_t d = 0; d < p.head_dim_v; ++d) dst[d] = FloatToHalf(combined[d], p.dtype);
+        lse[(r * p.heads_q + h) * p.seqlen_q + qi] = row_lse;
+      }
+    }
+  }
+  return "";
+}
+
+}  // namespace jax_flashmla

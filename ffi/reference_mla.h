@@ -1,0 +1,61 @@
+// A plain C++ model of FlashMLA's paged MLA decode: its tile scheduler and its split-KV
+// attention, for the CPU custom-call targets. It follows FlashMLA's documented semantics
+// (page size 64, V = first head_dim_v columns of each cache row, bottom-right causal mask,
+// natural-log LSE, +inf LSE for a query that sees no key) so that the CPU path of the very
+// same custom call can stand in for the GPU one in tests.
+#ifndef JAX_FLASHMLA_FFI_REFERENCE_MLA_H_
+#define JAX_FLASHMLA_FFI_REFERENCE_MLA_H_
+
+#include <cstdint>
+#include <string>
+
+namespace jax_flashmla {
+
+inline constexpr int64_t kPageSize = 64;
+// Row width of the tile-scheduler metadata; FlashMLA writes 7 fields and leaves the 8th unused.
+inline constexpr int64_t kMetadataFields = 8;
+
+// One metadata row: the span of work one SM part does, in units of 64-token blocks.
+// end_req is inclusive; end_block is exclusive and counts blocks of end_req.
+struct SchedulerRow {
+  int32_t begin_req;
+  int32_t end_req;
+  int32_t begin_block;
+  int32_t end_block;
+  int32_t begin_split;        // split index of begin_req that this part produces
+  int32_t first_req_is_split;  // begin_req is shared with an earlier part
+  int32_t last_req_is_split;   // end_req continues in a later part
+  int32_t unused;
+};
+static_assert(sizeof(SchedulerRow) == kMetadataFields * sizeof(int32_t));
+
+// Splits the batch's KV blocks over num_parts SM parts, balancing blocks plus a fixed cost
+// per (part, request) piece. Fills num_parts rows and num_splits (batch + 1 prefix sums of
+// the number of splits of each request).
+void ScheduleDecode(const int32_t* seq_lens, int64_t batch, int64_t num_parts,
+                    SchedulerRow* rows, int32_t* num_splits);
+
+enum class HalfType { kBFloat16, kFloat16 };
+
+struct DecodeProblem {
+  HalfType dtype;
+  int64_t batch, seqlen_q, heads_q, head_dim, head_dim_v;
+  int64_t num_pages, max_pages;
+  int64_t num_parts;
+  float softmax_scale;
+  bool causal;
+};
+
+// Runs the decode. Inputs are row-major: q (batch, seqlen_q, heads_q, head_dim),
+// kv_cache (num_pages, 64, 1, head_dim), block_table (batch, max_pages),
+// seq_lens (batch), rows (num_parts), num_splits (batch + 1). Outputs: out
+// (batch, seqlen_q, heads_q, head_dim_v), lse (batch, heads_q, seqlen_q).
+// Returns an empty string on success, otherwise what was wrong with the inputs.
+std::string DecodeReference(const DecodeProblem& p, const uint16_t* q, const uint16_t* kv_cache,
+                            const int32_t* block_table, const int32_t* seq_lens,
+                            const SchedulerRow* rows, const int32_t* num_splits, uint16_t* out,
+                            float* lse);
+
+}  // namespace jax_flashmla
+
+#endif  // JAX_FLASHMLA_FFI_REFERENCE_MLA_H_

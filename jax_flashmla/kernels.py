@@ -1,0 +1,140 @@
+"""Finding, loading and registering FlashMLA's compiled kernels for the CUDA custom calls.
+
+Discovery, in this order:
+  1. JAX_FLASHMLA_KERNEL_LIBRARY: path of a torch-op library registering the sgl_kernel ops;
+  2. the sgl_kernel package (sgl-kernel / sglang-kernel): only its flashmla_ops library is
+     loaded, not the package;
+  3. the flash_mla package (sgl-flash-mla): its flash_mla_legacy ops.
+Finding needs no torch; loading imports torch, which happens only when a CUDA lowering of a
+jax_flashmla op first runs, never on `import jax_flashmla`.
+"""
+import dataclasses
+import functools
+import glob
+import importlib
+import importlib.util
+import os
+
+import jax
+
+KERNEL_LIBRARY_ENV = "JAX_FLASHMLA_KERNEL_LIBRARY"
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelLibrary:
+    """Where FlashMLA's ops come from: a library file to load, or a package to import."""
+
+    source: str  # "env", "sgl_kernel" or "flash_mla"
+    path: str
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOps:
+    """Qualified torch op names the CUDA handlers call; their schemas are read at run time."""
+
+    decode: str
+    metadata: str
+    library: KernelLibrary
+
+
+def _package_dir(name):
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return list(spec.submodule_search_locations)[0]
+
+
+def find_kernel_library():
+    """Returns the KernelLibrary to use, or None. Imports nothing."""
+    path = os.environ.get(KERNEL_LIBRARY_ENV)
+    if path:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{KERNEL_LIBRARY_ENV}={path!r} is not a file")
+        return KernelLibrary("env", path)
+    package = _package_dir("sgl_kernel")
+    if package:
+        found = sorted(glob.glob(os.path.join(package, "flashmla_ops*.so")))
+        found = found or sorted(glob.glob(os.path.join(package, "**", "flashmla_ops*.so"),
+                                          recursive=True))
+        if found:
+            return KernelLibrary("sgl_kernel", found[0])
+    package = _package_dir("flash_mla")
+    if package:
+        return KernelLibrary("flash_mla", package)
+    return None
+
+
+def _first_registered(namespace, names):
+    import torch
+
+    ops = getattr(torch.ops, namespace)
+    for name in names:
+        if hasattr(ops, name):
+            return f"{namespace}::{name}"
+    raise RuntimeError(f"none of torch.ops.{namespace}.{{{', '.join(names)}}} is registered")
+
+
+@functools.cache
+def load_kernels():
+    """Loads FlashMLA's torch ops into this process (imports torch) and names them."""
+    library = find_kernel_library()
+    if library is None:
+        raise RuntimeError(
+            "jax_flashmla found no FlashMLA kernels: set "
+            f"{KERNEL_LIBRARY_ENV} to a flashmla_ops library, or install sglang-kernel "
+            "(module sgl_kernel) or sgl-flash-mla (module flash_mla) built for your torch; "
+            "`pip install jax_flashmla[gpu]` installs a matching set")
+    import torch
+
+    if library.source == "flash_mla":
+        importlib.import_module("flash_mla")
+        return KernelOps(
+            decode=_first_registered("flash_mla_legacy", ["dense_decode_fwd", "fwd_kvcache_mla"]),
+            metadata=_first_registered("flash_mla_legacy", ["get_mla_decoding_metadata"]),
+            library=library)
+    torch.ops.load_library(library.path)
+    return KernelOps(decode=_first_registered("sgl_kernel", ["fwd_kvcache_mla"]),
+                     metadata=_first_registered("sgl_kernel", ["get_mla_decoding_metadata"]),
+                     library=library)
+
+
+def _hopper_gpus():
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        return []
+    return [d for d in gpus if str(getattr(d, "compute_capability", "")).startswith("9.")]
+
+
+@functools.cache
+def ensure_cuda_targets():
+    """Loads the kernels and registers the CUDA custom-call targets; returns the op names.
+
+    Raises RuntimeError naming what is missing: a Hopper GPU, the kernels, or the CUDA bridge.
+    """
+    if not _hopper_gpus():
+        kinds = [f"{d.device_kind} (sm {getattr(d, 'compute_capability', '?')})"
+                 for d in jax.devices()]
+        raise RuntimeError(f"FlashMLA's decode kernels need a Hopper GPU (sm 9.x); JAX sees {kinds}")
+    ops = load_kernels()
+    try:
+        from jax_flashmla import _cuda
+    except ImportError as e:
+        raise RuntimeError(
+            "jax_flashmla was built without its CUDA bridge (jax_flashmla._cuda): reinstall it "
+            "where a CUDA build of torch and the CUDA toolkit are present, e.g. "
+            "`pip install --no-build-isolation -e .`") from e
+    for name, capsule in _cuda.registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+    return ops
+
+
+@functools.cache
+def flashmla_available():
+    """True where implementation=None should pick FlashMLA: the default backend is a Hopper GPU,
+    the kernels can be found and the CUDA bridge was built. Imports neither torch nor kernels."""
+    if jax.default_backend() != "gpu" or not _hopper_gpus():
+        return False
+    library = find_kernel_library()
+    return (library is not None and importlib.util.find_spec("torch") is not None
+            and importlib.util.find_spec("jax_flashmla._cuda") is not None)

@@ -1,0 +1,98 @@
+"""The physical ops: JAX primitives whose lowering is the jax_flashmla custom call.
+
+On CUDA the custom call runs FlashMLA's kernels (jax_flashmla/kernels.py finds and loads them,
+and registers the CUDA targets, when a CUDA lowering first happens); on CPU it runs the C++
+model of FlashMLA in ffi/reference_mla.cc. vmap maps sequentially over the batched axis.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
+
+from jax_flashmla import _cpu, kernels
+from jax_flashmla.validation import METADATA_FIELDS
+
+DECODE_TARGET = "jax_flashmla_mla_decode"
+METADATA_TARGET = "jax_flashmla_mla_metadata"
+
+for _name, _capsule in _cpu.registrations().items():
+    jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
+
+mla_decode_p = Primitive("jax_flashmla_mla_decode")
+mla_decode_p.multiple_results = True
+mla_metadata_p = Primitive("jax_flashmla_mla_metadata")
+mla_metadata_p.multiple_results = True
+
+
+def _impl(primitive, *args, **params):
+    return jax.jit(functools.partial(primitive.bind, **params))(*args)
+
+
+mla_decode_p.def_impl(functools.partial(_impl, mla_decode_p))
+mla_metadata_p.def_impl(functools.partial(_impl, mla_metadata_p))
+
+
+@mla_decode_p.def_abstract_eval
+def _decode_abstract(q, kv_cache, block_table, seq_lens, tile_scheduler_metadata, num_splits,
+                     *, softmax_scale, causal, head_dim_v):
+    batch, s_q, h_q, _ = q.shape
+    return (jax.core.ShapedArray((batch, s_q, h_q, head_dim_v), q.dtype),
+            jax.core.ShapedArray((batch, h_q, s_q), jnp.float32))
+
+
+@mla_metadata_p.def_abstract_eval
+def _metadata_abstract(seq_lens, *, num_heads_q, num_q_tokens, num_heads_k, num_sm_parts):
+    return (jax.core.ShapedArray((num_sm_parts, METADATA_FIELDS), jnp.int32),
+            jax.core.ShapedArray((seq_lens.shape[0] + 1,), jnp.int32))
+
+
+def _decode_cpu(ctx, *args, softmax_scale, causal, head_dim_v):
+    return jax.ffi.ffi_lowering(DECODE_TARGET)(
+        ctx, *args, softmax_scale=np.float32(softmax_scale), causal=bool(causal))
+
+
+def _decode_cuda(ctx, *args, softmax_scale, causal, head_dim_v):
+    ops = kernels.ensure_cuda_targets()
+    return jax.ffi.ffi_lowering(DECODE_TARGET)(
+        ctx, *args, op=ops.decode, softmax_scale=np.float32(softmax_scale), causal=bool(causal))
+
+
+def _metadata_cpu(ctx, seq_lens, *, num_heads_q, num_q_tokens, num_heads_k, num_sm_parts):
+    return jax.ffi.ffi_lowering(METADATA_TARGET)(ctx, seq_lens)
+
+
+def _metadata_cuda(ctx, seq_lens, *, num_heads_q, num_q_tokens, num_heads_k, num_sm_parts):
+    ops = kernels.ensure_cuda_targets()
+    return jax.ffi.ffi_lowering(METADATA_TARGET)(
+        ctx, seq_lens, op=ops.metadata,
+        num_q_tokens_per_head_k=np.int64(num_q_tokens * num_heads_q // num_heads_k),
+        num_heads_k=np.int64(num_heads_k), num_heads_q=np.int64(num_heads_q))
+
+
+mlir.register_lowering(mla_decode_p, _decode_cpu, platform="cpu")
+mlir.register_lowering(mla_decode_p, _decode_cuda, platform="cuda")
+mlir.register_lowering(mla_metadata_p, _metadata_cpu, platform="cpu")
+mlir.register_lowering(mla_metadata_p, _metadata_cuda, platform="cuda")
+
+
+def _batch_sequentially(primitive, args, dims, **params):
+    """vmap rule: one custom call per element of the mapped axis (FlashMLA has no batch-of-batches
+    form), with unmapped operands such as a shared cache passed through, not broadcast."""
+    mapped = [i for i, d in enumerate(dims) if d is not batching.not_mapped]
+    moved = [jnp.moveaxis(args[i], dims[i], 0) for i in mapped]
+
+    def one(xs):
+        full = list(args)
+        for i, x in zip(mapped, xs):
+            full[i] = x
+        return primitive.bind(*full, **params)
+
+    outs = jax.lax.map(one, moved)
+    return outs, (0,) * len(outs)
+
+
+batching.primitive_batchers[mla_decode_p] = functools.partial(_batch_sequentially, mla_decode_p)
+batching.primitive_batchers[mla_metadata_p] = functools.partial(_batch_sequentially, mla_metadata_p)

@@ -1,0 +1,141 @@
+"""Public ops: get_mla_metadata and mla_decode (the logical op over jax_flashmla/lowering.py)."""
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+
+from jax_flashmla import kernels, lowering, validation
+from jax_flashmla.reference import mla_decode_reference
+
+IMPLEMENTATIONS = ("flashmla", "reference")
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["tile_scheduler_metadata", "num_splits"],
+                   meta_fields=["num_heads_q", "num_q_tokens", "num_heads_k"])
+@dataclasses.dataclass(frozen=True)
+class MLAMetadata:
+    """FlashMLA's split-KV schedule for one decode step, shared by every layer of the step.
+
+    Attributes:
+      tile_scheduler_metadata: (num_sm_parts, 8) int32, one row of work per SM part.
+      num_splits: (batch + 1,) int32, prefix sums of the number of KV splits per request.
+      num_heads_q, num_q_tokens, num_heads_k: the layout it was computed for (static).
+    """
+
+    tile_scheduler_metadata: jax.Array
+    num_splits: jax.Array
+    num_heads_q: int
+    num_q_tokens: int
+    num_heads_k: int
+
+
+def _resolve(implementation):
+    if implementation is None:
+        return "flashmla" if kernels.flashmla_available() else "reference"
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}; "
+                         f"got {implementation!r}")
+    return implementation
+
+
+def _default_num_sms():
+    device = jax.devices()[0]
+    return int(getattr(device, "core_count", 0) or validation.DEFAULT_NUM_SMS)
+
+
+def get_mla_metadata(seq_lens, *, num_heads_q, num_q_tokens=1, num_heads_k=1, num_sms=None,
+                     implementation=None):
+    """Computes FlashMLA's tile-scheduler metadata for one decode step.
+
+    Args:
+      seq_lens: (batch,) int32, KV length of each request (the query tokens included).
+      num_heads_q: query heads per device (h_q).
+      num_q_tokens: query tokens per request (s_q; > 1 for speculative verify / MTP).
+      num_heads_k: KV heads (1 for MLA).
+      num_sms: SMs of the target GPU; defaults to the default device's SM count, or 132 (an
+        H100/H200) on devices that have none, so CPU traces see GPU shapes.
+      implementation: as in mla_decode. The pure-JAX reference needs no schedule: with it this
+        returns None, which mla_decode accepts.
+
+    Returns:
+      MLAMetadata with tile_scheduler_metadata (num_sm_parts, 8) int32 and num_splits
+      (batch + 1,) int32, where num_sm_parts = num_sms // num_heads_k //
+      ceil(num_q_tokens * num_heads_q / num_heads_k / 64); or None for the reference.
+    """
+    validation.check_metadata_args(seq_lens, num_heads_q, num_q_tokens, num_heads_k)
+    if _resolve(implementation) == "reference":
+        return None
+    parts = validation.num_sm_parts(num_sms or _default_num_sms(), num_heads_q, num_q_tokens,
+                                    num_heads_k)
+    tile_md, num_splits = lowering.mla_metadata_p.bind(
+        seq_lens, num_heads_q=int(num_heads_q), num_q_tokens=int(num_q_tokens),
+        num_heads_k=int(num_heads_k), num_sm_parts=parts)
+    return MLAMetadata(tile_md, num_splits, int(num_heads_q), int(num_q_tokens), int(num_heads_k))
+
+
+@dataclasses.dataclass(frozen=True)
+class _DecodeConfig:
+    softmax_scale: float
+    causal: bool
+    head_dim_v: int
+    implementation: str
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _decode(config, q, kv_cache, block_table, seq_lens, metadata):
+    if config.implementation == "reference":
+        return mla_decode_reference(q, kv_cache, block_table, seq_lens,
+                                    softmax_scale=config.softmax_scale, causal=config.causal,
+                                    head_dim_v=config.head_dim_v)
+    out, lse = lowering.mla_decode_p.bind(
+        q, kv_cache, block_table, seq_lens, metadata.tile_scheduler_metadata, metadata.num_splits,
+        softmax_scale=config.softmax_scale, causal=config.causal, head_dim_v=config.head_dim_v)
+    return out, lse
+
+
+@_decode.defjvp
+def _decode_jvp(config, primals, tangents):
+    raise NotImplementedError(
+        "mla_decode is decode-only: FlashMLA has no backward pass, so jax_flashmla defines no "
+        "gradient (nor JVP) for it. Differentiate a prefill attention instead, or wrap the "
+        "inputs in jax.lax.stop_gradient if no gradient should flow through the decode.")
+
+
+def mla_decode(q, kv_cache, block_table, seq_lens, *, metadata=None, softmax_scale=None,
+               causal=True, head_dim_v=validation.HEAD_DIM_V, implementation=None):
+    """Multi-head latent attention decode over a paged KV cache (FlashMLA's dense decode).
+
+    Args:
+      q: (batch, s_q, h_q, 576) bfloat16 or float16; 512 latent + 64 rope columns per head.
+      kv_cache: (num_pages, 64, 1, 576) of q's dtype; V is the first 512 columns of each row.
+      block_table: (batch, max_pages) int32; entry j of request i is the page holding its
+        tokens [64 j, 64 j + 64). Entries past a request's last page are never read.
+      seq_lens: (batch,) int32 KV lengths; 0 is allowed (out 0, lse +inf).
+      metadata: MLAMetadata from get_mla_metadata for these seq_lens, h_q and s_q; computed
+        here when None (pass it in to share one schedule between the layers of a step).
+      softmax_scale: defaults to 576 ** -0.5.
+      causal: with s_q > 1, query i sees the first s_k - s_q + i + 1 keys (speculative verify
+        / MTP); with s_q = 1 it makes no difference.
+      head_dim_v: 512, the only V width FlashMLA supports.
+      implementation: None picks "flashmla" on a Hopper GPU whose kernels and CUDA bridge are
+        available, else "reference". "flashmla" is the custom call: FlashMLA's kernels on CUDA
+        (lowering fails naming what is missing), its C++ model on CPU. "reference" is pure JAX.
+
+    Returns:
+      out: (batch, s_q, h_q, 512) in q's dtype.
+      lse: (batch, h_q, s_q) float32, natural-log sum of exp(softmax_scale * q.k) over the keys
+        each query sees; +inf where it sees none.
+    """
+    batch, s_q, h_q = validation.check_decode_args(q, kv_cache, block_table, seq_lens, head_dim_v)
+    implementation = _resolve(implementation)
+    if metadata is not None:
+        validation.check_metadata_matches(metadata, batch, s_q, h_q)
+    elif implementation == "flashmla":
+        metadata = get_mla_metadata(seq_lens, num_heads_q=h_q, num_q_tokens=s_q,
+                                    implementation=implementation)
+    if softmax_scale is None:
+        softmax_scale = validation.HEAD_DIM ** -0.5
+    config = _DecodeConfig(float(softmax_scale), bool(causal), int(head_dim_v), implementation)
+    return _decode(config, q, kv_cache, block_table, seq_lens, metadata)

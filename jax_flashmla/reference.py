@@ -1,0 +1,47 @@
+"""Pure-JAX MLA decode over the paged cache: the path off Hopper GPUs and the tests' oracle.
+
+It follows FlashMLA's conventions: V is the first head_dim_v columns of each cache row;
+with causal=True query i of s_q sees the first s_k - s_q + i + 1 keys (bottom-right mask);
+the LSE is the natural log of the sum of exp(scaled scores); a query that sees no key gets
+out 0 and LSE +inf. Keys past a request's length are never read into the arithmetic, so NaN in
+unused pages and arbitrary values in unused block-table slots change nothing.
+"""
+import jax
+import jax.numpy as jnp
+
+from jax_flashmla.validation import PAGE_SIZE
+
+
+def visible_keys(seq_lens, s_q, causal):
+    """(batch, s_q) int32: how many leading keys each query token attends to."""
+    if not causal:
+        return jnp.broadcast_to(seq_lens[:, None], (seq_lens.shape[0], s_q))
+    return jnp.clip(seq_lens[:, None] - s_q + 1 + jnp.arange(s_q, dtype=jnp.int32)[None, :],
+                    0, seq_lens[:, None])
+
+
+def mla_decode_reference(q, kv_cache, block_table, seq_lens, *, softmax_scale, causal, head_dim_v):
+    """Returns (out (b, s_q, h_q, head_dim_v) in q's dtype, lse (b, h_q, s_q) float32)."""
+    batch, s_q, _, head_dim = q.shape
+    num_pages = kv_cache.shape[0]
+    max_tokens = block_table.shape[1] * PAGE_SIZE
+    pages = jnp.clip(block_table, 0, num_pages - 1)
+    keys = kv_cache[pages].reshape(batch, max_tokens, head_dim)
+    positions = jnp.arange(max_tokens, dtype=jnp.int32)
+    in_request = positions[None, :] < seq_lens[:, None]
+    keys = jnp.where(in_request[:, :, None], keys, jnp.zeros((), keys.dtype))
+
+    scores = jnp.einsum("bqhd,bkd->bhqk", q, keys, preferred_element_type=jnp.float32,
+                        precision=jax.lax.Precision.HIGHEST) * softmax_scale
+    visible = positions[None, None, :] < visible_keys(seq_lens, s_q, causal)[:, :, None]
+    scores = jnp.where(visible[:, None, :, :], scores, -jnp.inf)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    weights = jnp.exp(scores - row_max)
+    total = jnp.sum(weights, axis=-1)
+    values = keys[:, :, :head_dim_v].astype(jnp.float32)
+    out = jnp.einsum("bhqk,bkd->bqhd", weights, values, precision=jax.lax.Precision.HIGHEST)
+    seen = total > 0
+    out = out / jnp.where(seen, total, 1.0).transpose(0, 2, 1)[..., None]
+    lse = jnp.where(seen, row_max[..., 0] + jnp.log(jnp.where(seen, total, 1.0)), jnp.inf)
+    return out.astype(q.dtype), lse

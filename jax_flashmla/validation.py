@@ -1,0 +1,106 @@
+"""Shapes, dtypes and limits of FlashMLA's MLA decode, checked at trace time.
+
+Every check raises ValueError or TypeError naming the argument, what was seen and what was
+expected, so that a bad call fails where it is written, not inside the kernel.
+"""
+import math
+
+import numpy as np
+
+HEAD_DIM = 576  # 512-d latent + 64-d rope key per cache row
+HEAD_DIM_V = 512  # V is the first 512 columns of each cache row
+PAGE_SIZE = 64
+METADATA_FIELDS = 8
+# Rows of the query tile one SM works on; the scheduler's part count divides SMs by the
+# number of such tiles a request needs.
+QUERY_TILE_ROWS = 64
+# SMs of an H100 SXM / H200, used for traces with no GPU to ask, so that CPU runs see the
+# metadata shapes a Hopper GPU would.
+DEFAULT_NUM_SMS = 132
+SUPPORTED_DTYPES = (np.dtype("bfloat16"), np.dtype("float16"))
+
+
+def _fail(exc, where, message):
+    raise exc(f"{where}: {message}")
+
+
+def check_rank(where, name, x, rank, layout):
+    if x.ndim != rank:
+        _fail(ValueError, where, f"{name} must have rank {rank} {layout}; got shape {tuple(x.shape)}")
+
+
+def check_int32(where, name, x):
+    if x.dtype != np.int32:
+        _fail(TypeError, where, f"{name} must be int32; got {x.dtype}")
+
+
+def num_sm_parts(num_sms, num_heads_q, num_q_tokens, num_heads_k, where="get_mla_metadata"):
+    """Rows of the tile-scheduler metadata FlashMLA uses for this head and query layout."""
+    tiles = math.ceil(num_q_tokens * num_heads_q // num_heads_k / QUERY_TILE_ROWS)
+    parts = num_sms // num_heads_k // tiles
+    if parts < 1:
+        _fail(ValueError, where,
+              f"num_q_tokens * num_heads_q / num_heads_k = {num_q_tokens * num_heads_q // num_heads_k}"
+              f" query rows need {tiles} tiles of {QUERY_TILE_ROWS}, more than the {num_sms} SMs;"
+              " split the heads or the query tokens")
+    return parts
+
+
+def check_metadata_args(seq_lens, num_heads_q, num_q_tokens, num_heads_k):
+    where = "get_mla_metadata"
+    check_rank(where, "seq_lens", seq_lens, 1, "(batch,)")
+    check_int32(where, "seq_lens", seq_lens)
+    for name, value in (("num_heads_q", num_heads_q), ("num_q_tokens", num_q_tokens),
+                        ("num_heads_k", num_heads_k)):
+        if not isinstance(value, (int, np.integer)) or value < 1:
+            _fail(ValueError, where, f"{name} must be a positive Python int; got {value!r}")
+    if num_heads_q % num_heads_k:
+        _fail(ValueError, where,
+              f"num_heads_q ({num_heads_q}) must be a multiple of num_heads_k ({num_heads_k})")
+
+
+def check_decode_args(q, kv_cache, block_table, seq_lens, head_dim_v):
+    """Checks the operands of mla_decode; returns (batch, s_q, h_q)."""
+    where = "mla_decode"
+    check_rank(where, "q", q, 4, "(batch, s_q, h_q, 576)")
+    check_rank(where, "kv_cache", kv_cache, 4, "(num_pages, 64, 1, 576)")
+    check_rank(where, "block_table", block_table, 2, "(batch, max_pages)")
+    check_rank(where, "seq_lens", seq_lens, 1, "(batch,)")
+    batch, s_q, h_q, head_dim = q.shape
+    if head_dim != HEAD_DIM:
+        _fail(ValueError, where, f"q must have head dim {HEAD_DIM} (512 latent + 64 rope); "
+                                 f"got shape {tuple(q.shape)}")
+    if kv_cache.shape[1:] != (PAGE_SIZE, 1, HEAD_DIM):
+        _fail(ValueError, where, f"kv_cache must have shape (num_pages, {PAGE_SIZE}, 1, {HEAD_DIM})"
+                                 f" (page size {PAGE_SIZE}, one latent KV head); got {tuple(kv_cache.shape)}")
+    if np.dtype(q.dtype) not in SUPPORTED_DTYPES:
+        _fail(TypeError, where, f"q must be bfloat16 or float16; got {q.dtype}")
+    if kv_cache.dtype != q.dtype:
+        _fail(TypeError, where, f"kv_cache must have q's dtype {q.dtype}; got {kv_cache.dtype}")
+    check_int32(where, "block_table", block_table)
+    check_int32(where, "seq_lens", seq_lens)
+    if block_table.shape[0] != batch:
+        _fail(ValueError, where, f"block_table must have shape ({batch}, max_pages) for q's batch "
+                                 f"{batch}; got {tuple(block_table.shape)}")
+    if seq_lens.shape != (batch,):
+        _fail(ValueError, where, f"seq_lens must have shape ({batch},); got {tuple(seq_lens.shape)}")
+    if head_dim_v != HEAD_DIM_V:
+        _fail(ValueError, where, f"head_dim_v must be {HEAD_DIM_V} (FlashMLA's V width); got {head_dim_v}")
+    if s_q < 1 or h_q < 1 or batch < 1:
+        _fail(ValueError, where, f"q must have batch, s_q and h_q >= 1; got shape {tuple(q.shape)}")
+    return batch, s_q, h_q
+
+
+def check_metadata_matches(metadata, batch, s_q, h_q):
+    where = "mla_decode"
+    if (metadata.num_heads_q, metadata.num_q_tokens) != (h_q, s_q):
+        _fail(ValueError, where,
+              f"metadata was computed for num_heads_q={metadata.num_heads_q}, "
+              f"num_q_tokens={metadata.num_q_tokens}; q has h_q={h_q}, s_q={s_q}")
+    if metadata.num_splits.shape != (batch + 1,):
+        _fail(ValueError, where, f"metadata.num_splits must have shape ({batch + 1},) for batch "
+                                 f"{batch}; got {tuple(metadata.num_splits.shape)}")
+    md = metadata.tile_scheduler_metadata
+    if md.ndim != 2 or md.shape[1] != METADATA_FIELDS:
+        _fail(ValueError, where, f"metadata.tile_scheduler_metadata must have shape (num_sm_parts, "
+                                 f"{METADATA_FIELDS}); got {tuple(md.shape)}")
