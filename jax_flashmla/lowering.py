@@ -81,7 +81,7 @@ mlir.register_lowering(mla_metadata_p, _metadata_cuda, platform="cuda")
 def _batch_sequentially(primitive, args, dims, **params):
     """vmap rule: one custom call per element of the mapped axis (FlashMLA has no batch-of-batches
     form), with unmapped operands such as a shared cache passed through, not broadcast."""
-    mapped = [i for i, d in enumerate(dims) if d is not batching.not_mapped]
+    mapped = [i for i, d in enumerate(dims) if d is not None]
     moved = [jnp.moveaxis(args[i], dims[i], 0) for i in mapped]
 
     def one(xs):

@@ -1,0 +1,143 @@
+"""mla_decode under jit against FlashMLA's torch op called directly, on the GPU machine.
+
+Reports, as JSON (--out) and a table on stdout:
+  - time per call at b=128, s_k=4096, s_q=1, h_q in {16, 128} (metadata computed once, outside
+    the timed region, as in a model) and the ratio jax / torch;
+  - host overhead per call: a jitted chain of many decodes at a tiny shape against a loop of
+    torch calls, and the dispatch cost of one jitted call;
+  - GPU memory torch's allocator takes during one jax call (FlashMLA's outputs and split-KV
+    buffers live outside XLA's pool).
+Both sides are timed the same way: N calls back to back, then a device sync, wall clock,
+median of repeats (torch's events would not see XLA's stream).
+
+    python benchmarks/bench_decode.py --out benchmarks/results/decode_h200.json
+"""
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_flashmla as jf
+from jax_flashmla import kernels
+
+
+def _time_per_call(call, sync, calls, repeats=7, warmup=10):
+    for _ in range(warmup):
+        call()
+    sync()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            result = call()
+        sync(result)
+        samples.append((time.perf_counter() - start) / calls)
+    return statistics.median(samples)
+
+
+def _inputs(batch, s_k, h_q, s_q, seed=0):
+    pages_per_req = -(-s_k // 64)
+    key_q, key_kv = jax.random.split(jax.random.key(seed))
+    q = jax.random.normal(key_q, (batch, s_q, h_q, 576), jnp.float32).astype(jnp.bfloat16)
+    kv = jax.random.normal(key_kv, (batch * pages_per_req, 64, 1, 576), jnp.float32).astype(jnp.bfloat16)
+    perm = np.random.default_rng(seed).permutation(batch * pages_per_req).astype(np.int32)
+    bt = jnp.asarray(perm.reshape(batch, pages_per_req))
+    sl = jnp.full((batch,), s_k, jnp.int32)
+    return q, kv, bt, sl
+
+
+def _torch_side(torch, ops, q, kv, bt, sl, h_q, s_q):
+    """The torch op on the same memory (dlpack views), arguments by schema name."""
+    name_space, decode_name = ops.decode.split("::")
+    decode_op = getattr(getattr(torch.ops, name_space), decode_name)
+    md_op = getattr(getattr(torch.ops, name_space), ops.metadata.split("::")[1])
+    tq, tkv, tbt, tsl = (torch.from_dlpack(x) for x in (q, kv, bt, sl))
+    md, splits = md_op(tsl, s_q * h_q, 1, h_q, False, None)[:2]
+    named = dict(q=tq, kv_cache=tkv, kcache=tkv, head_size_v=512, seqlens_k=tsl, block_table=tbt,
+                 softmax_scale=576 ** -0.5, is_causal=True, tile_scheduler_metadata=md,
+                 num_splits=splits, is_fp8=False)
+    args = [named.get(a.name, a.default_value) for a in decode_op.default._schema.arguments]
+    return lambda: decode_op(*args)
+
+
+def bench_call_ratio(torch, ops, batch, s_k, h_q, s_q, calls):
+    q, kv, bt, sl = _inputs(batch, s_k, h_q, s_q)
+    md = jax.block_until_ready(jf.get_mla_metadata(sl, num_heads_q=h_q, num_q_tokens=s_q))
+    decode = jax.jit(lambda q, kv, bt, sl, md: jf.mla_decode(q, kv, bt, sl, metadata=md))
+    jax_s = _time_per_call(lambda: decode(q, kv, bt, sl, md),
+                           lambda r=None: jax.block_until_ready(r), calls)
+    torch_call = _torch_side(torch, ops, q, kv, bt, sl, h_q, s_q)
+    torch_s = _time_per_call(torch_call, lambda r=None: torch.cuda.synchronize(), calls)
+    # Memory torch's allocator takes during one jax call: FlashMLA's outputs and accumulators.
+    jax.block_until_ready(decode(q, kv, bt, sl, md))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    jax.block_until_ready(decode(q, kv, bt, sl, md))
+    torch.cuda.synchronize()
+    peak_extra = torch.cuda.max_memory_allocated() - base
+    kv_bytes = batch * s_k * 576 * 2
+    io_bytes = 2 * (batch * s_k * 576 + batch * s_q * h_q * 576 + batch * s_q * h_q * 512)
+    flops = 2 * s_q * batch * s_k * h_q * (576 + 512)
+    return dict(batch=batch, s_k=s_k, h_q=h_q, s_q=s_q, jax_ms=jax_s * 1e3, torch_ms=torch_s * 1e3,
+                ratio=jax_s / torch_s, jax_gbps=io_bytes / jax_s / 1e9,
+                jax_tflops=flops / jax_s / 1e12, torch_gbps=io_bytes / torch_s / 1e9,
+                kv_cache_mb=kv_bytes / 2**20, torch_alloc_per_call_mb=peak_extra / 2**20)
+
+
+def bench_host_overhead(torch, ops, chain, calls):
+    """A tiny decode (b=1, s_k=64, h_q=16) where host work, not the GPU, sets the pace."""
+    h_q, s_q = 16, 1
+    q, kv, bt, sl = _inputs(1, 64, h_q, s_q)
+    md = jax.block_until_ready(jf.get_mla_metadata(sl, num_heads_q=h_q))
+
+    @jax.jit
+    def chained(q, kv, bt, sl, md):
+        # Each decode feeds the next, so XLA cannot merge or drop any of them.
+        for _ in range(chain):
+            out, _ = jf.mla_decode(q, kv, bt, sl, metadata=md)
+            q = q.at[..., :512].add(out * 1e-3)
+        return q
+
+    single = jax.jit(lambda q, kv, bt, sl, md: jf.mla_decode(q, kv, bt, sl, metadata=md))
+    chain_s = _time_per_call(lambda: chained(q, kv, bt, sl, md),
+                             lambda r=None: jax.block_until_ready(r), calls // chain + 1) / chain
+    single_s = _time_per_call(lambda: single(q, kv, bt, sl, md),
+                              lambda r=None: jax.block_until_ready(r), calls)
+    torch_call = _torch_side(torch, ops, q, kv, bt, sl, h_q, s_q)
+    torch_s = _time_per_call(torch_call, lambda r=None: torch.cuda.synchronize(), calls)
+    return dict(jax_in_jit_chain_us=chain_s * 1e6, jax_one_jit_call_us=single_s * 1e6,
+                torch_loop_us=torch_s * 1e6, chain=chain)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--calls", type=int, default=200)
+    args = parser.parse_args()
+    ops = kernels.ensure_cuda_targets()
+    import torch
+
+    results = dict(device=jax.devices()[0].device_kind, kernel_library=ops.library.path,
+                   decode_op=ops.decode, calls=[], host=None)
+    for h_q in (16, 128):
+        for _ in range(2):  # twice: the spread between runs is the noise floor
+            r = bench_call_ratio(torch, ops, 128, 4096, h_q, 1, args.calls)
+            results["calls"].append(r)
+            print(f"b=128 s_k=4096 h_q={h_q:3d} s_q=1: jax {r['jax_ms']:.4f} ms  torch "
+                  f"{r['torch_ms']:.4f} ms  ratio {r['ratio']:.4f}  {r['jax_gbps']:.0f} GB/s "
+                  f"{r['jax_tflops']:.0f} TFLOPS  torch alloc/call {r['torch_alloc_per_call_mb']:.1f} MiB",
+                  flush=True)
+    results["host"] = bench_host_overhead(torch, ops, chain=50, calls=2000)
+    print("host overhead per call (b=1, s_k=64, h_q=16):", json.dumps(results["host"]))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

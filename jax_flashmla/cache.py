@@ -1,0 +1,183 @@
+"""The paged MLA KV cache: FlashMLA's (num_pages, 64, 1, 576) array, slots and writes.
+
+A token's slot is its row in the cache viewed as (num_pages * 64, 576): page * 64 + offset.
+write_kv scatters rows into slots with XLA's "drop" mode, so under jit with the cache donated
+the update happens in place (the compiled module aliases the cache input to the output and
+copies nothing). Slots outside [0, num_tokens) are dropped, never wrapped or clamped onto
+another token; token_slots maps every position it cannot place to INVALID_SLOT (-1).
+"""
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_flashmla import validation
+from jax_flashmla.validation import HEAD_DIM, HEAD_DIM_V, PAGE_SIZE
+
+ROPE_DIM = HEAD_DIM - HEAD_DIM_V  # 64-d decoupled rope key after the 512-d latent
+INVALID_SLOT = -1
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["data"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+    """One layer's paged MLA KV cache.
+
+    Attributes:
+      data: (num_pages, 64, 1, 576) bfloat16 or float16, FlashMLA's layout: page, offset in
+        page, the single latent KV head, then the 512-d latent (also V) and the 64-d rope key.
+
+    A pytree, so it passes through jit, scan and donation like its array.
+    """
+
+    data: jax.Array
+
+    @classmethod
+    def create(cls, num_pages, dtype=jnp.bfloat16):
+        """A zero-filled cache of num_pages pages of 64 tokens."""
+        if not isinstance(num_pages, (int, np.integer)) or num_pages < 1:
+            raise ValueError(f"PagedKVCache.create: num_pages must be a positive int; "
+                             f"got {num_pages!r}")
+        if np.dtype(dtype) not in validation.SUPPORTED_DTYPES:
+            raise TypeError(f"PagedKVCache.create: dtype must be bfloat16 or float16; got {dtype}")
+        return cls(jnp.zeros((int(num_pages), PAGE_SIZE, 1, HEAD_DIM), dtype))
+
+    @property
+    def num_pages(self):
+        return self.data.shape[0]
+
+    @property
+    def num_tokens(self):
+        """Capacity in tokens (num_pages * 64)."""
+        return self.num_pages * PAGE_SIZE
+
+    @property
+    def dtype(self):
+        return self.data.dtype
+
+    @property
+    def bytes_per_token(self):
+        return HEAD_DIM * np.dtype(self.data.dtype).itemsize
+
+    @property
+    def nbytes(self):
+        return self.num_tokens * self.bytes_per_token
+
+
+def cache_array(kv_cache, where="write_kv"):
+    """The (num_pages, 64, 1, 576) array of a PagedKVCache or of an array, checked."""
+    data = kv_cache.data if isinstance(kv_cache, PagedKVCache) else kv_cache
+    if data.ndim != 4 or data.shape[1:] != (PAGE_SIZE, 1, HEAD_DIM):
+        raise ValueError(f"{where}: kv_cache must have shape (num_pages, {PAGE_SIZE}, 1, "
+                         f"{HEAD_DIM}); got {tuple(data.shape)}")
+    if np.dtype(data.dtype) not in validation.SUPPORTED_DTYPES:
+        raise TypeError(f"{where}: kv_cache must be bfloat16 or float16; got {data.dtype}")
+    return data
+
+
+def _rows(slots_shape, latent, rope, kv):
+    """The (..., 576) rows to store, from kv or from latent + rope."""
+    if kv is not None:
+        if latent is not None or rope is not None:
+            raise TypeError("write_kv: pass either kv or latent and rope, not both")
+        parts = (("kv", kv, HEAD_DIM),)
+    elif latent is None or rope is None:
+        raise TypeError("write_kv: pass kv (..., 576) or both latent (..., 512) and rope (..., 64)")
+    else:
+        parts = (("latent", latent, HEAD_DIM_V), ("rope", rope, ROPE_DIM))
+    for name, x, width in parts:
+        expected = tuple(slots_shape) + (width,)
+        if tuple(x.shape) != expected:
+            raise ValueError(f"write_kv: {name} must have shape {expected} (slots' shape + "
+                             f"({width},)); got {tuple(x.shape)}")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"write_kv: {name} must be a floating dtype; got {x.dtype}")
+    return parts
+
+
+def _write_rows_scatter(data, slots, rows):
+    """One scatter of rows (n, 576) into tokens slots (n,); slots >= capacity are dropped."""
+    return data.at[slots // PAGE_SIZE, slots % PAGE_SIZE].set(rows[:, None, :], mode="drop")
+
+
+def _write_rows_loop(data, slots, rows):
+    """Row by row with dynamic_update_slice, over the valid slots only (moved to the front):
+    dynamic_update_slice clamps rather than drops, and selecting between the new and the old
+    row would put the bf16 cache through XLA:CPU's float32 path again."""
+    valid = slots < data.shape[0] * PAGE_SIZE
+    order = jnp.argsort(~valid, stable=True)
+    slots, rows = slots[order], rows[order]
+
+    def write_one(i, data):
+        start = (slots[i] // PAGE_SIZE, slots[i] % PAGE_SIZE, 0, 0)
+        return jax.lax.dynamic_update_slice(data, rows[i].reshape(1, 1, 1, HEAD_DIM), start)
+
+    return jax.lax.fori_loop(0, jnp.sum(valid), write_one, data)
+
+
+def write_kv(kv_cache, slots, *, latent=None, rope=None, kv=None):
+    """Stores new tokens' KV rows at their slots.
+
+    Args:
+      kv_cache: PagedKVCache, or its (num_pages, 64, 1, 576) bfloat16/float16 array.
+      slots: int32 of any shape S (usually (n,)), slot = page * 64 + offset in page. Slots < 0
+        or >= num_pages * 64 are dropped: that row is not written anywhere. Two equal valid
+        slots in one call store one of their rows, which one is unspecified (as in XLA scatter).
+      latent: S + (512,) latent (the V part), with rope: S + (64,) rope key; or
+      kv: S + (576,) whole rows. Cast to the cache's dtype.
+
+    Returns:
+      The updated cache, of kv_cache's kind (PagedKVCache or array). Under
+      jax.jit(..., donate_argnums=<the cache>) the write is in place.
+    """
+    data = cache_array(kv_cache)
+    slots = jnp.asarray(slots)
+    validation.check_int32("write_kv", "slots", slots)
+    parts = _rows(slots.shape, latent, rope, kv)
+    rows = jnp.concatenate([x.reshape(-1, width) for _, x, width in parts], axis=-1)
+    rows = rows.astype(data.dtype)
+    capacity = data.shape[0] * PAGE_SIZE
+    flat_slots = slots.reshape(-1)
+    # jnp indexing wraps negative indices before mode="drop" applies, so -1 would land on the
+    # last token: send every invalid slot to `capacity`, past the end, where writes drop.
+    flat_slots = jnp.where((flat_slots >= 0) & (flat_slots < capacity), flat_slots, capacity)
+    if data.dtype == jnp.bfloat16:
+        # XLA:CPU runs a bfloat16 scatter in float32, converting (so copying) the whole cache;
+        # there a loop of dynamic_update_slice is the in-place write. GPUs scatter bf16 natively.
+        new = jax.lax.platform_dependent(data, flat_slots, rows, cpu=_write_rows_loop,
+                                         default=_write_rows_scatter)
+    else:
+        new = _write_rows_scatter(data, flat_slots, rows)
+    return PagedKVCache(new) if isinstance(kv_cache, PagedKVCache) else new
+
+
+def token_slots(block_table, positions):
+    """Slots of token positions through a block table.
+
+    Args:
+      block_table: (batch, max_pages) int32; entry j of request i is the page holding its
+        tokens [64 j, 64 j + 64); negative entries (the filler of build_block_table) hold none.
+      positions: int32 of shape (batch, ...), token positions within each request.
+
+    Returns:
+      int32 of positions' shape: block_table[i, p // 64] * 64 + p % 64 for position p of
+      request i; INVALID_SLOT (-1, which write_kv drops) where p < 0, p >= max_pages * 64 or
+      the page entry is negative.
+    """
+    validation.check_rank("token_slots", "block_table", block_table, 2, "(batch, max_pages)")
+    validation.check_int32("token_slots", "block_table", block_table)
+    positions = jnp.asarray(positions)
+    validation.check_int32("token_slots", "positions", positions)
+    batch, max_pages = block_table.shape
+    if positions.ndim < 1 or positions.shape[0] != batch:
+        raise ValueError(f"token_slots: positions must have shape ({batch}, ...) for "
+                         f"block_table's batch {batch}; got {tuple(positions.shape)}")
+    flat = positions.reshape(batch, -1)
+    page_index = flat // PAGE_SIZE
+    in_table = (flat >= 0) & (page_index < max_pages)
+    pages = jnp.take_along_axis(block_table, jnp.clip(page_index, 0, max_pages - 1), axis=1)
+    valid = in_table & (pages >= 0)
+    slots = jnp.where(valid, pages * PAGE_SIZE + flat % PAGE_SIZE, INVALID_SLOT)
+    return slots.reshape(positions.shape)

@@ -1,0 +1,283 @@
+"""DeepSeek-V2/V3 multi-head latent attention (MLA) as a Flax NNX layer over a paged latent cache.
+
+Prefill attends densely over the prompt (keys and values expanded through kv_b_proj, as the
+reference implementations do) and writes each token's compressed cache row — the normalised
+kv_lora_rank-d latent followed by the rope'd qk_rope_head_dim-d key — into the paged cache.
+Decode absorbs the up-projections: the no-rope query goes into the latent space through W_UK,
+mla_decode attends over the paged cache, and the latent output goes back through W_UV and
+o_proj. Parameter names are HF's, so a checkpoint's attention weights load by name
+(jax_flashmla.flax.weights).
+"""
+import dataclasses
+
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+
+from jax_flashmla import cache, ops, validation
+from jax_flashmla.flax import rope
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """DeepSeek's attention configuration, under the names its published configs use.
+
+    q_lora_rank None means a direct q_proj (DeepSeek-V2-Lite). rope_scaling is the published
+    dict ({"type" or "rope_type": "yarn", "factor", "original_max_position_embeddings",
+    "beta_fast", "beta_slow", "mscale", "mscale_all_dim"}) or None; it is stored as sorted
+    (key, value) pairs so that the config hashes (see `rope_scaling_dict`). rms_norm_eps is the
+    epsilon of q_a_layernorm and kv_a_layernorm. The paged decode (mla_decode) needs
+    kv_lora_rank 512 and qk_rope_head_dim 64; `check_decode` says so.
+    """
+
+    hidden_size: int
+    num_heads: int
+    q_lora_rank: int | None = 1536
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: tuple | None = None
+    max_position_embeddings: int = 163840
+    rope_interleave: bool = True
+    attention_bias: bool = False
+
+    def __post_init__(self):
+        for name in ("hidden_size", "num_heads", "kv_lora_rank", "qk_nope_head_dim",
+                     "qk_rope_head_dim", "v_head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"MLAConfig: {name} must be a positive int; got {value!r}")
+        if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int)
+                                             or self.q_lora_rank < 1):
+            raise ValueError(f"MLAConfig: q_lora_rank must be None or a positive int; "
+                             f"got {self.q_lora_rank!r}")
+        scaling = self.rope_scaling
+        if isinstance(scaling, dict):
+            scaling = tuple(sorted(scaling.items())) or None
+        elif scaling is not None and not isinstance(scaling, tuple):
+            raise TypeError(f"MLAConfig: rope_scaling must be a dict or None; got {type(scaling)}")
+        object.__setattr__(self, "rope_scaling", scaling)
+        rope.rope_type(self.rope_scaling_dict)
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"MLAConfig: qk_rope_head_dim must be even; got {self.qk_rope_head_dim}")
+
+    @property
+    def rope_scaling_dict(self):
+        return dict(self.rope_scaling) if self.rope_scaling else None
+
+    @property
+    def qk_head_dim(self):
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self):
+        """(qk_nope_head_dim + qk_rope_head_dim) ** -0.5, times mscale ** 2 under YaRN."""
+        return rope.softmax_scale(self.qk_head_dim, self.rope_scaling_dict,
+                                  self.max_position_embeddings)
+
+    def check_decode(self):
+        """Raises ValueError unless the latent cache rows are mla_decode's 512 + 64 = 576."""
+        if (self.kv_lora_rank, self.qk_rope_head_dim) != (validation.HEAD_DIM_V,
+                                                          validation.HEAD_DIM - validation.HEAD_DIM_V):
+            raise ValueError(
+                f"config: the paged MLA decode needs kv_lora_rank 512 and qk_rope_head_dim 64 "
+                f"(576-wide cache rows); got kv_lora_rank {self.kv_lora_rank}, qk_rope_head_dim "
+                f"{self.qk_rope_head_dim}")
+
+    @classmethod
+    def from_hf(cls, config):
+        """From an HF DeepseekV2/V3 config object or its config.json dict."""
+        get = (config.get if isinstance(config, dict)
+               else lambda name, default=None: getattr(config, name, default))
+        scaling = get("rope_scaling") or get("rope_parameters")
+        scaling = dict(scaling) if scaling else None
+        theta = get("rope_theta") or (scaling or {}).get("rope_theta") or 10000.0
+        if scaling is not None:
+            scaling.pop("rope_theta", None)
+            if rope.rope_type(scaling) == "default":
+                scaling = None
+        return cls(hidden_size=get("hidden_size"), num_heads=get("num_attention_heads"),
+                   q_lora_rank=get("q_lora_rank"), kv_lora_rank=get("kv_lora_rank", 512),
+                   qk_nope_head_dim=get("qk_nope_head_dim", 128),
+                   qk_rope_head_dim=get("qk_rope_head_dim", 64),
+                   v_head_dim=get("v_head_dim", 128), rms_norm_eps=get("rms_norm_eps", 1e-6),
+                   rope_theta=float(theta), rope_scaling=scaling,
+                   max_position_embeddings=get("max_position_embeddings", 163840),
+                   rope_interleave=bool(get("rope_interleave", True)),
+                   attention_bias=bool(get("attention_bias", False)))
+
+
+class RMSNorm(nnx.Module):
+    """HF's DeepSeek RMSNorm: normalise in float32, cast back, then scale by `weight`."""
+
+    def __init__(self, dim, *, eps=1e-6, param_dtype=jnp.float32):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(x.dtype) * x32.astype(x.dtype)
+
+
+class MultiHeadLatentAttention(nnx.Module):
+    """DeepSeek's MLA. Submodules carry HF's names (q_a_proj, q_a_layernorm, q_b_proj or q_proj,
+    kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj); Linear kernels are (in, out).
+
+    Args:
+      config: MLAConfig.
+      rngs: nnx.Rngs for the initial weights.
+      dtype: compute dtype of the projections and the prefill attention.
+      param_dtype: dtype of the parameters.
+    """
+
+    def __init__(self, config, *, rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        if not isinstance(config, MLAConfig):
+            raise TypeError(f"config must be an MLAConfig; got {type(config).__name__}")
+        self.config = config
+        self.dtype = dtype
+        c, h = config, config.num_heads
+        linear = lambda i, o, bias: nnx.Linear(i, o, use_bias=bias, dtype=dtype,  # noqa: E731
+                                               param_dtype=param_dtype, rngs=rngs)
+        if c.q_lora_rank is None:
+            self.q_proj = linear(c.hidden_size, h * c.qk_head_dim, False)
+        else:
+            self.q_a_proj = linear(c.hidden_size, c.q_lora_rank, c.attention_bias)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, eps=c.rms_norm_eps, param_dtype=param_dtype)
+            self.q_b_proj = linear(c.q_lora_rank, h * c.qk_head_dim, False)
+        self.kv_a_proj_with_mqa = linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim,
+                                         c.attention_bias)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, eps=c.rms_norm_eps, param_dtype=param_dtype)
+        self.kv_b_proj = linear(c.kv_lora_rank, h * (c.qk_nope_head_dim + c.v_head_dim), False)
+        self.o_proj = linear(h * c.v_head_dim, c.hidden_size, c.attention_bias)
+        inv_freq, factor = rope.inv_freq_and_attention_factor(
+            c.qk_rope_head_dim, c.rope_theta, c.rope_scaling_dict, c.max_position_embeddings)
+        self.inv_freq = tuple(float(f) for f in inv_freq)  # static, hashable
+        self.attention_factor = factor
+
+    # -- shared projections -------------------------------------------------------------------
+    def project(self, hidden_states, positions):
+        """hidden_states (b, s, hidden_size), positions (b, s) int32 ->
+        q_nope (b, s, h, qk_nope_head_dim), q_pe (b, s, h, qk_rope_head_dim) rope'd,
+        latent (b, s, kv_lora_rank) normalised, k_pe (b, s, qk_rope_head_dim) rope'd;
+        all in the compute dtype."""
+        c = self.config
+        if hidden_states.ndim != 3 or hidden_states.shape[-1] != c.hidden_size:
+            raise ValueError(f"hidden_states must have shape (batch, seq, {c.hidden_size}); "
+                             f"got {tuple(hidden_states.shape)}")
+        if positions.shape != hidden_states.shape[:2]:
+            raise ValueError(f"positions must have shape {tuple(hidden_states.shape[:2])}; "
+                             f"got {tuple(positions.shape)}")
+        b, s, _ = hidden_states.shape
+        x = hidden_states.astype(self.dtype)
+        if c.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.reshape(b, s, c.num_heads, c.qk_head_dim)
+        q_nope, q_pe = q[..., :c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
+        compressed = self.kv_a_proj_with_mqa(x)
+        latent = self.kv_a_layernorm(compressed[..., :c.kv_lora_rank])
+        k_pe = compressed[..., c.kv_lora_rank:]
+        cos, sin = rope.cos_sin(positions, self.inv_freq, self.attention_factor)
+        q_pe = rope.apply_rope(q_pe, cos, sin, interleave=c.rope_interleave)
+        k_pe = rope.apply_rope(k_pe[:, :, None, :], cos, sin, interleave=c.rope_interleave)[:, :, 0]
+        return q_nope, q_pe, latent, k_pe
+
+    def _kv_b_split(self):
+        """W_UK (kv_lora_rank, h, qk_nope_head_dim) and W_UV (kv_lora_rank, h, v_head_dim)."""
+        c = self.config
+        w = self.kv_b_proj.kernel[...].astype(self.dtype)
+        w = w.reshape(c.kv_lora_rank, c.num_heads, c.qk_nope_head_dim + c.v_head_dim)
+        return w[..., :c.qk_nope_head_dim], w[..., c.qk_nope_head_dim:]
+
+    def _output(self, attn):
+        b, s = attn.shape[:2]
+        return self.o_proj(attn.reshape(b, s, -1).astype(self.dtype))
+
+    # -- prefill ------------------------------------------------------------------------------
+    def prefill(self, hidden_states, positions, kv_cache=None, slots=None, *, lengths=None):
+        """Causal attention over whole prompts; writes their compressed rows into the cache.
+
+        Args:
+          hidden_states: (b, s, hidden_size), prompts right-padded to s.
+          positions: (b, s) int32 positions of the tokens (0.. for a fresh prompt).
+          kv_cache: None, or (num_pages, 64, 1, kv_lora_rank + qk_rope_head_dim) bf16 / fp16
+            (an array or a PagedKVCache) to write the prompt rows into.
+          slots: (b, s) int32 cache slots (page * 64 + offset) of the tokens; out-of-range
+            slots (padding) are not written. Required with kv_cache.
+          lengths: optional (b,) int32 prompt lengths; keys past them are masked out.
+
+        Returns:
+          (out (b, s, hidden_size) in the compute dtype, the updated kv_cache or None).
+        """
+        c = self.config
+        q_nope, q_pe, latent, k_pe = self.project(hidden_states, positions)
+        b, s = positions.shape
+        w_uk, w_uv = self._kv_b_split()
+        k_nope = jnp.einsum("bkc,chd->bkhd", latent, w_uk)
+        values = jnp.einsum("bkc,chd->bkhd", latent, w_uv)
+        scores = (jnp.einsum("bqhd,bkhd->bhqk", q_nope, k_nope, preferred_element_type=jnp.float32)
+                  + jnp.einsum("bqhd,bkd->bhqk", q_pe, k_pe, preferred_element_type=jnp.float32))
+        scores = scores.astype(self.dtype).astype(jnp.float32) * c.softmax_scale
+        index = jnp.arange(s)
+        mask = index[None, :] <= index[:, None]
+        mask = jnp.broadcast_to(mask, (b, s, s))
+        if lengths is not None:
+            mask = mask & (index[None, None, :] < lengths[:, None, None])
+        scores = jnp.where(mask[:, None], scores, -jnp.inf)
+        weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+        attn = jnp.einsum("bhqk,bkhd->bqhd", weights, values)
+        out = self._output(attn)
+        if kv_cache is not None:
+            if slots is None:
+                raise ValueError("slots is required when kv_cache is given")
+            kv_cache = _write(kv_cache, slots, latent, k_pe)
+        return out, kv_cache
+
+    # -- decode -------------------------------------------------------------------------------
+    def absorbed_query(self, q_nope, q_pe):
+        """(b, s, h, kv_lora_rank + qk_rope_head_dim): q_nope @ W_UK, then the rope'd query."""
+        w_uk, _ = self._kv_b_split()
+        q_latent = jnp.einsum("bshd,chd->bshc", q_nope, w_uk, preferred_element_type=jnp.float32)
+        return jnp.concatenate([q_latent.astype(q_pe.dtype), q_pe], axis=-1)
+
+    def decode(self, hidden_states, positions, kv_cache, block_table, seq_lens, slots=None, *,
+               metadata=None, implementation=None):
+        """Writes the new tokens' rows into the paged cache, then attends through mla_decode.
+
+        Args:
+          hidden_states: (b, s_q, hidden_size) new tokens (s_q = 1 for plain decode).
+          positions: (b, s_q) int32 positions of the new tokens.
+          kv_cache: (num_pages, 64, 1, 576) bfloat16 / float16 array, or a PagedKVCache.
+          block_table: (b, max_pages) int32.
+          seq_lens: (b,) int32 KV lengths including the new tokens (0 for an idle row).
+          slots: (b, s_q) int32 cache slots of the new tokens; by default
+            jax_flashmla.cache.token_slots(block_table, positions).
+          metadata: MLAMetadata from get_mla_metadata, shared by the layers of one step.
+          implementation: as in jax_flashmla.mla_decode.
+
+        Returns:
+          (out (b, s_q, hidden_size) in the compute dtype, the updated kv_cache).
+        """
+        self.config.check_decode()
+        q_nope, q_pe, latent, k_pe = self.project(hidden_states, positions)
+        if slots is None:
+            slots = cache.token_slots(block_table, positions)
+        kv_cache = _write(kv_cache, slots, latent, k_pe)
+        cache_data = getattr(kv_cache, "data", kv_cache)
+        q = self.absorbed_query(q_nope, q_pe).astype(cache_data.dtype)
+        out_latent, _ = ops.mla_decode(q, cache_data, block_table, seq_lens, metadata=metadata,
+                                       softmax_scale=self.config.softmax_scale, causal=True,
+                                       implementation=implementation)
+        _, w_uv = self._kv_b_split()
+        attn = jnp.einsum("bshc,chd->bshd", out_latent.astype(self.dtype), w_uv)
+        return self._output(attn), kv_cache
+
+
+def _write(kv_cache, slots, latent, k_pe):
+    """Writes rows [latent | k_pe] at slots into an array cache or a PagedKVCache."""
+    return cache.write_kv(kv_cache, slots, latent=latent, rope=k_pe)

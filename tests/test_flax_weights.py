@@ -1,0 +1,118 @@
+"""HF weight import into the Flax MLA layer: names, prefixes, safetensors, errors."""
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flax")
+torch = pytest.importorskip("torch")
+
+import flax.nnx as nnx  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from jax_flashmla.flax import (MLAConfig, MultiHeadLatentAttention, attention_parameter_names,  # noqa: E402
+                               load_attention_safetensors, load_attention_weights)
+
+PREFIX = "model.layers.1.self_attn."
+
+
+def config(q_lora_rank=24, attention_bias=False):
+    return MLAConfig(hidden_size=32, num_heads=2, q_lora_rank=q_lora_rank, kv_lora_rank=512,
+                     qk_nope_head_dim=16, qk_rope_head_dim=64, v_head_dim=8,
+                     attention_bias=attention_bias)
+
+
+def hf_state_dict(cfg, dtype=torch.float32, seed=0):
+    """Random tensors under HF's names and (out, in) shapes."""
+    g = torch.Generator().manual_seed(seed)
+    h, qk = cfg.num_heads, cfg.qk_head_dim
+    shapes = {"kv_a_proj_with_mqa.weight": (cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.hidden_size),
+              "kv_a_layernorm.weight": (cfg.kv_lora_rank,),
+              "kv_b_proj.weight": (h * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+              "o_proj.weight": (cfg.hidden_size, h * cfg.v_head_dim)}
+    if cfg.q_lora_rank is None:
+        shapes["q_proj.weight"] = (h * qk, cfg.hidden_size)
+    else:
+        shapes.update({"q_a_proj.weight": (cfg.q_lora_rank, cfg.hidden_size),
+                       "q_a_layernorm.weight": (cfg.q_lora_rank,),
+                       "q_b_proj.weight": (h * qk, cfg.q_lora_rank)})
+    if cfg.attention_bias:
+        shapes["kv_a_proj_with_mqa.bias"] = (cfg.kv_lora_rank + cfg.qk_rope_head_dim,)
+        shapes["o_proj.bias"] = (cfg.hidden_size,)
+        if cfg.q_lora_rank is not None:
+            shapes["q_a_proj.bias"] = (cfg.q_lora_rank,)
+    return {PREFIX + k: torch.randn(s, generator=g).to(dtype) for k, s in shapes.items()}
+
+
+def check_loaded(layer, sd):
+    for key, value in sd.items():
+        sub, kind = key[len(PREFIX):].split(".")
+        module = getattr(layer, sub)
+        want = value.float().numpy()
+        if kind == "weight" and hasattr(module, "kernel"):
+            got, want = module.kernel[...], want.T
+        else:
+            got = module.bias[...] if kind == "bias" else module.weight[...]
+        np.testing.assert_array_equal(np.asarray(got, np.float32), want)
+
+
+@pytest.mark.parametrize("q_lora_rank,bias", [(24, False), (None, False), (24, True)])
+def test_load_state_dict_with_prefix(q_lora_rank, bias):
+    cfg = config(q_lora_rank, bias)
+    sd = hf_state_dict(cfg)
+    assert sorted(PREFIX + n for n in attention_parameter_names(cfg)) == sorted(sd)
+    sd["model.layers.1.mlp.gate_proj.weight"] = torch.zeros(3)  # other keys are ignored
+    layer = load_attention_weights(MultiHeadLatentAttention(cfg, rngs=nnx.Rngs(0)), sd,
+                                   prefix=PREFIX)
+    del sd["model.layers.1.mlp.gate_proj.weight"]
+    check_loaded(layer, sd)
+
+
+def test_bf16_tensors_and_bf16_params():
+    cfg = config()
+    sd = hf_state_dict(cfg, dtype=torch.bfloat16)
+    layer = MultiHeadLatentAttention(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16)
+    load_attention_weights(layer, sd, prefix=PREFIX)
+    assert layer.kv_b_proj.kernel.dtype == jnp.bfloat16
+    check_loaded(layer, sd)
+
+
+def test_missing_and_misshapen_tensors():
+    cfg = config()
+    layer = MultiHeadLatentAttention(cfg, rngs=nnx.Rngs(0))
+    sd = hf_state_dict(cfg)
+    del sd[PREFIX + "kv_b_proj.weight"]
+    with pytest.raises(KeyError, match="kv_b_proj.weight"):
+        load_attention_weights(layer, sd, prefix=PREFIX)
+    sd = hf_state_dict(cfg)
+    sd[PREFIX + "o_proj.weight"] = torch.zeros(5, 7)
+    with pytest.raises(ValueError, match="o_proj.weight"):
+        load_attention_weights(layer, sd, prefix=PREFIX)
+    with pytest.raises(TypeError, match="q_a_proj.weight"):
+        load_attention_weights(layer, {**hf_state_dict(cfg), PREFIX + "q_a_proj.weight": "x"},
+                               prefix=PREFIX)
+
+
+def test_safetensors_file_and_sharded_directory(tmp_path):
+    st = pytest.importorskip("safetensors.torch")
+    cfg = config()
+    sd = hf_state_dict(cfg, dtype=torch.bfloat16)
+    st.save_file(sd, str(tmp_path / "model.safetensors"))
+    layer = load_attention_safetensors(MultiHeadLatentAttention(cfg, rngs=nnx.Rngs(0)),
+                                       str(tmp_path / "model.safetensors"), prefix=PREFIX)
+    check_loaded(layer, sd)
+
+    shard_dir = tmp_path / "sharded"
+    shard_dir.mkdir()
+    keys = sorted(sd)
+    shards = {"model-00001-of-00002.safetensors": keys[:3],
+              "model-00002-of-00002.safetensors": keys[3:]}
+    for name, ks in shards.items():
+        st.save_file({k: sd[k] for k in ks}, str(shard_dir / name))
+    weight_map = {k: name for name, ks in shards.items() for k in ks}
+    (shard_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    layer = load_attention_safetensors(MultiHeadLatentAttention(cfg, rngs=nnx.Rngs(1)),
+                                       str(shard_dir), prefix=PREFIX)
+    check_loaded(layer, sd)
+    with pytest.raises(ValueError, match="path"):
+        load_attention_safetensors(layer, str(tmp_path / "nowhere"), prefix=PREFIX)

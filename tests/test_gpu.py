@@ -1,0 +1,97 @@
+"""On the GPU machine: the custom call against FlashMLA's torch op called directly."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flashmla as jf
+from jax_flashmla import kernels, lowering
+from oracle import make_decode_inputs
+
+pytestmark = pytest.mark.gpu
+
+# FlashMLA writes the first 7 fields of each scheduler row; the 8th is unused.
+MEANINGFUL_METADATA_FIELDS = 7
+
+
+def _torch_ops():
+    import torch
+
+    ops = kernels.ensure_cuda_targets()
+    resolve = lambda name: getattr(getattr(torch.ops, name.split("::")[0]), name.split("::")[1])
+    return torch, resolve(ops.decode), resolve(ops.metadata)
+
+
+def _torch_call(op, args):
+    """Calls a FlashMLA op with arguments filled by name from its schema, as the bridge does."""
+    schema = op.default._schema
+    values = []
+    for arg in schema.arguments:
+        if arg.name in args:
+            values.append(args[arg.name])
+        elif arg.default_value is not None or arg.type.kind() == "OptionalType":
+            values.append(arg.default_value)
+        else:
+            raise KeyError(arg.name)
+    return op(*values)
+
+
+@pytest.mark.parametrize("s_q,h_q,varlen", [(1, 128, False), (1, 16, True), (2, 64, True),
+                                             (2, 128, True), (4, 32, False)])
+def test_bit_identical_to_the_torch_op(s_q, h_q, varlen):
+    torch, decode_op, metadata_op = _torch_ops()
+    rng = np.random.default_rng(s_q * 1000 + h_q)
+    q, kv, bt, sl = make_decode_inputs(rng, batch=64, s_q=s_q, h_q=h_q, mean_sk=2048,
+                                       varlen=varlen, dtype=jnp.bfloat16, zero_lengths=2)
+    bt, sl = jnp.asarray(bt), jnp.asarray(sl)
+
+    @jax.jit
+    def step(q, kv, bt, sl):
+        md = jf.get_mla_metadata(sl, num_heads_q=h_q, num_q_tokens=s_q)
+        out, lse = jf.mla_decode(q, kv, bt, sl, metadata=md)
+        return md, out, lse
+
+    md, out, lse = step(q, kv, bt, sl)
+    t = {name: torch.from_dlpack(x) for name, x in
+         dict(q=q, kv=kv, bt=bt, sl=sl).items()}
+    t_md, t_splits = _torch_call(metadata_op, dict(
+        seqlens_k=t["sl"], num_q_tokens_per_head_k=s_q * h_q, num_heads_per_head_k=s_q * h_q,
+        h_k=1, num_heads_k=1, h_q=h_q, is_fp8_kvcache=False))[:2]
+    t_out, t_lse = _torch_call(decode_op, dict(
+        q=t["q"], kv_cache=t["kv"], kcache=t["kv"], head_size_v=512, seqlens_k=t["sl"],
+        block_table=t["bt"], softmax_scale=576 ** -0.5, is_causal=True,
+        tile_scheduler_metadata=t_md, num_splits=t_splits, is_fp8=False))[:2]
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(
+        np.asarray(md.tile_scheduler_metadata)[:, :MEANINGFUL_METADATA_FIELDS],
+        t_md.cpu().numpy()[:, :MEANINGFUL_METADATA_FIELDS])
+    np.testing.assert_array_equal(np.asarray(md.num_splits), t_splits.cpu().numpy())
+    np.testing.assert_array_equal(np.asarray(md.tile_scheduler_metadata)[:, 7], 0)
+    out_bits = np.asarray(out).view(np.uint16)
+    np.testing.assert_array_equal(out_bits, t_out.view(torch.int16).cpu().numpy().view(np.uint16))
+    np.testing.assert_array_equal(np.asarray(lse), t_lse.cpu().numpy())
+
+
+def test_an_error_inside_the_op_is_a_python_exception():
+    """A shape FlashMLA rejects (V width 256), bypassing jax_flashmla's own validation."""
+    q, kv, bt, sl = make_decode_inputs(np.random.default_rng(0), batch=2, s_q=1, h_q=16,
+                                       mean_sk=64, varlen=False, dtype=jnp.bfloat16)
+    sl = jnp.asarray(sl)
+    md = jf.get_mla_metadata(sl, num_heads_q=16)
+    with pytest.raises(Exception, match="failed"):
+        out, _ = lowering.mla_decode_p.bind(q, kv, jnp.asarray(bt), sl, md.tile_scheduler_metadata,
+                                            md.num_splits, softmax_scale=0.1, causal=True,
+                                            head_dim_v=256)
+        out.block_until_ready()
+    # The process and the GPU are still usable afterwards.
+    out, lse = jf.mla_decode(q, kv, jnp.asarray(bt), sl, metadata=md)
+    assert np.isfinite(np.asarray(lse)).all()
+
+
+def test_decode_lowers_to_the_flashmla_custom_call():
+    q, kv, bt, sl = make_decode_inputs(np.random.default_rng(0), batch=2, s_q=1, h_q=16,
+                                       mean_sk=64, varlen=False, dtype=jnp.bfloat16)
+    hlo = jax.jit(jf.mla_decode).lower(q, kv, jnp.asarray(bt), jnp.asarray(sl)).as_text()
+    assert 'custom_call_target="jax_flashmla_mla_decode"' in hlo or \
+        "jax_flashmla_mla_decode" in hlo
+    assert "sgl_kernel::fwd_kvcache_mla" in hlo or "flash_mla_legacy::" in hlo
