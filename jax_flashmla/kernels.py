@@ -106,6 +106,11 @@ def _hopper_gpus():
     return [d for d in gpus if str(getattr(d, "compute_capability", "")).startswith("9.")]
 
 
+def gpu_sm_count():
+    """SMs of the first Hopper GPU, which FlashMLA's scheduler plans for."""
+    return int(_hopper_gpus()[0].core_count)
+
+
 @functools.cache
 def ensure_cuda_targets():
     """Loads the kernels and registers the CUDA custom-call targets; returns the op names.

@@ -12,7 +12,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
-from jax_flashmla import _cpu, kernels
+from jax_flashmla import _cpu, kernels, validation
 from jax_flashmla.validation import METADATA_FIELDS
 
 DECODE_TARGET = "jax_flashmla_mla_decode"
@@ -66,6 +66,13 @@ def _metadata_cpu(ctx, seq_lens, *, num_heads_q, num_q_tokens, num_heads_k, num_
 
 def _metadata_cuda(ctx, seq_lens, *, num_heads_q, num_q_tokens, num_heads_k, num_sm_parts):
     ops = kernels.ensure_cuda_targets()
+    # FlashMLA's scheduler plans for the GPU's own SM count, whatever num_sms said at trace time.
+    expected = validation.num_sm_parts(kernels.gpu_sm_count(), num_heads_q, num_q_tokens,
+                                       num_heads_k)
+    if num_sm_parts != expected:
+        raise ValueError(
+            f"get_mla_metadata: traced for {num_sm_parts} SM parts, but FlashMLA on this GPU "
+            f"({kernels.gpu_sm_count()} SMs) makes {expected}; leave num_sms unset on GPUs")
     return jax.ffi.ffi_lowering(METADATA_TARGET)(
         ctx, seq_lens, op=ops.metadata,
         num_q_tokens_per_head_k=np.int64(num_q_tokens * num_heads_q // num_heads_k),

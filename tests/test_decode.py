@@ -28,6 +28,18 @@ def _decode(inputs, implementation, **kwargs):
     return fn(*inputs)
 
 
+def _fp32_reference_in_chunks(q, kv, block_table, seq_lens, chunk=16):
+    """The reference on float32 copies of the same values (so its output is not rounded to
+    dtype), a few requests at a time to bound its memory at FlashMLA's grid sizes."""
+    reference = jax.jit(lambda *a: jf.mla_decode_reference(
+        *a, softmax_scale=SCALE, causal=True, head_dim_v=512))
+    kv32 = kv.astype(jnp.float32)
+    parts = [reference(q[i:i + chunk].astype(jnp.float32), kv32, block_table[i:i + chunk],
+                       seq_lens[i:i + chunk]) for i in range(0, q.shape[0], chunk)]
+    return (np.concatenate([np.asarray(p[0]) for p in parts]),
+            np.concatenate([np.asarray(p[1]) for p in parts]))
+
+
 @pytest.mark.parametrize("batch,mean_sk,h_q,s_q,varlen", GRID)
 @pytest.mark.parametrize("dtype", DTYPES if not ON_GPU else [jnp.bfloat16])
 def test_custom_call_matches_fp32_reference(batch, mean_sk, h_q, s_q, varlen, dtype):
@@ -35,10 +47,7 @@ def test_custom_call_matches_fp32_reference(batch, mean_sk, h_q, s_q, varlen, dt
     q, kv, bt, sl = make_decode_inputs(rng, batch=batch, s_q=s_q, h_q=h_q, mean_sk=mean_sk,
                                        varlen=varlen, dtype=dtype, zero_lengths=1 if varlen else 0)
     out, lse = _decode((q, kv, bt, sl), "flashmla")
-    # The reference on float32 copies of the same values: its output is not rounded to dtype.
-    ref_out, ref_lse = jax.jit(lambda *a: jf.mla_decode_reference(
-        *a, softmax_scale=SCALE, causal=True, head_dim_v=512))(
-        q.astype(jnp.float32), kv.astype(jnp.float32), bt, sl)
+    ref_out, ref_lse = _fp32_reference_in_chunks(q, kv, bt, sl)
     assert out.dtype == dtype and out.shape == (batch, s_q, h_q, 512)
     assert lse.dtype == jnp.float32 and lse.shape == (batch, h_q, s_q)
     assert_flashmla_close("out", out, ref_out, **OUT_TOL)
@@ -101,6 +110,7 @@ def test_softmax_scale_is_applied():
         assert_flashmla_close("lse", lse, ref_lse, **LSE_TOL)
 
 
+@pytest.mark.skipif(ON_GPU, reason="FlashMLA's scheduler always plans for the GPU's own SMs")
 @pytest.mark.parametrize("num_sms", [1, 2, 7, 132])
 def test_any_schedule_gives_the_same_attention(num_sms):
     """The CPU target follows the metadata it is given: schedules that split requests

@@ -95,3 +95,9 @@ def test_decode_lowers_to_the_flashmla_custom_call():
     assert 'custom_call_target="jax_flashmla_mla_decode"' in hlo or \
         "jax_flashmla_mla_decode" in hlo
     assert "sgl_kernel::fwd_kvcache_mla" in hlo or "flash_mla_legacy::" in hlo
+
+
+def test_metadata_for_another_sm_count_is_refused_at_lowering():
+    sl = jnp.full((4,), 100, jnp.int32)
+    with pytest.raises(ValueError, match="leave num_sms unset on GPUs"):
+        jax.jit(lambda s: jf.get_mla_metadata(s, num_heads_q=16, num_sms=7)).lower(sl)
