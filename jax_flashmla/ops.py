@@ -5,7 +5,7 @@ import functools
 import jax
 import numpy as np
 
-from jax_flashmla import kernels, lowering, validation
+from jax_flashmla import kernels, lowering, sharding, validation
 from jax_flashmla.reference import mla_decode_reference
 
 IMPLEMENTATIONS = ("flashmla", "reference")
@@ -77,22 +77,23 @@ def get_mla_metadata(seq_lens, *, num_heads_q, num_q_tokens=1, num_heads_k=1, nu
 
 @dataclasses.dataclass(frozen=True)
 class _DecodeConfig:
-    softmax_scale: float
-    causal: bool
-    head_dim_v: int
+    kernel: sharding.DecodeConfig
     implementation: str
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _decode(config, q, kv_cache, block_table, seq_lens, metadata):
+    kernel = config.kernel
     if config.implementation == "reference":
         return mla_decode_reference(q, kv_cache, block_table, seq_lens,
-                                    softmax_scale=config.softmax_scale, causal=config.causal,
-                                    head_dim_v=config.head_dim_v)
-    out, lse = lowering.mla_decode_p.bind(
-        q, kv_cache, block_table, seq_lens, metadata.tile_scheduler_metadata, metadata.num_splits,
-        softmax_scale=config.softmax_scale, causal=config.causal, head_dim_v=config.head_dim_v)
-    return out, lse
+                                    softmax_scale=kernel.softmax_scale, causal=kernel.causal,
+                                    head_dim_v=kernel.head_dim_v)
+    if metadata is None:
+        return sharding.partitioned_decode_local_metadata(kernel)(q, kv_cache, block_table,
+                                                                  seq_lens)
+    return sharding.partitioned_decode(kernel)(q, kv_cache, block_table, seq_lens,
+                                               metadata.tile_scheduler_metadata,
+                                               metadata.num_splits)
 
 
 @_decode.defjvp
@@ -113,8 +114,10 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, metadata=None, softmax_sca
       block_table: (batch, max_pages) int32; entry j of request i is the page holding its
         tokens [64 j, 64 j + 64). Entries past a request's last page are never read.
       seq_lens: (batch,) int32 KV lengths; 0 is allowed (out 0, lse +inf).
-      metadata: MLAMetadata from get_mla_metadata for these seq_lens, h_q and s_q; computed
-        here when None (pass it in to share one schedule between the layers of a step).
+      metadata: MLAMetadata from get_mla_metadata for these seq_lens, h_q and s_q, to share
+        one schedule between the layers of a step. When None it is computed next to the
+        kernel, per device for the local batch and heads when q is sharded (a given metadata
+        describes the whole batch and all heads, so it cannot be used with a split q).
       softmax_scale: defaults to 576 ** -0.5.
       causal: with s_q > 1, query i sees the first s_k - s_q + i + 1 keys (speculative verify
         / MTP); with s_q = 1 it makes no difference.
@@ -130,12 +133,13 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, metadata=None, softmax_sca
     """
     batch, s_q, h_q = validation.check_decode_args(q, kv_cache, block_table, seq_lens, head_dim_v)
     implementation = _resolve(implementation)
+    num_sms = _default_num_sms()
     if metadata is not None:
         validation.check_metadata_matches(metadata, batch, s_q, h_q)
-    elif implementation == "flashmla":
-        metadata = get_mla_metadata(seq_lens, num_heads_q=h_q, num_q_tokens=s_q,
-                                    implementation=implementation)
+    else:
+        validation.num_sm_parts(num_sms, h_q, s_q, 1, where="mla_decode")
     if softmax_scale is None:
         softmax_scale = validation.HEAD_DIM ** -0.5
-    config = _DecodeConfig(float(softmax_scale), bool(causal), int(head_dim_v), implementation)
-    return _decode(config, q, kv_cache, block_table, seq_lens, metadata)
+    kernel = sharding.DecodeConfig(float(softmax_scale), bool(causal), int(head_dim_v), num_sms)
+    return _decode(_DecodeConfig(kernel, implementation), q, kv_cache, block_table, seq_lens,
+                   metadata)

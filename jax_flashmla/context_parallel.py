@@ -1,0 +1,154 @@
+"""Decode context parallelism (DCP): a request's KV tokens split over a mesh axis.
+
+Each device holds its share of every request's tokens in its own paged cache, with its own
+block table and lengths; it attends to them with the ordinary decode, and the partial results
+are merged exactly through their LSEs. Two layouts decide which device holds token position p
+of a request, for n devices along the axis:
+  - "contiguous": device p // tokens_per_device, at local position p % tokens_per_device;
+  - "round_robin": device p % n, at local position p // n.
+"""
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jax_flashmla import cache
+
+LAYOUTS = ("contiguous", "round_robin")
+
+
+def _merge_weights(lses):
+    """Normalised weight of each part, (n, b, h, s), and the merged LSE, (b, h, s)."""
+    lses = jnp.where(jnp.isposinf(lses), -jnp.inf, lses.astype(jnp.float32))
+    top = jnp.max(lses, axis=0)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    weights = jnp.exp(lses - top)  # exactly 0 for parts that saw no key
+    total = jnp.sum(weights, axis=0)
+    seen = total > 0
+    safe_total = jnp.where(seen, total, 1.0)
+    return weights / safe_total, jnp.where(seen, top + jnp.log(safe_total), jnp.inf)
+
+
+def merge_attention_states(outs, lses):
+    """Merges partial attention results over disjoint key sets.
+
+    Args:
+      outs: (n, batch, s_q, h_q, dv), each normalised over its own keys (any float dtype).
+      lses: (n, batch, h_q, s_q) float32 natural-log sums of exp(scores); +inf (FlashMLA's
+        mark for no key) or -inf means that part saw no key and contributes nothing.
+
+    Returns:
+      (out (batch, s_q, h_q, dv) in outs' dtype, lse (batch, h_q, s_q) float32); a query no
+      part saw gets out 0 and lse +inf.
+    """
+    weights, lse = _merge_weights(lses)
+    out = jnp.einsum("nbhs,nbshd->bshd", weights, outs.astype(jnp.float32),
+                     precision=jax.lax.Precision.HIGHEST)
+    return out.astype(outs.dtype), lse
+
+
+def _check_layout(layout, tokens_per_device):
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
+    if layout == "contiguous" and (tokens_per_device is None or tokens_per_device < 1):
+        raise ValueError("layout='contiguous' needs tokens_per_device >= 1; got "
+                         f"{tokens_per_device!r}")
+
+
+def local_positions(positions, rank, num_devices, *, layout, tokens_per_device=None):
+    """Local positions on device `rank` of global token positions; -1 where another device
+    (or no device: negative positions) holds the token."""
+    _check_layout(layout, tokens_per_device)
+    positions = jnp.asarray(positions)
+    if layout == "round_robin":
+        mine = positions % num_devices == rank
+        local = positions // num_devices
+    else:
+        mine = positions // tokens_per_device == rank
+        local = positions % tokens_per_device
+    return jnp.where(mine & (positions >= 0), local, -1).astype(jnp.int32)
+
+
+def local_lengths(seq_lens, rank, num_devices, *, layout, tokens_per_device=None):
+    """How many of each request's first seq_lens tokens device `rank` holds."""
+    _check_layout(layout, tokens_per_device)
+    seq_lens = jnp.asarray(seq_lens)
+    if layout == "round_robin":
+        return jnp.maximum((seq_lens - rank + num_devices - 1) // num_devices, 0).astype(jnp.int32)
+    return jnp.clip(seq_lens - rank * tokens_per_device, 0, tokens_per_device).astype(jnp.int32)
+
+
+def dcp_write_kv(kv_cache, block_tables, positions, *, mesh, axis, layout,
+                 tokens_per_device=None, latent=None, rope=None, kv=None):
+    """Writes new tokens into a cache whose tokens are split over mesh axis `axis`.
+
+    Args:
+      kv_cache: (n * pages_per_device, 64, 1, 576), sharded along `axis` (each device's pages).
+      block_tables: (n, batch, max_local_pages) int32 sharded along `axis`: each device's
+        block table over its own pages.
+      positions: (batch, t) int32 global positions of the new tokens (replicated).
+      latent/rope or kv: (batch, t, 512)/(batch, t, 64) or (batch, t, 576), replicated.
+
+    Returns:
+      The cache, each token written on the one device that holds its position.
+    """
+    n = mesh.shape[axis]
+    rows = dict(latent=latent, rope=rope, kv=kv)
+
+    def write(local_cache, table, positions, rows):
+        rank = jax.lax.axis_index(axis)
+        local = local_positions(positions, rank, n, layout=layout,
+                                tokens_per_device=tokens_per_device)
+        slots = cache.token_slots(table[0], local)
+        return cache.write_kv(local_cache, slots, **rows)
+
+    replicated = jax.tree.map(lambda _: P(), rows)
+    return jax.shard_map(write, mesh=mesh, in_specs=(P(axis), P(axis), P(), replicated),
+                         out_specs=P(axis))(kv_cache, block_tables, positions, rows)
+
+
+def dcp_mla_decode(q, kv_cache, block_tables, seq_lens, *, mesh, axis, head_axis=None,
+                   scatter_heads=False, softmax_scale=None, causal=True,
+                   implementation=None):
+    """MLA decode with each request's KV tokens split over mesh axis `axis`.
+
+    Args:
+      q: (batch, 1, h_q, 576): one query token per request (with s_q > 1 each device would
+        need the global causal mask; pass causal=False for queries that see every key).
+        Replicated along `axis`; may be split along its heads over `head_axis` (DCP x TP).
+      kv_cache: (n * pages_per_device, 64, 1, 576) sharded along `axis`.
+      block_tables: (n, batch, max_local_pages) int32, each device's table over its pages.
+      seq_lens: (n, batch) int32, each device's local lengths (see local_lengths).
+      scatter_heads: return out with its heads split over `axis` (a reduce-scatter instead
+        of an all-reduce), as a following head-parallel projection wants it.
+      softmax_scale, causal, implementation: as in mla_decode.
+
+    Returns:
+      (out (batch, 1, h_q, 512), lse (batch, h_q, 1)), merged over all devices of `axis`.
+    """
+    from jax_flashmla.ops import mla_decode
+
+    if q.ndim != 4 or (q.shape[1] != 1 and causal):
+        raise ValueError(f"dcp_mla_decode: q must be (batch, 1, h_q, 576) with causal=True "
+                         f"(a global causal mask over split keys is not supported); got "
+                         f"shape {tuple(q.shape)}")
+    heads_out = (head_axis, axis) if scatter_heads and head_axis else (
+        axis if scatter_heads else head_axis)
+
+    def local(q, kv, table, lens):
+        out, lse = mla_decode(q, kv, table[0], lens[0], softmax_scale=softmax_scale,
+                              causal=causal, implementation=implementation)
+        # Only the LSEs travel in full (they are small); outputs are summed once, weighted.
+        weights, merged_lse = _merge_weights(jax.lax.all_gather(lse, axis))
+        rank = jax.lax.axis_index(axis)
+        part = out.astype(jnp.float32) * weights[rank].transpose(0, 2, 1)[..., None]
+        if not scatter_heads:
+            return jax.lax.psum(part, axis).astype(q.dtype), merged_lse
+        merged = jax.lax.psum_scatter(part, axis, scatter_dimension=2, tiled=True)
+        heads = merged.shape[2]
+        return (merged.astype(q.dtype),
+                jax.lax.dynamic_slice_in_dim(merged_lse, rank * heads, heads, axis=1))
+
+    return jax.shard_map(local, mesh=mesh,
+                         in_specs=(P(None, None, head_axis, None), P(axis), P(axis), P(axis)),
+                         out_specs=(P(None, None, heads_out, None), P(None, heads_out, None)),
+                         check_vma=False)(q, kv_cache, block_tables, seq_lens)

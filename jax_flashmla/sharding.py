@@ -1,0 +1,134 @@
+"""mla_decode under jit with sharded inputs, without gathering q or the cache.
+
+The custom call is wrapped in `jax.experimental.custom_partitioning` with a Shardy sharding
+rule (the mechanism JAX documents for custom calls under Shardy, its default partitioner):
+q may be split along batch (data-parallel attention) and heads (tensor parallel); the block
+table and lengths follow q's batch split; the cache, the query tokens, the head dims and the
+metadata stay replicated. Each device then runs the kernel on its local batch and heads, with
+FlashMLA metadata computed for those local shapes when the split changes them.
+
+custom_partitioning has no vmap rule, so each partitioned call is also a `custom_vmap` that
+maps sequentially over the vmapped axis, as the primitive's own batching rule does.
+"""
+import dataclasses
+import functools
+
+import jax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jax_flashmla import lowering, validation
+
+# Factors: b batch, s query tokens, h query heads, d head dim (576), v V dim (512), n pages,
+# p page size, k KV heads (1), m block-table width, x SM parts, y metadata fields, c batch + 1.
+_DECODE_RULE = "b s h d, n p k d, b m, b, x y, c -> b s h v, b h s"
+_DECODE_RULE_NO_METADATA = "b s h d, n p k d, b m, b -> b s h v, b h s"
+_REPLICATED = {"s", "d", "v", "n", "p", "k", "m", "x", "y", "c"}
+
+
+def _replicated_factors(rule):
+    """The rule's factors that must stay whole, in order of first appearance (Shardy wants
+    them sorted by factor index)."""
+    order = dict.fromkeys(rule.replace(",", " ").replace("->", " ").split())
+    return tuple(f for f in order if f in _REPLICATED)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    softmax_scale: float
+    causal: bool
+    head_dim_v: int
+    num_sms: int
+
+
+def _bind_decode(config, q, kv_cache, block_table, seq_lens, tile_md, num_splits):
+    out, lse = lowering.mla_decode_p.bind(
+        q, kv_cache, block_table, seq_lens, tile_md, num_splits,
+        softmax_scale=config.softmax_scale, causal=config.causal, head_dim_v=config.head_dim_v)
+    return out, lse
+
+
+def _local_metadata(config, seq_lens, s_q, h_q):
+    parts = validation.num_sm_parts(config.num_sms, h_q, s_q, 1)
+    return lowering.mla_metadata_p.bind(seq_lens, num_heads_q=h_q, num_q_tokens=s_q,
+                                        num_heads_k=1, num_sm_parts=parts)
+
+
+def _q_axes(q_sharding):
+    spec = tuple(q_sharding.spec) + (None,) * (4 - len(q_sharding.spec))
+    return spec[0], spec[2]  # mesh axes of q's batch and heads dims
+
+
+def _shardings(mesh, batch_axes, head_axes, with_metadata):
+    named = lambda *spec: NamedSharding(mesh, P(*spec))
+    args = [named(batch_axes, None, head_axes, None), named(), named(batch_axes, None),
+            named(batch_axes)]
+    if with_metadata:
+        args += [named(), named()]
+    results = (named(batch_axes, None, head_axes, None), named(batch_axes, head_axes, None))
+    return tuple(args), results
+
+
+def _map_sequentially(fn):
+    """fn as a custom_vmap that runs it once per element of the vmapped axis."""
+    wrapped = jax.custom_batching.custom_vmap(fn)
+
+    @wrapped.def_vmap
+    def _rule(axis_size, in_batched, *args):
+        batched = [a for a, b in zip(args, in_batched) if b]
+
+        def one(xs):
+            it = iter(xs)
+            return fn(*[next(it) if b else a for a, b in zip(args, in_batched)])
+
+        outs = jax.lax.map(one, batched)
+        return outs, jax.tree.map(lambda _: True, outs)
+
+    return wrapped
+
+
+@functools.cache
+def partitioned_decode(config):
+    """(q, kv_cache, block_table, seq_lens, tile_md, num_splits) -> (out, lse), shardable.
+
+    The given metadata describes the whole batch and all heads, so it is only valid when the
+    partitioner keeps both whole; a split that changes them is refused."""
+
+    @custom_partitioning
+    def decode(q, kv_cache, block_table, seq_lens, tile_md, num_splits):
+        return _bind_decode(config, q, kv_cache, block_table, seq_lens, tile_md, num_splits)
+
+    def partition(mesh, arg_shapes, result_shape):
+        batch_axes, head_axes = _q_axes(arg_shapes[0].sharding)
+        if batch_axes is not None or head_axes is not None:
+            raise ValueError(
+                "mla_decode: metadata computed for the whole batch and all heads cannot be used "
+                f"with q split along batch ({batch_axes}) or heads ({head_axes}); pass "
+                "metadata=None (computed per device), or call the raw ops inside shard_map")
+        args, results = _shardings(mesh, None, None, with_metadata=True)
+        return mesh, functools.partial(_bind_decode, config), results, args
+
+    decode.def_partition(partition, sharding_rule=_DECODE_RULE,
+                         need_replication_factors=_replicated_factors(_DECODE_RULE))
+    return _map_sequentially(decode)
+
+
+@functools.cache
+def partitioned_decode_local_metadata(config):
+    """(q, kv_cache, block_table, seq_lens) -> (out, lse), shardable along batch and heads; the
+    FlashMLA metadata is computed on each device for its local batch and heads."""
+
+    def local(q, kv_cache, block_table, seq_lens):
+        tile_md, num_splits = _local_metadata(config, seq_lens, q.shape[1], q.shape[2])
+        return _bind_decode(config, q, kv_cache, block_table, seq_lens, tile_md, num_splits)
+
+    decode = custom_partitioning(local)
+
+    def partition(mesh, arg_shapes, result_shape):
+        batch_axes, head_axes = _q_axes(arg_shapes[0].sharding)
+        args, results = _shardings(mesh, batch_axes, head_axes, with_metadata=False)
+        return mesh, local, results, args
+
+    decode.def_partition(partition, sharding_rule=_DECODE_RULE_NO_METADATA,
+                         need_replication_factors=_replicated_factors(_DECODE_RULE_NO_METADATA))
+    return _map_sequentially(decode)

@@ -1,0 +1,61 @@
+"""On the two-GPU machine (nvidia-h200-x2): tensor-parallel and context-parallel decode with
+FlashMLA equal the one-GPU result. JAX_FLASHMLA_REQUIRE_GPUS=2 turns a skip into a failure."""
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jax_flashmla as jf
+from jax_flashmla import context_parallel as cp
+from oracle import LSE_TOL, OUT_TOL, assert_flashmla_close, make_decode_inputs
+from test_sharding import _split_for_dcp
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def gpus():
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if len(gpus) < 2:
+        message = f"needs 2 GPUs; JAX sees {len(gpus)}"
+        if os.environ.get("JAX_FLASHMLA_REQUIRE_GPUS") == "2":
+            pytest.fail(message)
+        pytest.skip(message)
+    return gpus[:2]
+
+
+def _problem(seed, batch=16, h_q=128, mean_sk=1024):
+    q, kv, bt, sl = make_decode_inputs(np.random.default_rng(seed), batch=batch, s_q=1, h_q=h_q,
+                                       mean_sk=mean_sk, varlen=True, dtype=jnp.bfloat16,
+                                       zero_lengths=1)
+    return q, kv, jnp.asarray(bt), jnp.asarray(sl)
+
+
+def test_tensor_parallel_over_two_gpus_equals_one(gpus):
+    q, kv, bt, sl = _problem(0)
+    expected = jax.jit(jf.mla_decode)(*jax.device_put((q, kv, bt, sl), gpus[0]))
+    mesh = Mesh(np.array(gpus), ("tp",))
+    put = lambda x, *spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))
+    decode = jax.jit(jf.mla_decode)
+    args = (put(q, None, None, "tp", None), put(kv), put(bt), put(sl))
+    out, lse = decode(*args)
+    assert "all-gather" not in decode.lower(*args).compile().as_text()
+    assert_flashmla_close("out", out, np.asarray(expected[0], np.float32), **OUT_TOL)
+    assert_flashmla_close("lse", lse, expected[1], **LSE_TOL)
+
+
+@pytest.mark.parametrize("layout,tokens_per_device", [("round_robin", None), ("contiguous", 1024)])
+def test_context_parallel_over_two_gpus_equals_one(gpus, layout, tokens_per_device):
+    q, kv, bt, sl = _problem(1)
+    sl = jnp.minimum(sl, 2 * 1024)
+    expected = jax.jit(jf.mla_decode)(*jax.device_put((q, kv, bt, sl), gpus[0]))
+    pages, tables, lens = _split_for_dcp(kv, bt, sl, 2, layout, tokens_per_device)
+    mesh = Mesh(np.array(gpus), ("dcp",))
+    put = lambda x, *spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))
+    out, lse = jax.jit(lambda *a: cp.dcp_mla_decode(*a, mesh=mesh, axis="dcp"))(
+        put(q), put(pages, "dcp"), put(tables, "dcp"), put(lens, "dcp"))
+    assert_flashmla_close("out", out, np.asarray(expected[0], np.float32), **OUT_TOL)
+    assert_flashmla_close("lse", lse, expected[1], **LSE_TOL)

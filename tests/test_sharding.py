@@ -1,0 +1,207 @@
+"""Multi-device decode on 8 virtual CPU devices (tests/conftest.py sets them up before JAX
+starts): heads and batch split under jit, and decode context parallelism. These fail, not
+skip, when the devices are missing. They run on the CPU devices on every machine; the GPU
+machine's multi-GPU runs are tests/test_gpu_multi.py."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jax_flashmla as jf
+from jax_flashmla import context_parallel as cp
+from oracle import LSE_TOL, OUT_TOL, assert_flashmla_close, dense_attention_f64, make_decode_inputs
+
+IMPLEMENTATIONS = ["flashmla", "reference"]
+SCALE = 576 ** -0.5
+
+
+@pytest.fixture(scope="module")
+def devices():
+    devices = jax.devices("cpu")
+    assert len(devices) >= 8, (f"the sharding tests need 8 devices; JAX has {len(devices)} "
+                               "(tests/conftest.py sets --xla_force_host_platform_device_count=8)")
+    return devices
+
+
+def _problem(seed, batch=8, h_q=32, mean_sk=150):
+    q, kv, bt, sl = make_decode_inputs(np.random.default_rng(seed), batch=batch, s_q=1, h_q=h_q,
+                                       mean_sk=mean_sk, varlen=True, dtype=jnp.bfloat16,
+                                       zero_lengths=1)
+    return q, kv, jnp.asarray(bt), jnp.asarray(sl)
+
+
+def _spec(array):
+    spec = tuple(array.sharding.spec)
+    return spec + (None,) * (array.ndim - len(spec))
+
+
+def _put(mesh, x, *spec):
+    return jax.device_put(x, NamedSharding(mesh, P(*spec)))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("shape,batch_axis,head_axis", [
+    ((8,), None, "x"),      # tensor parallel: heads over 8 devices
+    ((8,), "x", None),      # data-parallel attention: requests over 8 devices
+    ((2, 4), "x", "y"),     # both
+])
+def test_split_decode_equals_one_device(devices, implementation, shape, batch_axis, head_axis):
+    q, kv, bt, sl = _problem(0)
+    one = devices[0]
+    expected = jax.jit(lambda *a: jf.mla_decode(*a, implementation=implementation))(
+        *jax.device_put((q, kv, bt, sl), one))
+    mesh = Mesh(np.array(devices[:np.prod(shape)]).reshape(shape), ("x", "y")[:len(shape)])
+    decode = jax.jit(lambda *a: jf.mla_decode(*a, implementation=implementation))
+    args = (_put(mesh, q, batch_axis, None, head_axis, None), _put(mesh, kv),
+            _put(mesh, bt, batch_axis), _put(mesh, sl, batch_axis))
+    out, lse = decode(*args)
+    assert _spec(out)[:3] == (batch_axis, None, head_axis)
+    assert_flashmla_close("out", out, np.asarray(expected[0], np.float32), **OUT_TOL)
+    assert_flashmla_close("lse", lse, expected[1], **LSE_TOL)
+    hlo = decode.lower(*args).compile().as_text()
+    assert "all-gather" not in hlo and "all-to-all" not in hlo
+    if implementation == "flashmla":
+        assert "jax_flashmla_mla_decode" in hlo
+
+
+def test_given_metadata_with_a_split_q_is_refused(devices):
+    q, kv, bt, sl = _problem(1)
+    mesh = Mesh(np.array(devices[:8]), ("x",))
+
+    @jax.jit
+    def decode(q, kv, bt, sl):
+        md = jf.get_mla_metadata(sl, num_heads_q=q.shape[2], implementation="flashmla")
+        return jf.mla_decode(q, kv, bt, sl, metadata=md, implementation="flashmla")
+
+    with pytest.raises(Exception, match="pass metadata=None"):
+        decode(_put(mesh, q, None, None, "x", None), _put(mesh, kv), bt, sl)
+
+
+def test_mla_decode_inside_a_users_shard_map(devices):
+    q, kv, bt, sl = _problem(2)
+    mesh = Mesh(np.array(devices[:4]), ("tp",))
+    local = jax.shard_map(lambda *a: jf.mla_decode(*a, implementation="flashmla"), mesh=mesh,
+                          in_specs=(P(None, None, "tp", None), P(), P(), P()),
+                          out_specs=(P(None, None, "tp", None), P(None, "tp", None)))
+    out, lse = jax.jit(local)(*(_put(mesh, x) for x in (q, kv, bt, sl)))
+    expected = jf.mla_decode(*jax.device_put((q, kv, bt, sl), devices[0]),
+                             implementation="flashmla")
+    assert_flashmla_close("out", out, np.asarray(expected[0], np.float32), **OUT_TOL)
+    assert_flashmla_close("lse", lse, expected[1], **LSE_TOL)
+
+
+def test_merge_of_a_key_split_equals_whole_attention():
+    q, kv, bt, sl = _problem(3, batch=3)
+    whole = jf.mla_decode(q, kv, bt, sl, implementation="reference")
+    # Keys [0, cut) and [cut, len): the second part through a shifted block table.
+    cut = jnp.minimum(sl, 64)
+    first = jf.mla_decode(q, kv, bt, cut, implementation="reference")
+    shifted = jnp.concatenate([bt[:, 1:], bt[:, :1]], axis=1)
+    second = jf.mla_decode(q, kv, shifted, sl - cut, implementation="reference")
+    out, lse = cp.merge_attention_states(jnp.stack([first[0], second[0]]),
+                                         jnp.stack([first[1], second[1]]))
+    assert_flashmla_close("out", out, np.asarray(whole[0], np.float32), **OUT_TOL)
+    assert_flashmla_close("lse", lse, whole[1], **LSE_TOL)
+
+
+def test_merge_of_empty_parts():
+    outs = jnp.ones((3, 1, 1, 2, 4), jnp.bfloat16)
+    lses = jnp.array([jnp.inf, -jnp.inf, jnp.inf])[:, None, None, None] * jnp.ones((3, 1, 2, 1))
+    out, lse = cp.merge_attention_states(outs, lses)
+    assert np.all(np.asarray(out, np.float32) == 0) and np.all(np.isposinf(np.asarray(lse)))
+    lses = lses.at[1].set(0.5)  # one part saw keys: the merge is exactly that part
+    out, lse = cp.merge_attention_states(outs * jnp.arange(1, 4)[:, None, None, None, None], lses)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), 2.0)
+    np.testing.assert_array_equal(np.asarray(lse), 0.5)
+
+
+def _split_for_dcp(kv, bt, sl, n, layout, tokens_per_device):
+    """Each device's pages, block table and lengths for a global paged problem."""
+    kv, bt, sl = np.asarray(kv, np.float32), np.asarray(bt), np.asarray(sl)
+    batch = len(sl)
+    local_lens = np.stack([np.asarray(cp.local_lengths(sl, r, n, layout=layout,
+                                                       tokens_per_device=tokens_per_device))
+                           for r in range(n)])
+    max_pages = max(1, int(-(-local_lens.max() // 64)))
+    pages = np.zeros((n, batch * max_pages, 64, 1, 576), np.float32)
+    tables = np.full((n, batch, max_pages), -1, np.int32)
+    for i in range(batch):
+        tokens = kv[bt[i, : -(-int(sl[i]) // 64)]].reshape(-1, 576)[: sl[i]]
+        for r in range(n):
+            local = np.asarray(cp.local_positions(np.arange(sl[i]), r, n, layout=layout,
+                                                  tokens_per_device=tokens_per_device))
+            mine = tokens[local >= 0]
+            assert len(mine) == local_lens[r, i] and np.all(np.diff(local[local >= 0]) == 1)
+            for j in range(-(-len(mine) // 64)):
+                tables[r, i, j] = i * max_pages + j
+                chunk = mine[64 * j: 64 * j + 64]
+                pages[r, i * max_pages + j, : len(chunk), 0] = chunk
+    return (jnp.asarray(pages.reshape(-1, 64, 1, 576), jnp.bfloat16), jnp.asarray(tables),
+            jnp.asarray(local_lens))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("layout,n,tokens_per_device", [
+    ("contiguous", 2, 192), ("contiguous", 4, 64), ("round_robin", 2, None),
+    ("round_robin", 8, None)])
+def test_dcp_equals_one_device(devices, implementation, layout, n, tokens_per_device):
+    q, kv, bt, sl = _problem(4, batch=4, h_q=16, mean_sk=150)
+    sl = sl.at[jnp.argmax(sl)].set(3)  # shorter than the device count: some shards are empty
+    if tokens_per_device:
+        sl = jnp.minimum(sl, n * tokens_per_device)
+    pages, tables, lens = _split_for_dcp(kv, bt, sl, n, layout, tokens_per_device)
+    mesh = Mesh(np.array(devices[:n]), ("dcp",))
+    decode = jax.jit(lambda *a: cp.dcp_mla_decode(*a, mesh=mesh, axis="dcp",
+                                                  implementation=implementation))
+    out, lse = decode(_put(mesh, q), _put(mesh, pages, "dcp"), _put(mesh, tables, "dcp"),
+                      _put(mesh, lens, "dcp"))
+    ref_out, ref_lse = dense_attention_f64(np.asarray(q, np.float32), np.asarray(kv, np.float32),
+                                           np.asarray(bt), np.asarray(sl), softmax_scale=SCALE,
+                                           causal=True)
+    assert_flashmla_close("out", out, ref_out, **OUT_TOL)
+    assert_flashmla_close("lse", lse, ref_lse, **LSE_TOL)
+
+
+@pytest.mark.parametrize("scatter_heads", [False, True])
+def test_dcp_times_tp(devices, scatter_heads):
+    q, kv, bt, sl = _problem(5, batch=4, h_q=32, mean_sk=150)
+    pages, tables, lens = _split_for_dcp(kv, bt, sl, 2, "round_robin", None)
+    mesh = Mesh(np.array(devices[:8]).reshape(2, 4), ("dcp", "tp"))
+    decode = jax.jit(lambda *a: cp.dcp_mla_decode(*a, mesh=mesh, axis="dcp", head_axis="tp",
+                                                  scatter_heads=scatter_heads,
+                                                  implementation="flashmla"))
+    out, lse = decode(_put(mesh, q, None, None, "tp", None), _put(mesh, pages, "dcp"),
+                      _put(mesh, tables, "dcp"), _put(mesh, lens, "dcp"))
+    heads = ("tp", "dcp") if scatter_heads else "tp"
+    assert _spec(out)[2] == heads
+    ref_out, ref_lse = dense_attention_f64(np.asarray(q, np.float32), np.asarray(kv, np.float32),
+                                           np.asarray(bt), np.asarray(sl), softmax_scale=SCALE,
+                                           causal=True)
+    assert_flashmla_close("out", out, ref_out, **OUT_TOL)
+    assert_flashmla_close("lse", lse, ref_lse, **LSE_TOL)
+
+
+@pytest.mark.parametrize("layout,tokens_per_device", [("contiguous", 128), ("round_robin", None)])
+def test_dcp_write_puts_each_token_on_its_device(devices, layout, tokens_per_device):
+    n, batch = 4, 2
+    mesh = Mesh(np.array(devices[:n]), ("dcp",))
+    pages_per_device = 8
+    cache = _put(mesh, jnp.zeros((n * pages_per_device, 64, 1, 576), jnp.bfloat16), "dcp")
+    # Device r gives request i its local pages [4 i, 4 i + 4).
+    tables = jnp.tile(jnp.arange(batch * 4, dtype=jnp.int32).reshape(1, batch, 4), (n, 1, 1))
+    positions = _put(mesh, jnp.array([[0, 1, 130, 300], [5, 64, 127, 511]], jnp.int32))
+    rows = _put(mesh, jnp.arange(1, 9, dtype=jnp.float32).reshape(batch, 4, 1)
+                * jnp.ones((1, 1, 576)))
+    written = cp.dcp_write_kv(cache, _put(mesh, tables, "dcp"), positions, mesh=mesh,
+                              axis="dcp", layout=layout, tokens_per_device=tokens_per_device,
+                              kv=rows)
+    written = np.asarray(written, np.float32).reshape(n, pages_per_device * 64, 576)
+    for i in range(batch):
+        for t in range(4):
+            p = int(positions[i, t])
+            rank = p % n if layout == "round_robin" else p // tokens_per_device
+            local = p // n if layout == "round_robin" else p % tokens_per_device
+            slot = (4 * i + local // 64) * 64 + local % 64
+            np.testing.assert_array_equal(written[rank, slot], float(rows[i, t, 0]))
+    assert np.count_nonzero(written.any(-1)) == batch * 4  # nothing written anywhere else
