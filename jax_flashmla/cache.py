@@ -5,6 +5,8 @@ write_kv scatters rows into slots with XLA's "drop" mode, so under jit with the 
 the update happens in place (the compiled module aliases the cache input to the output and
 copies nothing). Slots outside [0, num_tokens) are dropped, never wrapped or clamped onto
 another token; token_slots maps every position it cannot place to INVALID_SLOT (-1).
+On CPU a bfloat16 cache is written row by row instead (still in place, but each row costs a
+pass over the cache there): XLA:CPU would run a bf16 scatter in float32 on a copy.
 """
 import dataclasses
 import functools

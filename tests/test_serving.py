@@ -1,0 +1,193 @@
+"""Batch buckets, decode_step and the decode loop against attention recomputed in float64."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_flashmla.allocator import PageAllocator
+from jax_flashmla.cache import PagedKVCache
+from jax_flashmla.serving import (bucket_for, decode_loop, decode_step, pad_batch,
+                                  write_prompt)
+
+IMPLEMENTATIONS = ["flashmla", "reference"]
+TOLERANCE = {jnp.bfloat16: 2e-2, jnp.float16: 2e-3}
+SCALE = 576 ** -0.5
+
+
+def attention_f64(q, keys, length):
+    """q (s_q, h, 576), keys (>= length, 576): causal attention of the last s_q tokens."""
+    q, keys = np.asarray(q, np.float64), np.asarray(keys, np.float64)
+    s_q, h, _ = q.shape
+    out, lse = np.zeros((s_q, h, 512)), np.full((h, s_q), np.inf)
+    for i in range(s_q):
+        seen = keys[:max(length - s_q + i + 1, 0)]
+        if len(seen):
+            scores = q[i] @ seen.T * SCALE
+            top = scores.max(-1, keepdims=True)
+            weights = np.exp(scores - top)
+            out[i] = weights @ seen[:, :512] / weights.sum(-1, keepdims=True)
+            lse[:, i] = top[:, 0] + np.log(weights.sum(-1))
+    return out, lse
+
+
+def test_bucket_for():
+    assert [bucket_for(b) for b in (0, 1, 3, 8, 9, 256)] == [1, 1, 4, 8, 16, 256]
+    assert bucket_for(5, buckets=(2, 6)) == 6
+    with pytest.raises(ValueError, match="largest bucket"):
+        bucket_for(7, buckets=(2, 6))
+    with pytest.raises(ValueError, match="strictly increasing"):
+        bucket_for(1, buckets=(4, 2))
+
+
+def test_pad_batch_keeps_the_array_kind():
+    lens, table, q = pad_batch(4, np.array([3, 5], np.int32), np.ones((2, 3), np.int32),
+                               np.ones((2, 1, 2), np.float32))
+    assert all(isinstance(x, np.ndarray) for x in (lens, table, q))
+    np.testing.assert_array_equal(lens, [3, 5, 0, 0])
+    np.testing.assert_array_equal(table[2:], -1)
+    assert q.shape == (4, 1, 2) and (q[2:] == 0).all()
+    lens, table = pad_batch(3, jnp.array([1], jnp.int32), jnp.zeros((1, 2), jnp.int32))
+    assert isinstance(lens, jax.Array) and lens.dtype == jnp.int32
+    np.testing.assert_array_equal(table, [[0, 0], [-1, -1], [-1, -1]])
+    with pytest.raises(ValueError, match=r"arrays\[0\] must have seq_lens' batch 2"):
+        pad_batch(4, np.zeros(2, np.int32), np.zeros((2, 1), np.int32), np.zeros((3, 1)))
+    with pytest.raises(ValueError, match="smaller than the batch"):
+        pad_batch(1, np.zeros(2, np.int32), np.zeros((2, 1), np.int32))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_padded_requests_return_zeros_and_write_nothing(implementation):
+    rng = np.random.default_rng(0)
+    h = 4
+    cache = jnp.asarray(rng.standard_normal((6, 64, 1, 576)), jnp.bfloat16)
+    lens = np.array([5, 64, 65], np.int32)  # counting the new token
+    table = np.array([[3, -1], [0, -1], [1, 5]], np.int32)
+    q = rng.standard_normal((3, 1, h, 576)).astype(np.float32)
+    kv = rng.standard_normal((3, 1, 576)).astype(np.float32)
+    traces = []
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(cache, lens, table, q, kv):
+        traces.append(q.shape[0])
+        return decode_step(cache, table, lens, q.astype(jnp.bfloat16), kv,
+                           implementation=implementation)
+
+    plain = step(jnp.array(cache), *map(jnp.asarray, (lens, table, q, kv)))
+    for batch in (3, 2):  # two batch sizes, one bucket: one compilation
+        padded = step(jnp.array(cache), *map(jnp.asarray, pad_batch(bucket_for(batch, (4,)),
+                                                                    lens[:batch], table[:batch],
+                                                                    q[:batch], kv[:batch])))
+        np.testing.assert_array_equal(np.asarray(padded[1][:batch], np.float32),
+                                      np.asarray(plain[1][:batch], np.float32))
+        np.testing.assert_array_equal(np.asarray(padded[1][batch:], np.float32), 0)
+        assert np.isinf(np.asarray(padded[2][batch:])).all()
+    np.testing.assert_array_equal(np.asarray(padded[0], np.float32),
+                                  np.asarray(step(jnp.array(cache), *map(jnp.asarray, (
+                                      lens[:2], table[:2], q[:2], kv[:2])))[0], np.float32))
+    assert traces == [3, 4, 2]
+
+
+def _toy_model(base_q, base_kv, dtype):
+    """step_fn: the next token's q and row mix fixed random values with this step's output,
+    recording both (as stored) so the test can recompute every step."""
+    def step_fn(carry, out):
+        t, q_hist, kv_hist = carry
+        feature = jnp.concatenate([out, out[..., :64]], axis=-1).astype(jnp.float32)
+        q_next = (base_q[t + 1] + feature).astype(dtype)
+        kv_next = (base_kv[t + 1] + feature.mean(axis=2)).astype(dtype)
+        return (t + 1, q_hist.at[t + 1].set(q_next), kv_hist.at[t + 1].set(kv_next)), \
+            q_next, kv_next
+    return step_fn
+
+
+def run_decode_loop(implementation, dtype=jnp.bfloat16, prompt_lens=(1, 63, 126, 0), h=4,
+                    num_steps=4, seed=0):
+    """Admits the requests through a PageAllocator (pages out of order), writes the prompts and
+    runs the loop jitted with the cache donated. Returns everything the checks need."""
+    rng = np.random.default_rng(seed)
+    batch = len(prompt_lens)
+    pages_needed = [-(-(n + num_steps) // 64) if n else 0 for n in prompt_lens]
+    num_pages = 3 + sum(pages_needed)
+    max_pages = max(pages_needed)
+    alloc = PageAllocator(num_pages)
+    alloc.admit("other", 64 * 3)  # so requests get pages past 0, then freed pages
+    ids = [f"r{i}" for i in range(batch)]
+    for i, n in enumerate(prompt_lens):
+        if n:  # a padded request holds no page
+            alloc.admit(ids[i], n + num_steps)
+        if i == 0:
+            alloc.finish("other")
+    table = np.stack([alloc.block_table([r], max_pages)[0] if r in alloc.requests
+                      else np.full(max_pages, -1, np.int32) for r in ids])
+    prefix = np.array(prompt_lens, np.int32)
+    prompt_kv = rng.standard_normal((batch, max(prompt_lens), 576)).astype(np.float32)
+    base_q = jnp.asarray(rng.standard_normal((num_steps + 1, batch, 1, h, 576)), jnp.float32)
+    base_kv = jnp.asarray(rng.standard_normal((num_steps + 1, batch, 1, 576)), jnp.float32)
+    q0, kv0 = base_q[0].astype(dtype), base_kv[0].astype(dtype)
+    carry = (jnp.int32(0), jnp.zeros(base_q.shape, dtype).at[0].set(q0),
+             jnp.zeros(base_kv.shape, dtype).at[0].set(kv0))
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def run(cache, table, prefix, prompt_kv, q0, kv0, carry):
+        cache = write_prompt(cache, table, prefix, prompt_kv)
+        return decode_loop(cache, table, prefix, q0, kv0, _toy_model(base_q, base_kv, dtype),
+                           carry, num_steps=num_steps, implementation=implementation)
+
+    cache, out, lse, (_, q_hist, kv_hist) = run(
+        PagedKVCache.create(num_pages, dtype), jnp.asarray(table), jnp.asarray(prefix),
+        jnp.asarray(prompt_kv), q0, kv0, carry)
+    return dict(cache=cache, out=out, lse=lse, q_hist=q_hist, kv_hist=kv_hist, table=table,
+                prefix=prefix, prompt_kv=prompt_kv, num_steps=num_steps)
+
+
+def check_against_f64(r, dtype):
+    """Every step's out and lse equal attention recomputed in float64 from the stored q and
+    keys; the cache holds the prompts and decoded rows and nothing else."""
+    num_steps = r["num_steps"]
+    flat = np.asarray(r["cache"].data, np.float64).reshape(-1, 576)
+    tol = TOLERANCE[dtype]
+    for i, prefix in enumerate(r["prefix"]):
+        if prefix == 0:  # the padded request: zeros, +inf, and nothing written
+            np.testing.assert_array_equal(np.asarray(r["out"][:, i], np.float32), 0)
+            assert np.isinf(np.asarray(r["lse"][:, i])).all()
+            continue
+        pages = r["table"][i]
+        keys = flat[(pages[:, None] * 64 + np.arange(64)).reshape(-1)]
+        stored_prompt = np.asarray(jnp.asarray(r["prompt_kv"][i, :prefix]).astype(dtype),
+                                   np.float64)
+        np.testing.assert_array_equal(keys[:prefix], stored_prompt)
+        np.testing.assert_array_equal(keys[prefix:prefix + num_steps],
+                                      np.asarray(r["kv_hist"][:num_steps, i, 0], np.float64))
+        for t in range(num_steps):
+            out, lse = attention_f64(r["q_hist"][t, i], keys, prefix + t + 1)
+            np.testing.assert_allclose(np.asarray(r["out"][t, i], np.float64), out,
+                                       atol=tol, rtol=tol)
+            np.testing.assert_allclose(np.asarray(r["lse"][t, i]), lse, atol=tol, rtol=tol)
+    written = sum(int(n) + num_steps for n in r["prefix"] if n)
+    assert np.count_nonzero(np.abs(flat).sum(-1)) == written  # nothing written elsewhere
+
+
+@pytest.mark.parametrize("implementation,dtype", [("flashmla", jnp.bfloat16),
+                                                  ("reference", jnp.bfloat16),
+                                                  ("flashmla", jnp.float16)])
+def test_decode_loop_equals_attention_recomputed_each_step(implementation, dtype):
+    r = run_decode_loop(implementation, dtype)
+    assert r["out"].shape == (4, 4, 1, 4, 512) and r["lse"].shape == (4, 4, 4, 1)
+    check_against_f64(r, dtype)
+
+
+@pytest.mark.gpu
+def test_decode_loop_flashmla_on_gpu_equals_reference():
+    kwargs = dict(prompt_lens=(1, 64, 300, 0, 1000, 129), h=16, num_steps=6, seed=3)
+    got = run_decode_loop("flashmla", **kwargs)
+    want = run_decode_loop("reference", **kwargs)
+    # Each step feeds its output into the next query, so bf16 rounding differences between
+    # the two paths compound a little along the loop: bf16 tolerances, relative for the lse.
+    np.testing.assert_allclose(np.asarray(got["out"], np.float32),
+                               np.asarray(want["out"], np.float32), atol=2e-2, rtol=2e-2)
+    np.testing.assert_allclose(np.asarray(got["lse"]), np.asarray(want["lse"]), rtol=2e-2)
+    np.testing.assert_array_equal(np.asarray(got["kv_hist"][0], np.float32),
+                                  np.asarray(want["kv_hist"][0], np.float32))
+    check_against_f64(got, jnp.bfloat16)

@@ -1,0 +1,133 @@
+"""Target verify and multi-step drafting against single-token steps and float64 attention."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_flashmla.serving import decode_loop, decode_step
+from jax_flashmla.speculative import (multi_step_draft, multi_step_draft_metadata,
+                                      target_verify, target_verify_metadata, verify_seq_lens)
+
+IMPLEMENTATIONS = ["flashmla", "reference"]
+SCALE = 576 ** -0.5
+TOL = 2e-2  # bf16 on unit-scale data
+
+
+def attention_f64(q, keys, length):
+    """q (s_q, h, 576), keys (>= length, 576): causal attention of the last s_q tokens."""
+    q, keys = np.asarray(q, np.float64), np.asarray(keys, np.float64)
+    out, lse = np.zeros(q.shape[:2] + (512,)), np.full(q.shape[1::-1], np.inf)
+    for i in range(q.shape[0]):
+        seen = keys[:max(length - q.shape[0] + i + 1, 0)]
+        if len(seen):
+            scores = q[i] @ seen.T * SCALE
+            top = scores.max(-1, keepdims=True)
+            weights = np.exp(scores - top)
+            out[i] = weights @ seen[:, :512] / weights.sum(-1, keepdims=True)
+            lse[:, i] = top[:, 0] + np.log(weights.sum(-1))
+    return out, lse
+
+
+def _setup(seed=0, h=4, num_new=3):
+    rng = np.random.default_rng(seed)
+    prefix = np.array([5, 64, 126, 0], np.int32)  # 126 + 3 crosses a page; 0 is padding
+    table = np.array([[7, -1, -1], [2, 4, -1], [0, 6, 1], [-1, -1, -1]], np.int32)
+    cache = jnp.asarray(rng.standard_normal((8, 64, 1, 576)), jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((4, num_new, h, 576)), jnp.bfloat16)
+    kv = jnp.asarray(rng.standard_normal((4, num_new, 576)), jnp.bfloat16)
+    return cache, jnp.asarray(table), jnp.asarray(prefix), q, kv
+
+
+def test_verify_seq_lens():
+    np.testing.assert_array_equal(verify_seq_lens(jnp.array([3, 0, 64], jnp.int32), 2),
+                                  [5, 0, 66])
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_target_verify_equals_single_token_steps(implementation):
+    cache, table, prefix, q, kv = _setup()
+    d = q.shape[1]
+    metadata = target_verify_metadata(prefix, d, num_heads_q=q.shape[2],
+                                      implementation=implementation)
+    assert (metadata is None) == (implementation == "reference")
+    verify = jax.jit(lambda c, m: target_verify(c, table, prefix, q, kv, metadata=m,
+                                                implementation=implementation),
+                     donate_argnums=0)
+    cache_v, out_v, lse_v = verify(jnp.array(cache), metadata)
+    assert out_v.shape == (4, d, 4, 512) and lse_v.shape == (4, 4, d)
+
+    cache_s = cache
+    for i in range(d):  # the same drafts, one decode step each
+        lens = jnp.where(prefix > 0, prefix + i + 1, 0)
+        cache_s, out, lse = decode_step(cache_s, table, lens, q[:, i:i + 1], kv[:, i:i + 1],
+                                        implementation=implementation)
+        np.testing.assert_allclose(np.asarray(out_v[:, i], np.float32),
+                                   np.asarray(out[:, 0], np.float32), atol=TOL, rtol=TOL)
+        np.testing.assert_allclose(np.asarray(lse_v[:, :, i]), np.asarray(lse[:, :, 0]),
+                                   rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(cache_v, np.float32), np.asarray(cache_s, np.float32))
+
+    flat = np.asarray(cache_v, np.float64).reshape(-1, 576)
+    for b, n in enumerate(np.asarray(prefix)):
+        if n == 0:
+            np.testing.assert_array_equal(np.asarray(out_v[b], np.float32), 0)
+            continue
+        keys = flat[(np.asarray(table[b])[:, None] * 64 + np.arange(64)).reshape(-1)]
+        np.testing.assert_array_equal(keys[n:n + d], np.asarray(kv[b], np.float64))
+        out, lse = attention_f64(q[b], keys, n + d)
+        np.testing.assert_allclose(np.asarray(out_v[b], np.float64), out, atol=TOL, rtol=TOL)
+        np.testing.assert_allclose(np.asarray(lse_v[b]), lse, atol=TOL, rtol=TOL)
+
+
+def _draft_fn(base_q, base_kv):
+    """A deterministic toy draft model: the next token's q and row follow from the output."""
+    def draft_fn(t, out):
+        feature = jnp.concatenate([out, out[..., :64]], axis=-1).astype(jnp.float32)
+        return t + 1, base_q[t + 1] + feature, base_kv[t + 1] + feature.mean(axis=2)
+    return draft_fn
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_multi_step_draft_equals_decode_loop(implementation):
+    cache, table, prefix, _, _ = _setup()
+    num_steps, h = 3, 4
+    rng = np.random.default_rng(1)
+    base_q = jnp.asarray(rng.standard_normal((num_steps + 1, 4, 1, h, 576)), jnp.float32)
+    base_kv = jnp.asarray(rng.standard_normal((num_steps + 1, 4, 1, 576)), jnp.float32)
+    q0, kv0 = base_q[0].astype(jnp.bfloat16), base_kv[0].astype(jnp.bfloat16)
+    metadata = multi_step_draft_metadata(prefix, num_steps, num_heads_q=h,
+                                         implementation=implementation)
+    if implementation == "flashmla":
+        assert metadata.tile_scheduler_metadata.shape[0] == num_steps
+        assert metadata.num_splits.shape == (num_steps, 5)
+    draft = jax.jit(lambda c: multi_step_draft(
+        c, table, prefix, q0, kv0, _draft_fn(base_q, base_kv), jnp.int32(0),
+        num_steps=num_steps, metadata=metadata, implementation=implementation))
+    loop = jax.jit(lambda c: decode_loop(
+        c, table, prefix, q0, kv0, _draft_fn(base_q, base_kv), jnp.int32(0),
+        num_steps=num_steps, implementation=implementation))
+    cache_d, out_d, lse_d, steps = draft(cache)
+    cache_l, out_l, lse_l, _ = loop(cache)
+    assert int(steps) == num_steps
+    np.testing.assert_array_equal(np.asarray(out_d, np.float32), np.asarray(out_l, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse_d), np.asarray(lse_l))
+    np.testing.assert_array_equal(np.asarray(cache_d, np.float32), np.asarray(cache_l, np.float32))
+    np.testing.assert_array_equal(np.asarray(out_d[:, 3], np.float32), 0)  # padded request
+    # Step 0 against float64: the first draft token over prefix + 1 keys.
+    flat = np.asarray(cache_d, np.float64).reshape(-1, 576)
+    for b in range(3):
+        keys = flat[(np.asarray(table[b])[:, None] * 64 + np.arange(64)).reshape(-1)]
+        out, _ = attention_f64(q0[b], keys, int(prefix[b]) + 1)
+        np.testing.assert_allclose(np.asarray(out_d[0, b], np.float64), out, atol=TOL, rtol=TOL)
+
+
+def test_input_errors():
+    cache, table, prefix, q, kv = _setup(num_new=1)
+    with pytest.raises(ValueError, match="topk must be 1"):
+        multi_step_draft(cache, table, prefix, q, kv, None, None, num_steps=2, topk=2)
+    with pytest.raises(ValueError, match="num_steps must be a positive int"):
+        multi_step_draft(cache, table, prefix, q, kv, None, None, num_steps=0)
+    with pytest.raises(ValueError, match="num_draft_tokens must be a positive int"):
+        target_verify_metadata(prefix, 0, num_heads_q=4)
+    with pytest.raises(ValueError, match=r"kv must have shape \(4, 1, 576\)"):
+        target_verify(cache, table, prefix, q, kv[:, :, :512])
