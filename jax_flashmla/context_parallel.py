@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jax_flashmla import cache
+from jax_flashmla.ops import mla_decode
 
 LAYOUTS = ("contiguous", "round_robin")
 
@@ -125,8 +126,6 @@ def dcp_mla_decode(q, kv_cache, block_tables, seq_lens, *, mesh, axis, head_axis
     Returns:
       (out (batch, 1, h_q, 512), lse (batch, h_q, 1)), merged over all devices of `axis`.
     """
-    from jax_flashmla.ops import mla_decode
-
     if q.ndim != 4 or (q.shape[1] != 1 and causal):
         raise ValueError(f"dcp_mla_decode: q must be (batch, 1, h_q, 576) with causal=True "
                          f"(a global causal mask over split keys is not supported); got "
