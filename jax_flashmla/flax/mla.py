@@ -171,6 +171,8 @@ class MultiHeadLatentAttention(nnx.Module):
         if positions.shape != hidden_states.shape[:2]:
             raise ValueError(f"positions must have shape {tuple(hidden_states.shape[:2])}; "
                              f"got {tuple(positions.shape)}")
+        if not jnp.issubdtype(positions.dtype, jnp.integer):
+            raise TypeError(f"positions must be an integer array; got {positions.dtype}")
         b, s, _ = hidden_states.shape
         x = hidden_states.astype(self.dtype)
         if c.q_lora_rank is None:
@@ -228,7 +230,9 @@ class MultiHeadLatentAttention(nnx.Module):
         mask = jnp.broadcast_to(mask, (b, s, s))
         if lengths is not None:
             mask = mask & (index[None, None, :] < lengths[:, None, None])
-        scores = jnp.where(mask[:, None], scores, -jnp.inf)
+        # A large negative rather than -inf: a padded row with no visible key gets a uniform
+        # average (never read) instead of NaN.
+        scores = jnp.where(mask[:, None], scores, jnp.finfo(jnp.float32).min)
         weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
         attn = jnp.einsum("bhqk,bkhd->bqhd", weights, values)
         out = self._output(attn)

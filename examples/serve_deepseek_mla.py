@@ -1,0 +1,281 @@
+"""Serve a small DeepSeek-style model with paged MLA decode and continuous batching.
+
+    python examples/serve_deepseek_mla.py                      # CPU: the pure-JAX reference
+    python examples/serve_deepseek_mla.py --implementation flashmla   # FlashMLA (C++ model on CPU)
+
+A few decoder layers (RMSNorm -> jax_flashmla.flax.MultiHeadLatentAttention -> RMSNorm ->
+SwiGLU MLP) with seeded random weights serve requests of different prompt lengths. Each
+iteration admits waiting requests while the page pool can hold them (PageAllocator.admit),
+prefills each new prompt into its pages, runs one decode step over every active request
+(one mla_decode per layer, one shared FlashMLA schedule per step), grows requests a page at a
+time, and finishes those done, whose pages the next admissions reuse. Greedy sampling.
+Prints a progress line and the tokens per second. On a Hopper GPU the default implementation
+is FlashMLA's kernels.
+"""
+import argparse
+import dataclasses
+import sys
+import time
+
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_flashmla as jf
+from jax_flashmla import kernels
+from jax_flashmla.allocator import PageAllocator
+from jax_flashmla.block_table import pages_for_tokens
+from jax_flashmla.cache import INVALID_SLOT, PagedKVCache, token_slots
+from jax_flashmla.flax import MLAConfig, MultiHeadLatentAttention, RMSNorm
+
+PREFILL_BUCKET = 64  # prompts are padded to a multiple of this, so prefill compiles few shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 512
+    num_layers: int = 2
+    intermediate_size: int = 512
+    attention: MLAConfig = MLAConfig(
+        hidden_size=256, num_heads=8, q_lora_rank=96, kv_lora_rank=512, qk_nope_head_dim=64,
+        qk_rope_head_dim=64, v_head_dim=64, rope_theta=10000.0, max_position_embeddings=4096,
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg, *, rngs, dtype):
+        hidden = cfg.attention.hidden_size
+        self.input_layernorm = RMSNorm(hidden, param_dtype=dtype)
+        self.self_attn = MultiHeadLatentAttention(cfg.attention, rngs=rngs, dtype=dtype,
+                                                  param_dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(hidden, param_dtype=dtype)
+        linear = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype,  # noqa: E731
+                                         param_dtype=dtype, rngs=rngs)
+        self.gate_proj = linear(hidden, cfg.intermediate_size)
+        self.up_proj = linear(hidden, cfg.intermediate_size)
+        self.down_proj = linear(cfg.intermediate_size, hidden)
+
+    def mlp(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TinyDeepSeek(nnx.Module):
+    """Embedding, num_layers MLA decoder layers (dense MLP), final norm, LM head."""
+
+    def __init__(self, cfg, *, rngs, dtype=jnp.bfloat16):
+        self.cfg = cfg
+        hidden = cfg.attention.hidden_size
+        self.embed_tokens = nnx.Embed(cfg.vocab_size, hidden, dtype=dtype, param_dtype=dtype,
+                                      rngs=rngs)
+        layers = [DecoderLayer(cfg, rngs=rngs, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.layers = getattr(nnx, "List", list)(layers)  # nnx.List from flax 0.12 on
+        self.norm = RMSNorm(hidden, param_dtype=dtype)
+        self.lm_head = nnx.Linear(hidden, cfg.vocab_size, use_bias=False, dtype=dtype,
+                                  param_dtype=dtype, rngs=rngs)
+
+    def _run(self, tokens, attend, caches):
+        x = self.embed_tokens(tokens)
+        new_caches = []
+        for layer, kv in zip(self.layers, caches):
+            h, kv = attend(layer.self_attn, layer.input_layernorm(x), kv)
+            x = x + h
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            new_caches.append(kv)
+        return self.lm_head(self.norm(x)).astype(jnp.float32), tuple(new_caches)
+
+    def prefill(self, tokens, positions, slots, lengths, caches):
+        """tokens, positions, slots (b, s) int32; lengths (b,) -> (logits (b, s, vocab) f32, caches)."""
+        return self._run(tokens, lambda attn, x, kv: attn.prefill(x, positions, kv, slots,
+                                                                  lengths=lengths), caches)
+
+    def decode(self, tokens, positions, block_table, seq_lens, caches, *, implementation=None):
+        """tokens, positions (b, 1) int32; one FlashMLA schedule shared by all layers."""
+        metadata = jf.get_mla_metadata(seq_lens, num_heads_q=self.cfg.attention.num_heads,
+                                       implementation=implementation)
+        return self._run(tokens, lambda attn, x, kv: attn.decode(
+            x, positions, kv, block_table, seq_lens, metadata=metadata,
+            implementation=implementation), caches)
+
+
+def build(cfg, num_pages, seed=0, dtype=jnp.bfloat16):
+    """(graphdef, state, caches) of a seeded model and its empty per-layer paged caches."""
+    model = TinyDeepSeek(cfg, rngs=nnx.Rngs(seed), dtype=dtype)
+    graphdef, state = nnx.split(model)
+    caches = tuple(PagedKVCache.create(num_pages) for _ in range(cfg.num_layers))
+    return graphdef, state, caches
+
+
+def make_steps(graphdef, implementation=None):
+    """Jitted (prefill, decode) over (state, ...) with the caches donated."""
+
+    def prefill(state, tokens, positions, slots, lengths, caches):
+        logits, caches = nnx.merge(graphdef, state).prefill(tokens, positions, slots, lengths, caches)
+        last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+        return jnp.argmax(last, axis=-1).astype(jnp.int32), caches
+
+    def decode(state, tokens, positions, block_table, seq_lens, caches):
+        logits, caches = nnx.merge(graphdef, state).decode(
+            tokens[:, None], positions[:, None], block_table, seq_lens, caches,
+            implementation=implementation)
+        return jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32), logits[:, 0], caches
+
+    prefill = jax.jit(prefill, donate_argnums=(5,))
+    decode = jax.jit(decode, donate_argnums=(5,))
+    return prefill, decode
+
+
+class Progress:
+    """tqdm when installed, else a \\r line on stderr."""
+
+    def __init__(self, total, enabled=True):
+        self.total, self.done, self.start, self.bar = total, 0, time.perf_counter(), None
+        self.enabled = enabled
+        if enabled:
+            try:
+                from tqdm import tqdm
+                self.bar = tqdm(total=total, unit="tok", file=sys.stderr)
+            except ImportError:
+                pass
+
+    def update(self, n, info):
+        self.done += n
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.update(n)
+            self.bar.set_postfix_str(info)
+        else:
+            rate = self.done / max(time.perf_counter() - self.start, 1e-9)
+            print(f"\r{self.done}/{self.total} tokens  {rate:8.1f} tok/s  {info}", end="",
+                  file=sys.stderr, flush=True)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+        elif self.enabled:
+            print(file=sys.stderr)
+
+
+def serve(args):
+    cfg = dataclasses.replace(ModelConfig(), num_layers=args.layers)
+    rng = np.random.default_rng(args.seed)
+    prompt_lens = rng.integers(args.min_prompt, args.max_prompt + 1, args.requests)
+    new_tokens = rng.integers(max(1, args.max_new // 2), args.max_new + 1, args.requests)
+    prompts = [rng.integers(0, cfg.vocab_size, n).astype(np.int32) for n in prompt_lens]
+    max_pages = int(pages_for_tokens(int((prompt_lens + new_tokens).max())))
+    num_pages = args.num_pages or max(max_pages, max_pages * args.batch * 3 // 4)  # tight: reuse
+    if num_pages < max_pages:
+        raise ValueError(f"--num-pages {num_pages} cannot hold the longest request ({max_pages} pages)")
+    graphdef, state, caches = build(cfg, num_pages, args.seed)
+    prefill, decode = make_steps(graphdef, args.implementation)
+    allocator = PageAllocator(num_pages)
+
+    waiting = list(range(args.requests))
+    slots = [None] * args.batch  # request id per decode row
+    length, last, outputs, allocations = {}, {}, {r: [] for r in waiting}, 0
+    progress = Progress(int(new_tokens.sum()), enabled=not args.quiet)
+    start = time.perf_counter()
+    decode_time, decode_tokens, steps = 0.0, 0, 0
+
+    def reserved():  # pages active requests may still grow into
+        return sum(int(pages_for_tokens(prompt_lens[r] + new_tokens[r])) - len(allocator.pages(r))
+                   for r in slots if r is not None)
+
+    while waiting or any(r is not None for r in slots):
+        # Admit while a row is free and the pool can hold the whole request.
+        while waiting and None in slots:
+            r = waiting[0]
+            n = int(prompt_lens[r])
+            if allocator.num_free - reserved() < pages_for_tokens(n + int(new_tokens[r])):
+                break
+            waiting.pop(0)
+            pages = allocator.admit(r, n)
+            allocations += len(pages)
+            slots[slots.index(None)] = r
+            s = -(-n // PREFILL_BUCKET) * PREFILL_BUCKET
+            tokens = np.zeros((1, s), np.int32)
+            tokens[0, :n] = prompts[r]
+            positions = np.arange(s, dtype=np.int32)[None]
+            table = allocator.block_table([r], max_pages)
+            token_slot = np.where(positions < n, token_slots(jnp.asarray(table), jnp.asarray(positions)),
+                                  INVALID_SLOT).astype(np.int32)
+            first, caches = prefill(state, jnp.asarray(tokens), jnp.asarray(positions),
+                                    jnp.asarray(token_slot), jnp.asarray([n], np.int32), caches)
+            length[r], last[r] = n, int(first[0])
+            outputs[r].append(last[r])
+            progress.update(1, f"active {sum(x is not None for x in slots)} waiting {len(waiting)}")
+        # Finish requests whose budget the prefill token used up.
+        for i, r in enumerate(slots):
+            if r is not None and len(outputs[r]) >= new_tokens[r]:
+                allocator.finish(r)
+                slots[i] = None
+        active = [(i, r) for i, r in enumerate(slots) if r is not None]
+        if not active:
+            continue
+        # One decode step over every row (idle rows: seq_len 0, their writes dropped).
+        tokens = np.zeros(args.batch, np.int32)
+        positions = np.full(args.batch, -1, np.int32)
+        seq_lens = np.zeros(args.batch, np.int32)
+        table = np.full((args.batch, max_pages), -1, np.int32)
+        for i, r in active:
+            allocations += len(allocator.grow(r, length[r] + 1))
+            tokens[i], positions[i], seq_lens[i] = last[r], length[r], length[r] + 1
+            table[i] = allocator.block_table([r], max_pages)[0]
+        t0 = time.perf_counter()
+        next_tokens, _, caches = decode(state, jnp.asarray(tokens), jnp.asarray(positions),
+                                        jnp.asarray(table), jnp.asarray(seq_lens), caches)
+        next_tokens = np.asarray(next_tokens)
+        if steps > 0:  # the first step includes compilation
+            decode_time += time.perf_counter() - t0
+            decode_tokens += len(active)
+        steps += 1
+        for i, r in active:
+            length[r] += 1
+            last[r] = int(next_tokens[i])
+            outputs[r].append(last[r])
+            if len(outputs[r]) >= new_tokens[r]:
+                allocator.finish(r)
+                slots[i] = None
+        progress.update(len(active), f"active {len(active)} waiting {len(waiting)} "
+                                     f"pages {allocator.num_used}/{num_pages}")
+    progress.close()
+    elapsed = time.perf_counter() - start
+    total = sum(len(o) for o in outputs.values())
+    assert allocator.num_free == num_pages and not allocator.requests, "pages leaked"
+    impl = args.implementation or ("flashmla" if kernels.flashmla_available() else "reference")
+    print(f"implementation={impl} layers={cfg.num_layers} requests={args.requests} "
+          f"batch={args.batch} pages={num_pages} ({allocations} page allocations: freed pages "
+          f"reused {max(0, allocations - num_pages)} times, none leaked)")
+    print(f"generated {total} tokens in {elapsed:.2f} s: {total / elapsed:.1f} tok/s overall, "
+          f"{decode_tokens / max(decode_time, 1e-9):.1f} tok/s in {steps - 1} timed decode steps")
+    for r in range(min(3, args.requests)):
+        print(f"  request {r}: prompt {prompt_lens[r]} tokens -> {outputs[r][:8]}...")
+    return outputs
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--implementation", choices=["flashmla", "reference"], default=None,
+                   help="mla_decode path (default: FlashMLA on a Hopper GPU, else reference)")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--requests", type=int, default=8)
+    p.add_argument("--batch", type=int, default=4, help="decode rows (max concurrent requests)")
+    p.add_argument("--min-prompt", type=int, default=8)
+    p.add_argument("--max-prompt", type=int, default=100)
+    p.add_argument("--max-new", type=int, default=24, help="max generated tokens per request")
+    p.add_argument("--num-pages", type=int, default=0, help="page pool size (default: tight)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="no progress display")
+    args = p.parse_args(argv)
+    for name in ("layers", "requests", "batch", "min_prompt", "max_new"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_prompt < args.min_prompt:
+        p.error("--max-prompt must be >= --min-prompt")
+    return args
+
+
+if __name__ == "__main__":
+    serve(parse_args())
