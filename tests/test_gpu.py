@@ -91,9 +91,9 @@ def test_an_error_inside_the_op_is_a_python_exception():
 def test_decode_lowers_to_the_flashmla_custom_call():
     q, kv, bt, sl = make_decode_inputs(np.random.default_rng(0), batch=2, s_q=1, h_q=16,
                                        mean_sk=64, varlen=False, dtype=jnp.bfloat16)
-    hlo = jax.jit(jf.mla_decode).lower(q, kv, jnp.asarray(bt), jnp.asarray(sl)).as_text()
-    assert 'custom_call_target="jax_flashmla_mla_decode"' in hlo or \
-        "jax_flashmla_mla_decode" in hlo
+    hlo = jax.jit(jf.mla_decode).lower(q, kv, jnp.asarray(bt), jnp.asarray(sl)).compile().as_text()
+    assert 'custom_call_target="jax_flashmla_mla_decode"' in hlo
+    assert 'custom_call_target="jax_flashmla_mla_metadata"' in hlo
     assert "sgl_kernel::fwd_kvcache_mla" in hlo or "flash_mla_legacy::" in hlo
 
 
