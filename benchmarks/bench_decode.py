@@ -68,7 +68,8 @@ def bench_call_ratio(torch, ops, batch, s_k, h_q, s_q, calls, layers):
     """One jitted decode per call, and a jitted step of `layers` decodes (a model's layers,
     sharing one metadata), against the same number of torch calls."""
     q, kv, bt, sl = _inputs(batch, s_k, h_q, s_q)
-    q_layers = jnp.stack([q * (1 + i / layers) for i in range(layers)])
+    # One array per layer: slicing a stacked array inside the step would add copies.
+    q_layers = [q * (1 + i / layers) for i in range(layers)]
     md = jax.block_until_ready(jf.get_mla_metadata(sl, num_heads_q=h_q, num_q_tokens=s_q))
     decode = jax.jit(lambda q, kv, bt, sl, md: jf.mla_decode(q, kv, bt, sl, metadata=md))
     step = jax.jit(lambda qs, kv, bt, sl, md: [jf.mla_decode(qs[i], kv, bt, sl, metadata=md)

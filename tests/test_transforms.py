@@ -16,8 +16,15 @@ def _inputs(seed, batch=2, s_q=1, h_q=16, mean_sk=100, varlen=True):
     return q, kv, jnp.asarray(bt), jnp.asarray(sl)
 
 
-def _assert_same(a, b):
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+def _assert_same(a, b, implementation="flashmla"):
+    """The custom call maps sequentially, so it is bit-exact under vmap and scan; XLA may
+    reorder the pure-JAX reference's reductions when batched (seen on the GPU), which can move a
+    bf16 output by one unit in the last place."""
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    if implementation == "flashmla":
+        np.testing.assert_array_equal(a, b)
+    else:
+        np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-3)
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -28,8 +35,8 @@ def test_vmap_over_queries_with_a_shared_cache(implementation):
     out, lse = jax.jit(jax.vmap(decode))(qs)
     for i in range(3):
         expected = jax.jit(decode)(qs[i])
-        _assert_same(out[i], expected[0])
-        _assert_same(lse[i], expected[1])
+        _assert_same(out[i], expected[0], implementation)
+        _assert_same(lse[i], expected[1], implementation)
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -45,8 +52,8 @@ def test_vmap_over_whole_problems_on_a_non_leading_axis(implementation):
     out, lse = jax.jit(jax.vmap(decode, in_axes=(1, 0, 0, 0)))(q, kv, bt, sl)
     for i, p in enumerate(problems):
         expected = jax.jit(decode)(*p)
-        _assert_same(out[i], expected[0])
-        _assert_same(lse[i], expected[1])
+        _assert_same(out[i], expected[0], implementation)
+        _assert_same(lse[i], expected[1], implementation)
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -71,7 +78,7 @@ def test_scan_over_stacked_layers_shares_one_metadata(implementation):
     for i in range(layers):
         out, _ = jax.jit(lambda *a: jf.mla_decode(*a, implementation=implementation))(
             q_layers[i], kv_layers[i], bt, sl)
-        _assert_same(outs[i], out)
+        _assert_same(outs[i], out, implementation)
 
 
 def test_repeated_calls_with_the_same_shapes_compile_once():
