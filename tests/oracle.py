@@ -41,28 +41,33 @@ def make_decode_inputs(rng, *, batch, s_q, h_q, mean_sk, varlen, dtype, zero_len
     return q, kv, block_table, seq_lens
 
 
-def dense_attention_f64(q, kv, block_table, seq_lens, *, softmax_scale, causal, head_dim_v=512):
-    """Naive float64 MLA attention: (out (b, s_q, h_q, dv), lse (b, h_q, s_q))."""
-    q = np.asarray(q, np.float64)
-    kv = np.asarray(kv, np.float64)
-    batch, s_q, h_q, _ = q.shape
-    out = np.zeros((batch, s_q, h_q, head_dim_v))
-    lse = np.full((batch, h_q, s_q), np.inf)
-    for i in range(batch):
-        n = int(seq_lens[i])
-        pages = block_table[i, : -(-n // PAGE)]
-        keys = kv[pages, :, 0, :].reshape(-1, kv.shape[-1])[:n]
-        for t in range(s_q):
-            visible = n - s_q + t + 1 if causal else n
-            if visible <= 0:
-                continue
-            k = keys[:visible]
-            scores = q[i, t] @ k.T * softmax_scale  # (h_q, visible)
-            m = scores.max(-1, keepdims=True)
-            w = np.exp(scores - m)
-            out[i, t] = (w @ k[:, :head_dim_v]) / w.sum(-1, keepdims=True)
-            lse[i, :, t] = (m[:, 0] + np.log(w.sum(-1)))
+def request_attention_f64(q, keys, length, *, softmax_scale, causal=True, head_dim_v=512):
+    """Float64 attention of one request: q (s_q, h_q, 576) over the first `length` rows of
+    keys (>= length, 576), bottom-right causal. Returns (out (s_q, h_q, dv), lse (h_q, s_q))."""
+    q, keys = np.asarray(q, np.float64), np.asarray(keys, np.float64)
+    s_q, h_q, _ = q.shape
+    out, lse = np.zeros((s_q, h_q, head_dim_v)), np.full((h_q, s_q), np.inf)
+    for t in range(s_q):
+        seen = keys[:max(length - s_q + t + 1, 0) if causal else length]
+        if len(seen):
+            scores = q[t] @ seen.T * softmax_scale  # (h_q, keys seen)
+            top = scores.max(-1, keepdims=True)
+            weights = np.exp(scores - top)
+            out[t] = weights @ seen[:, :head_dim_v] / weights.sum(-1, keepdims=True)
+            lse[:, t] = top[:, 0] + np.log(weights.sum(-1))
     return out, lse
+
+
+def dense_attention_f64(q, kv, block_table, seq_lens, *, softmax_scale, causal, head_dim_v=512):
+    """Naive float64 MLA attention over the paged cache: (out (b, s_q, h_q, dv), lse (b, h_q, s_q))."""
+    kv = np.asarray(kv, np.float64)
+    results = []
+    for i, n in enumerate(np.asarray(seq_lens)):
+        pages = np.asarray(block_table)[i, : -(-int(n) // PAGE)]
+        keys = kv[pages, :, 0, :].reshape(-1, kv.shape[-1])[:n]
+        results.append(request_attention_f64(q[i], keys, int(n), softmax_scale=softmax_scale,
+                                             causal=causal, head_dim_v=head_dim_v))
+    return np.stack([r[0] for r in results]), np.stack([r[1] for r in results])
 
 
 def assert_flashmla_close(name, actual, expected, *, abs_tol, rel_tol, cos_diff_tol=None):

@@ -10,6 +10,7 @@ from jax_flashmla.allocator import PageAllocator
 from jax_flashmla.cache import PagedKVCache
 from jax_flashmla.serving import (bucket_for, decode_loop, decode_step, pad_batch,
                                   write_prompt)
+from oracle import request_attention_f64
 
 IMPLEMENTATIONS = ["flashmla", "reference"]
 TOLERANCE = {jnp.bfloat16: 2e-2, jnp.float16: 2e-3}
@@ -18,18 +19,7 @@ SCALE = 576 ** -0.5
 
 def attention_f64(q, keys, length):
     """q (s_q, h, 576), keys (>= length, 576): causal attention of the last s_q tokens."""
-    q, keys = np.asarray(q, np.float64), np.asarray(keys, np.float64)
-    s_q, h, _ = q.shape
-    out, lse = np.zeros((s_q, h, 512)), np.full((h, s_q), np.inf)
-    for i in range(s_q):
-        seen = keys[:max(length - s_q + i + 1, 0)]
-        if len(seen):
-            scores = q[i] @ seen.T * SCALE
-            top = scores.max(-1, keepdims=True)
-            weights = np.exp(scores - top)
-            out[i] = weights @ seen[:, :512] / weights.sum(-1, keepdims=True)
-            lse[:, i] = top[:, 0] + np.log(weights.sum(-1))
-    return out, lse
+    return request_attention_f64(q, keys, length, softmax_scale=SCALE)
 
 
 def test_bucket_for():

@@ -7,6 +7,7 @@ import pytest
 from jax_flashmla.serving import decode_loop, decode_step
 from jax_flashmla.speculative import (multi_step_draft, multi_step_draft_metadata,
                                       target_verify, target_verify_metadata, verify_seq_lens)
+from oracle import request_attention_f64
 
 IMPLEMENTATIONS = ["flashmla", "reference"]
 SCALE = 576 ** -0.5
@@ -15,17 +16,7 @@ TOL = 2e-2  # bf16 on unit-scale data
 
 def attention_f64(q, keys, length):
     """q (s_q, h, 576), keys (>= length, 576): causal attention of the last s_q tokens."""
-    q, keys = np.asarray(q, np.float64), np.asarray(keys, np.float64)
-    out, lse = np.zeros(q.shape[:2] + (512,)), np.full(q.shape[1::-1], np.inf)
-    for i in range(q.shape[0]):
-        seen = keys[:max(length - q.shape[0] + i + 1, 0)]
-        if len(seen):
-            scores = q[i] @ seen.T * SCALE
-            top = scores.max(-1, keepdims=True)
-            weights = np.exp(scores - top)
-            out[i] = weights @ seen[:, :512] / weights.sum(-1, keepdims=True)
-            lse[:, i] = top[:, 0] + np.log(weights.sum(-1))
-    return out, lse
+    return request_attention_f64(q, keys, length, softmax_scale=SCALE)
 
 
 def _setup(seed=0, h=4, num_new=3):
