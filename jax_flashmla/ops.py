@@ -136,7 +136,7 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, metadata=None, softmax_sca
     num_sms = _default_num_sms()
     if metadata is not None:
         validation.check_metadata_matches(metadata, batch, s_q, h_q)
-    else:
+    elif implementation == "flashmla":
         validation.num_sm_parts(num_sms, h_q, s_q, 1, where="mla_decode")
     if softmax_scale is None:
         softmax_scale = validation.HEAD_DIM ** -0.5
