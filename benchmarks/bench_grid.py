@@ -1,0 +1,426 @@
+"""FlashMLA's decode grid (issue 7): jax_flashmla against the same FlashMLA op called from
+torch, against the pure-JAX reference, and as a decode step of N layers.
+
+Implementations (--impl):
+  flashmla       jf.mla_decode under jax.jit; metadata computed once, outside the timed region
+  torch          FlashMLA's torch op on the same buffers (dlpack), arguments by schema name (GPU)
+  reference      the pure-JAX reference under jax.jit, skipped past --ref-budget-gib
+  flashmla_step  one jitted decode step: get_mla_metadata, then --layers decodes sharing it
+  torch_step     the torch loop of the same calls: the metadata op, then --layers decodes (GPU)
+
+Timing, the same for all: N calls back to back, then one device sync, wall clock, median of
+--repeats; N is chosen so that a repeat lasts about --target-ms, which keeps the unhidden first
+dispatch under ~0.5% of it. (CUDA events, and do_bench which records them, time torch's
+stream, which does not see XLA's.) Call i takes set i mod --rotations of (q, block_table) over
+one cache, the page order differing between sets, so that the L2 keeps nothing useful from one
+call for the next. FLOPs and bytes follow FlashMLA's test; GB/s is also given as a fraction of
+a device-to-device copy measured in the same run (bytes read + written).
+
+Writes under --out-dir after every point, so that a timeout leaves a partial report: NAME.json,
+NAME.md; at the end NAME_gbps.png and NAME_tflops.png (grid_report.py redraws them from the
+JSON). NAME defaults to grid_<device>, e.g. grid_h200 or grid_cpu.
+
+    python3 benchmarks/bench_grid.py --deadline-s 420    # a Hopper GPU: the whole grid
+    python benchmarks/bench_grid.py --out-dir /tmp/grid   # no GPU: a tiny grid, the C++ model
+"""
+import argparse
+import datetime
+import functools
+import itertools
+import json
+import os
+import re
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_flashmla as jf
+from jax_flashmla import kernels
+
+import grid_report
+
+IMPLS = ("flashmla", "torch", "reference", "flashmla_step", "torch_step")
+TORCH_IMPLS = ("torch", "torch_step")
+PAGE = 64
+D_QK, D_V = 576, 512
+# FlashMLA's own grid (tests/test_flash_mla_decoding.py's benchmark), and a tiny one for CI.
+GPU_GRID = dict(batch=128, s_k=[1024, 4096, 8192, 16384], h_q=[16, 32, 64, 128], s_q=[1, 2],
+                layers=8, target_ms=50.0, repeats=5, copy_mib=1024)
+CPU_GRID = dict(batch=2, s_k=[64, 128], h_q=[16], s_q=[1, 2], layers=2, target_ms=5.0,
+                repeats=3, copy_mib=64)
+# At least this many calls per repeat, even where one call outlasts --target-ms.
+MIN_CALLS = 3
+
+
+def time_calls(call, sync, *, target_ms, repeats, max_calls):
+    """Median seconds per call of call(i), i = 0, 1, ... (i picks the rotation set), and the
+    first call's result. The first call compiles; doubling batches then warm up and size N."""
+    first = call(0)
+    sync(first)
+    calls = 1
+    while True:
+        start = time.perf_counter()
+        for i in range(calls):
+            result = call(i)
+        sync(result)
+        elapsed = time.perf_counter() - start
+        if elapsed >= target_ms / 4e3 or calls >= max_calls:
+            break
+        calls *= 2
+    calls = int(min(max_calls, max(MIN_CALLS, round(calls * target_ms / 1e3 / elapsed))))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for i in range(calls):
+            result = call(i)
+        sync(result)
+        samples.append((time.perf_counter() - start) / calls)
+    median = statistics.median(samples)
+    return dict(seconds=median, calls=calls, spread=(max(samples) - min(samples)) / median), first
+
+
+def flashmla_work(batch, sum_s_k, h_q, s_q):
+    """FlashMLA's FLOPs and bytes of one decode (tests/test_flash_mla_decoding.py)."""
+    flops = 2 * s_q * sum_s_k * h_q * (D_QK + D_V)
+    nbytes = 2 * (sum_s_k * D_QK + batch * s_q * h_q * D_QK + batch * s_q * h_q * D_V)
+    return flops, nbytes
+
+
+class Workload:
+    """One cache of bf16 pages for (batch, mean s_k, varlen), shared by every (h_q, s_q), and
+    `rotations` block tables over it, each a different random page order."""
+
+    def __init__(self, batch, mean_s_k, varlen, min_len, rotations, seed):
+        rng = np.random.default_rng(seed)
+        if varlen:  # as FlashMLA's test: max(normal(mean, mean / 2), s_q)
+            lens = np.maximum(rng.normal(mean_s_k, mean_s_k / 2, batch), min_len)
+        else:
+            lens = np.full(batch, mean_s_k)
+        self.seq_lens_np = lens.astype(np.int32)
+        pages = -(-self.seq_lens_np // PAGE)
+        num_pages, width = int(pages.sum()), int(pages.max())
+        self.block_tables = []
+        for _ in range(rotations):
+            order = rng.permutation(num_pages).astype(np.int32)
+            table = np.zeros((batch, width), np.int32)  # slots past a request's pages: never read
+            for i, chunk in enumerate(np.split(order, np.cumsum(pages)[:-1])):
+                table[i, :len(chunk)] = chunk
+            self.block_tables.append(jnp.asarray(table))
+        # FlashMLA's tests' data scale: normal / 10, clipped to [-1, 1].
+        self.key = jax.random.key(seed)
+        kv = jax.random.normal(self.key, (num_pages, PAGE, 1, D_QK), jnp.bfloat16) / 10
+        self.kv = jax.block_until_ready(jnp.clip(kv, -1, 1))
+        self.seq_lens = jnp.asarray(self.seq_lens_np)
+        self.batch, self.mean_s_k, self.varlen = batch, mean_s_k, varlen
+        self.sum_s_k = int(self.seq_lens_np.sum())
+
+    def queries(self, h_q, s_q, rotations):
+        keys = jax.random.split(jax.random.fold_in(self.key, h_q * 8 + s_q), rotations)
+        shape = (self.batch, s_q, h_q, D_QK)
+        return [jnp.clip(jax.random.normal(k, shape, jnp.bfloat16) / 10, -1, 1) for k in keys]
+
+    def reference_bytes(self, h_q, s_q):
+        """A rough peak of the reference's temporaries: gathered and masked keys (bf16), float32
+        values, and ~4 float32 score-sized arrays (scores, mask, exp, weights)."""
+        tokens = self.batch * self.block_tables[0].shape[1] * PAGE
+        return tokens * (2 * D_QK * 2 + D_V * 4 + 4 * h_q * s_q * 4)
+
+
+class TorchSide:
+    """FlashMLA's torch ops called directly on JAX's buffers, as a torch model would."""
+
+    def __init__(self):
+        ops = kernels.ensure_cuda_targets()
+        import torch
+
+        self.torch = torch
+        resolve = lambda name: getattr(getattr(torch.ops, name.split("::")[0]), name.split("::")[1])
+        self.decode_op, self.metadata_op = resolve(ops.decode), resolve(ops.metadata)
+        names = [a.name for a in self.decode_op.default._schema.arguments]
+        self.metadata_slots = names.index("tile_scheduler_metadata"), names.index("num_splits")
+        self.info = dict(torch=torch.__version__, kernel_library=ops.library.path,
+                         decode_op=ops.decode, metadata_op=ops.metadata)
+
+    @staticmethod
+    def by_name(op, values):
+        """The op's positional arguments, filled by name from its schema (as the bridge does)."""
+        out = []
+        for arg in op.default._schema.arguments:
+            if arg.name in values:
+                out.append(values[arg.name])
+            elif arg.default_value is not None or arg.type.kind() == "OptionalType":
+                out.append(arg.default_value)
+            else:
+                raise KeyError(f"{op}: no value for {arg.name}")
+        return out
+
+    def sync(self, _=None):
+        self.torch.cuda.synchronize()
+
+    def prepare(self, work, qs, h_q, s_q):
+        """Argument lists: the metadata op's, and the decode op's per rotation set (with the
+        metadata slots to fill). Built once, so the timed loops do no more than a model's."""
+        t = self.torch.from_dlpack
+        tsl = t(work.seq_lens)
+        metadata_args = self.by_name(self.metadata_op, dict(
+            seqlens_k=tsl, num_q_tokens_per_head_k=s_q * h_q, num_heads_per_head_k=s_q * h_q,
+            h_k=1, num_heads_k=1, h_q=h_q, is_fp8_kvcache=False))
+        tkv = t(work.kv)
+        decode_args = [self.by_name(self.decode_op, dict(
+            q=t(q), kv_cache=tkv, kcache=tkv, head_size_v=D_V, seqlens_k=tsl, block_table=t(bt),
+            softmax_scale=D_QK ** -0.5, is_causal=True, tile_scheduler_metadata=None,
+            num_splits=None, is_fp8=False)) for q, bt in zip(qs, work.block_tables)]
+        return metadata_args, decode_args
+
+    def decode_with(self, args, metadata):
+        args[self.metadata_slots[0]], args[self.metadata_slots[1]] = metadata
+        return args
+
+
+def copy_bandwidth(mib, target_ms, repeats, torch_side):
+    """GB/s of a device-to-device copy (bytes read + written) through JAX, and through torch
+    where it runs; the larger is the ceiling GB/s is compared with."""
+    xs = [jax.random.normal(jax.random.key(i), (mib * 2**19,), jnp.bfloat16) for i in range(2)]
+    traffic = 2 * mib * 2**20
+    copy = jax.jit(lambda x: x + jnp.zeros((), x.dtype))  # one fused read and write of x
+    timed, _ = time_calls(lambda i: copy(xs[i % 2]), jax.block_until_ready, target_ms=target_ms,
+                          repeats=repeats, max_calls=1000)
+    result = dict(mib=mib, jax_gbps=traffic / timed["seconds"] / 1e9)
+    if torch_side:
+        src = [torch_side.torch.from_dlpack(x) for x in xs]
+        dst = torch_side.torch.empty_like(src[0])
+        timed, _ = time_calls(lambda i: dst.copy_(src[i % 2]), torch_side.sync,
+                              target_ms=target_ms, repeats=repeats, max_calls=1000)
+        result["torch_gbps"] = traffic / timed["seconds"] / 1e9
+    result["ceiling_gbps"] = max(v for k, v in result.items() if k.endswith("_gbps"))
+    return result
+
+
+@jax.jit
+def decode_step(qs, kv, block_tables, seq_lens):
+    """A model's decode step: the metadata once, then one decode per layer sharing it."""
+    md = jf.get_mla_metadata(seq_lens, num_heads_q=qs[0].shape[2], num_q_tokens=qs[0].shape[1],
+                             implementation="flashmla")
+    return [jf.mla_decode(q, kv, bt, seq_lens, metadata=md, implementation="flashmla")[0]
+            for q, bt in zip(qs, block_tables)]
+
+
+def bench_point(work, h_q, s_q, impls, args, torch_side, ceiling_gbps):
+    """Times the chosen implementations at one grid point; returns its JSON record."""
+    rot, layers = args.rotations, args.layers
+    qs = work.queries(h_q, s_q, rot)
+    flops, nbytes = flashmla_work(work.batch, work.sum_s_k, h_q, s_q)
+    point = dict(batch=work.batch, mean_s_k=work.mean_s_k, varlen=work.varlen, h_q=h_q, s_q=s_q,
+                 sum_s_k=work.sum_s_k, max_s_k=int(work.seq_lens_np.max()), flops=flops,
+                 bytes=nbytes, impls={}, skipped={}, checks={})
+    timing = dict(target_ms=args.target_ms, repeats=args.repeats, max_calls=args.max_calls)
+    jax_sync = jax.block_until_ready
+    firsts = {}
+
+    def record(name, timed, first, per_call=1):
+        seconds = timed["seconds"] / per_call
+        point["impls"][name] = dict(ms=seconds * 1e3, tflops=flops / seconds / 1e12,
+                                    gbps=nbytes / seconds / 1e9,
+                                    of_copy=nbytes / seconds / 1e9 / ceiling_gbps,
+                                    calls=timed["calls"], spread=timed["spread"])
+        if per_call > 1:
+            point["impls"][name].update(layers=per_call, step_ms=timed["seconds"] * 1e3)
+        firsts[name] = first
+
+    bts, sl = work.block_tables, work.seq_lens
+    timers = {}
+
+    def timer(fn):
+        timers[fn.__name__] = fn
+        return fn
+
+    @timer
+    def flashmla():
+        md = jax_sync(jf.get_mla_metadata(sl, num_heads_q=h_q, num_q_tokens=s_q,
+                                          implementation="flashmla"))
+        decode = jax.jit(functools.partial(jf.mla_decode, implementation="flashmla"))
+        record("flashmla", *time_calls(
+            lambda i: decode(qs[i % rot], work.kv, bts[i % rot], sl, metadata=md), jax_sync,
+            **timing))
+
+    @timer
+    def reference():
+        need = work.reference_bytes(h_q, s_q)
+        if need > args.ref_budget_gib * 2**30:
+            point["skipped"]["reference"] = (f"needs ~{need / 2**30:.0f} GiB of temporaries, over "
+                                             f"--ref-budget-gib {args.ref_budget_gib:g}")
+            return
+        decode = jax.jit(functools.partial(jf.mla_decode, implementation="reference"))
+        record("reference", *time_calls(
+            lambda i: decode(qs[i % rot], work.kv, bts[i % rot], sl), jax_sync, **timing))
+
+    @timer
+    def flashmla_step():
+        step_qs = [qs[j % rot] for j in range(layers)]
+        step_bts = [bts[j % rot] for j in range(layers)]
+        record("flashmla_step", *time_calls(
+            lambda i: decode_step(step_qs, work.kv, step_bts, sl), jax_sync, **timing), layers)
+
+    @timer
+    def torch():
+        metadata_args, decode_args = torch_side.prepare(work, qs, h_q, s_q)
+        metadata = torch_side.metadata_op(*metadata_args)[:2]
+        per_call = [torch_side.decode_with(a, metadata) for a in decode_args]
+        record("torch", *time_calls(lambda i: torch_side.decode_op(*per_call[i % rot]),
+                                    torch_side.sync, **timing))
+
+    @timer
+    def torch_step():
+        metadata_args, decode_args = torch_side.prepare(work, qs, h_q, s_q)
+        md_op, decode_op = torch_side.metadata_op, torch_side.decode_op
+
+        def step(_):
+            metadata = md_op(*metadata_args)[:2]
+            return [decode_op(*torch_side.decode_with(decode_args[j % rot], metadata))
+                    for j in range(layers)]
+        record("torch_step", *time_calls(step, torch_side.sync, **timing), layers)
+
+    for name in IMPLS:
+        if name in impls:
+            try:
+                timers[name]()
+            except Exception as e:  # one failing implementation should not cost the whole grid
+                point["skipped"][name] = f"failed: {type(e).__name__}: {str(e)[:400]}"
+                print(f"{name} failed at b={work.batch} s_k={work.mean_s_k} h_q={h_q} s_q={s_q}:",
+                      point["skipped"][name], flush=True)
+    for name, r in point["impls"].items():
+        base = point["impls"].get("torch_step" if name.endswith("_step") else "torch")
+        if base and name not in TORCH_IMPLS:
+            r["vs_torch"] = r["ms"] / base["ms"]
+    _check_outputs(point, firsts, torch_side)
+    return point
+
+
+def _check_outputs(point, firsts, torch_side):
+    """Each first call's out (rotation set 0) against flashmla's: bit-identical to the torch op
+    (the same kernel on the same schedule), close to the reference."""
+    if "flashmla" not in firsts:
+        return
+    out = firsts["flashmla"][0]
+    if "reference" in firsts:
+        diff = jnp.abs(out.astype(jnp.float32) - firsts["reference"][0].astype(jnp.float32))
+        point["checks"]["max_abs_diff_vs_reference"] = float(jnp.max(diff))
+    if "torch" in firsts:
+        point["checks"]["equals_torch"] = bool(torch_side.torch.equal(
+            torch_side.torch.from_dlpack(out), firsts["torch"][0]))
+
+
+def _device_name():
+    kind = jax.devices()[0].device_kind
+    return re.sub(r"[^a-z0-9]+", "_", kind.lower().replace("nvidia", "")).strip("_") or "device"
+
+
+def _now():
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _key(point):
+    return point["mean_s_k"], point["varlen"], point["h_q"], point["s_q"]
+
+
+def parse_args(on_gpu):
+    grid = GPU_GRID if on_gpu else CPU_GRID
+    bool_arg = lambda s: {"true": True, "false": False}[s.lower()]
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=grid["batch"])
+    p.add_argument("--s-k", type=int, nargs="+", default=grid["s_k"], help="mean KV lengths")
+    p.add_argument("--h-q", type=int, nargs="+", default=grid["h_q"])
+    p.add_argument("--s-q", type=int, nargs="+", default=grid["s_q"])
+    p.add_argument("--varlen", type=bool_arg, nargs="+", default=[False, True],
+                   help="false: every request has the mean length; true: FlashMLA's varlen")
+    p.add_argument("--impl", nargs="+", choices=IMPLS,
+                   default=list(IMPLS if on_gpu else [i for i in IMPLS if i not in TORCH_IMPLS]))
+    p.add_argument("--layers", type=int, default=grid["layers"], help="decodes per step")
+    p.add_argument("--rotations", type=int, default=4, help="(q, block_table) sets per point")
+    p.add_argument("--target-ms", type=float, default=grid["target_ms"],
+                   help="length of one timed repeat")
+    p.add_argument("--repeats", type=int, default=grid["repeats"])
+    p.add_argument("--max-calls", type=int, default=1000, help="calls per repeat at most")
+    p.add_argument("--copy-mib", type=int, default=grid["copy_mib"],
+                   help="size of the copy that measures the bandwidth ceiling")
+    p.add_argument("--ref-budget-gib", type=float, default=24.0,
+                   help="skip the reference where its temporaries would exceed this")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="start no new point after this many seconds; the report is still written")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the points of an existing NAME.json and run only the others")
+    p.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
+    p.add_argument("--name", default=None, help="file name stem; default grid_<device>")
+    args = p.parse_args()
+    if not on_gpu and set(args.impl) & set(TORCH_IMPLS):
+        p.error(f"{TORCH_IMPLS} need a Hopper GPU with FlashMLA's kernels and the CUDA bridge")
+    return args
+
+
+def main():
+    started = time.perf_counter()
+    # On a GPU the whole comparison or nothing: TorchSide raises naming what FlashMLA lacks.
+    on_gpu = jax.default_backend() == "gpu"
+    args = parse_args(on_gpu)
+    torch_side = TorchSide() if on_gpu else None
+    name = args.name or f"grid_{_device_name()}"
+    os.makedirs(args.out_dir, exist_ok=True)
+    stem = os.path.join(args.out_dir, name)
+
+    if args.resume and os.path.exists(stem + ".json"):
+        # A second call completes a first one's grid, on the first's copy ceiling.
+        with open(stem + ".json") as f:
+            results = json.load(f)
+        results["not_run"] = []
+        results["meta"].setdefault("resumed", []).append(_now())
+        copy = results["meta"]["copy"]
+    else:
+        copy = copy_bandwidth(args.copy_mib, args.target_ms, args.repeats, torch_side)
+        results = dict(meta=dict(
+            device=jax.devices()[0].device_kind, backend=jax.default_backend(),
+            flashmla_path="FlashMLA's kernels" if on_gpu else "the C++ model (CPU custom call)",
+            date=_now(), jax=jax.__version__, dtype="bfloat16", batch=args.batch,
+            layers=args.layers, rotations=args.rotations, target_ms=args.target_ms,
+            repeats=args.repeats, impls=args.impl, copy=copy,
+            **(torch_side.info if torch_side else {})), points=[], not_run=[])
+    print(f"device {jax.devices()[0].device_kind}: copy {copy['ceiling_gbps']:.0f} GB/s "
+          f"({json.dumps(copy)})", flush=True)
+    done_before = {_key(p) for p in results["points"]}
+
+    grid = list(itertools.product(args.s_k, args.varlen))
+    total = len(done_before | set(itertools.product(args.s_k, args.varlen, args.h_q, args.s_q)))
+    for mean_s_k, varlen in grid:
+        work = None
+        for h_q, s_q in itertools.product(args.h_q, args.s_q):
+            label = f"{'varlen' if varlen else 'fixed'} s_k={mean_s_k} h_q={h_q} s_q={s_q}"
+            if (mean_s_k, varlen, h_q, s_q) in done_before:
+                continue
+            if args.deadline_s is not None and time.perf_counter() - started > args.deadline_s:
+                results["not_run"].append(dict(mean_s_k=mean_s_k, varlen=varlen, h_q=h_q, s_q=s_q))
+                print(f"not run (deadline): {label}", flush=True)
+                continue
+            if work is None:
+                work = Workload(args.batch, mean_s_k, varlen, max(args.s_q), args.rotations,
+                                seed=2 * mean_s_k + varlen)
+            point = bench_point(work, h_q, s_q, args.impl, args, torch_side, copy["ceiling_gbps"])
+            results["points"].append(point)
+            elapsed = time.perf_counter() - started
+            print(f"[{len(results['points'])}/{total} {elapsed:.0f}s] {label}: "
+                  f"{grid_report.point_summary(point)}", flush=True)
+            grid_report.write_json(results, stem + ".json")
+            grid_report.write_markdown(results, stem + ".md")
+        del work  # free this cache before the next one is made
+    grid_report.write_json(results, stem + ".json")
+    grid_report.write_markdown(results, stem + ".md")
+    written = grid_report.write_plots(results, stem)
+    print("\n".join(grid_report.summary_lines(results)))
+    print(f"wrote {stem}.json, {stem}.md" + "".join(f", {p}" for p in written)
+          + f" in {time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

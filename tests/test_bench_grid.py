@@ -1,0 +1,69 @@
+"""benchmarks/bench_grid.py's CPU mode, as CI runs it: the tiny grid through the pure-JAX
+reference and the C++ model's custom call, and the report it writes (JSON, markdown, PNGs)."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "bench_grid.py")
+CPU_IMPLS = {"flashmla", "reference", "flashmla_step"}
+
+
+def _run(out_dir, *flags):
+    proc = subprocess.run([sys.executable, SCRIPT, "--out-dir", str(out_dir), "--name", "grid",
+                           *flags], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(out_dir / "grid.json") as f:
+        return json.load(f), proc.stdout
+
+
+def test_cpu_grid_writes_its_report(tmp_path):
+    results, stdout = _run(tmp_path)
+    meta, points = results["meta"], results["points"]
+    assert meta["backend"] == "cpu" and set(meta["impls"]) == CPU_IMPLS
+    assert meta["copy"]["ceiling_gbps"] > 0
+    # The tiny grid: s_k {64, 128} x h_q {16} x s_q {1, 2} x fixed / varlen, every point run.
+    assert len(points) == 8 and not results["not_run"]
+    assert {(p["mean_s_k"], p["s_q"], p["varlen"]) for p in points} == {
+        (s_k, s_q, v) for s_k in (64, 128) for s_q in (1, 2) for v in (False, True)}
+    for p in points:
+        assert set(p["impls"]) == CPU_IMPLS, p
+        # FlashMLA's formulas, and the rates derived from them.
+        assert p["flops"] == 2 * p["s_q"] * p["sum_s_k"] * p["h_q"] * 1088
+        assert p["bytes"] == 2 * (p["sum_s_k"] * 576 + p["batch"] * p["s_q"] * p["h_q"] * 1088)
+        for r in p["impls"].values():
+            assert math.isfinite(r["ms"]) and r["ms"] > 0
+            assert r["gbps"] == pytest.approx(p["bytes"] / r["ms"] / 1e6)
+            assert r["tflops"] == pytest.approx(p["flops"] / r["ms"] / 1e9)
+            assert r["of_copy"] == pytest.approx(r["gbps"] / meta["copy"]["ceiling_gbps"])
+        step = p["impls"]["flashmla_step"]
+        assert step["layers"] == 2 and step["step_ms"] == pytest.approx(2 * step["ms"])
+        # The C++ model and the reference compute the same attention (bf16 outputs).
+        assert p["checks"]["max_abs_diff_vs_reference"] < 2e-2
+        if p["varlen"]:
+            assert p["sum_s_k"] != p["batch"] * p["mean_s_k"]
+    markdown = (tmp_path / "grid.md").read_text()
+    assert "| fixed | 1 | 16 | 64 |" in markdown and "| varlen | 2 | 16 | 128 |" in markdown
+    assert "Pure-JAX reference / jax_flashmla: median" in markdown
+    for metric in ("gbps", "tflops"):
+        png = (tmp_path / f"grid_{metric}.png").read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert "[8/8" in stdout
+
+
+def test_a_deadline_leaves_a_report_that_resume_completes(tmp_path):
+    """Past --deadline-s no point starts, and the report says which were not run; --resume
+    then runs only those, keeping the first run's copy ceiling."""
+    flags = ["--s-k", "64", "--varlen", "false", "--impl", "reference"]
+    results, _ = _run(tmp_path, "--deadline-s", "0", *flags)
+    assert results["points"] == []
+    assert [(p["mean_s_k"], p["s_q"]) for p in results["not_run"]] == [(64, 1), (64, 2)]
+    assert "Not run (deadline): 2 points" in (tmp_path / "grid.md").read_text()
+    resumed, stdout = _run(tmp_path, "--resume", *flags)
+    assert [(p["mean_s_k"], p["s_q"]) for p in resumed["points"]] == [(64, 1), (64, 2)]
+    assert not resumed["not_run"] and resumed["meta"]["copy"] == results["meta"]["copy"]
+    assert "[2/2" in stdout
