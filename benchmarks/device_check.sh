@@ -4,6 +4,7 @@
 # .device/kernels (carried with the call). Logs and JSON go under $OUT (or ./device-out).
 #   bash benchmarks/device_check.sh tests   # build, then every GPU-relevant test, skips failing
 #   bash benchmarks/device_check.sh bench   # the benchmarks and the served example
+#   bash benchmarks/device_check.sh grid    # FlashMLA's grid (benchmarks/bench_grid.py), ~7 min
 set -uo pipefail
 mode=${1:-tests}
 out=${OUT:-device-out}
@@ -33,10 +34,17 @@ if [ "$mode" = tests ]; then
   site=/tmp/flash_mla_site
   python3 -m pip install -q --no-index --no-deps --target "$site" $kernels/sgl_flash_mla-*.whl
   env -u JAX_FLASHMLA_KERNEL_LIBRARY PYTHONPATH=$site timeout 120 python3 -m pytest -q \
-    -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$out/pytest_flash_mla.txt" | tail -3
+    -p no:cacheprovider tests/test_gpu.py tests/test_gpu_fp8.py 2>&1 \
+    | tee "$out/pytest_flash_mla.txt" | tail -3
+elif [ "$mode" = grid ]; then
+  # Writes its JSON and markdown after every point; --resume finishes a partial run.
+  timeout 500 python3 benchmarks/bench_grid.py --deadline-s 420 --out-dir "$out" \
+    > "$out/grid_log.txt" 2>&1
+  tail -c 4000 "$out/grid_log.txt"
 else
   timeout 200 python3 benchmarks/bench_decode.py --out "$out/bench_decode.json" 2>&1 | tee "$out/bench.txt"
   [ "$ngpu" -ge 2 ] && timeout 90 python3 benchmarks/bench_multi_gpu.py --out "$out/multi_gpu.json" 2>&1 | tail -12
+  timeout 240 python3 benchmarks/bench_fp8.py --out "$out/bench_fp8.json" 2>&1 | tee "$out/bench_fp8.txt"
   timeout 90 python3 benchmarks/bench_write_kv.py 2>&1 | tee "$out/write_kv.txt" | tail -8
   timeout 90 python3 examples/serve_deepseek_mla.py --quiet 2>&1 | tee "$out/serve.txt" | tail -4
 fi

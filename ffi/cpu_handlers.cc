@@ -37,12 +37,13 @@ ffi::Error MlaMetadataCpuImpl(ffi::Buffer<ffi::S32> seq_lens,
   return ffi::Error::Success();
 }
 
-ffi::Error MlaDecodeCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
-                            ffi::Buffer<ffi::S32> block_table, ffi::Buffer<ffi::S32> seq_lens,
-                            ffi::Buffer<ffi::S32> tile_scheduler_metadata,
-                            ffi::Buffer<ffi::S32> num_splits, float softmax_scale, bool causal,
-                            ffi::Result<ffi::AnyBuffer> out,
-                            ffi::ResultBuffer<ffi::F32> lse) {
+// The decode on checked shapes; types and scales come from the handler of each target.
+ffi::Error RunDecode(ffi::AnyBuffer q, ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> block_table,
+                     ffi::Buffer<ffi::S32> seq_lens,
+                     ffi::Buffer<ffi::S32> tile_scheduler_metadata,
+                     ffi::Buffer<ffi::S32> num_splits, float softmax_scale, bool causal,
+                     ElementType in_type, ElementType out_type, float q_scale, float k_scale,
+                     ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::F32> lse) {
   const auto q_dims = q.dimensions();
   const auto kv_dims = kv_cache.dimensions();
   const auto bt_dims = block_table.dimensions();
@@ -53,32 +54,64 @@ ffi::Error MlaDecodeCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
   if (auto err = CheckRank("block_table", bt_dims, 2); err.failure()) return err;
   if (auto err = CheckRank("tile_scheduler_metadata", md_dims, 2); err.failure()) return err;
   if (auto err = CheckRank("out", out_dims, 4); err.failure()) return err;
-  if (q.element_type() != kv_cache.element_type() || q.element_type() != out->element_type())
-    return ffi::Error::InvalidArgument("q, kv_cache and out must share one dtype");
-  HalfType dtype;
-  if (q.element_type() == ffi::DataType::BF16) {
-    dtype = HalfType::kBFloat16;
-  } else if (q.element_type() == ffi::DataType::F16) {
-    dtype = HalfType::kFloat16;
-  } else {
-    return ffi::Error::InvalidArgument("q must be bfloat16 or float16");
-  }
-  const DecodeProblem problem{dtype,       q_dims[0],  q_dims[1],     q_dims[2],
-                              q_dims[3],   out_dims[3], kv_dims[0],   bt_dims[1],
-                              md_dims[0],  softmax_scale, causal};
+  DecodeProblem problem{in_type,    out_type,    q_dims[0],  q_dims[1],     q_dims[2],
+                        q_dims[3],  out_dims[3], kv_dims[0], bt_dims[1],    md_dims[0],
+                        softmax_scale, causal};
+  problem.q_scale = q_scale;
+  problem.k_scale = k_scale;
   if (kv_dims[1] != kPageSize || kv_dims[2] != 1 || kv_dims[3] != problem.head_dim ||
       bt_dims[0] != problem.batch || static_cast<int64_t>(seq_lens.element_count()) != problem.batch ||
       static_cast<int64_t>(num_splits.element_count()) != problem.batch + 1 || md_dims[1] != kMetadataFields ||
       problem.head_dim_v > problem.head_dim)
     return ffi::Error::InvalidArgument("mla_decode operands have inconsistent shapes");
   const std::string message = DecodeReference(
-      problem, static_cast<const uint16_t*>(q.untyped_data()),
-      static_cast<const uint16_t*>(kv_cache.untyped_data()), block_table.typed_data(),
+      problem, q.untyped_data(), kv_cache.untyped_data(), block_table.typed_data(),
       seq_lens.typed_data(),
       reinterpret_cast<const SchedulerRow*>(tile_scheduler_metadata.typed_data()),
-      num_splits.typed_data(), static_cast<uint16_t*>(out->untyped_data()), lse->typed_data());
+      num_splits.typed_data(), out->untyped_data(), lse->typed_data());
   if (!message.empty()) return ffi::Error::InvalidArgument(message);
   return ffi::Error::Success();
+}
+
+ffi::Error MlaDecodeCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
+                            ffi::Buffer<ffi::S32> block_table, ffi::Buffer<ffi::S32> seq_lens,
+                            ffi::Buffer<ffi::S32> tile_scheduler_metadata,
+                            ffi::Buffer<ffi::S32> num_splits, float softmax_scale, bool causal,
+                            ffi::Result<ffi::AnyBuffer> out,
+                            ffi::ResultBuffer<ffi::F32> lse) {
+  if (q.element_type() != kv_cache.element_type() || q.element_type() != out->element_type())
+    return ffi::Error::InvalidArgument("q, kv_cache and out must share one dtype");
+  ElementType dtype;
+  if (q.element_type() == ffi::DataType::BF16) {
+    dtype = ElementType::kBFloat16;
+  } else if (q.element_type() == ffi::DataType::F16) {
+    dtype = ElementType::kFloat16;
+  } else {
+    return ffi::Error::InvalidArgument("q must be bfloat16 or float16");
+  }
+  return RunDecode(q, kv_cache, block_table, seq_lens, tile_scheduler_metadata, num_splits,
+                   softmax_scale, causal, dtype, dtype, 1.f, 1.f, out, lse);
+}
+
+// FlashMLA's FP8 decode: q and the cache in e4m3fn with per-tensor scales of shape (1,)
+// (the kernel's descale_q, descale_k), out bfloat16.
+ffi::Error MlaDecodeFp8CpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
+                               ffi::Buffer<ffi::S32> block_table, ffi::Buffer<ffi::S32> seq_lens,
+                               ffi::Buffer<ffi::S32> tile_scheduler_metadata,
+                               ffi::Buffer<ffi::S32> num_splits, ffi::Buffer<ffi::F32> descale_q,
+                               ffi::Buffer<ffi::F32> descale_k, float softmax_scale, bool causal,
+                               ffi::Result<ffi::AnyBuffer> out,
+                               ffi::ResultBuffer<ffi::F32> lse) {
+  if (q.element_type() != ffi::DataType::F8E4M3FN ||
+      kv_cache.element_type() != ffi::DataType::F8E4M3FN)
+    return ffi::Error::InvalidArgument("q and kv_cache of the FP8 decode must be float8_e4m3fn");
+  if (descale_q.element_count() != 1 || descale_k.element_count() != 1)
+    return ffi::Error::InvalidArgument("descale_q and descale_k must have one element each");
+  if (out->element_type() != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("out of the FP8 decode must be bfloat16");
+  return RunDecode(q, kv_cache, block_table, seq_lens, tile_scheduler_metadata, num_splits,
+                   softmax_scale, causal, ElementType::kFloat8E4M3FN, ElementType::kBFloat16,
+                   descale_q.typed_data()[0], descale_k.typed_data()[0], out, lse);
 }
 
 }  // namespace
@@ -101,5 +134,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaDecodeCpu, MlaDecodeCpuImpl,
                                   .Attr<bool>("causal")
                                   .Ret<ffi::AnyBuffer>()            // out
                                   .Ret<ffi::Buffer<ffi::F32>>());   // lse
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaDecodeFp8Cpu, MlaDecodeFp8CpuImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()              // q
+                                  .Arg<ffi::AnyBuffer>()              // kv_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()       // block_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()       // seq_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()       // tile_scheduler_metadata
+                                  .Arg<ffi::Buffer<ffi::S32>>()       // num_splits
+                                  .Arg<ffi::Buffer<ffi::F32>>()       // descale_q
+                                  .Arg<ffi::Buffer<ffi::F32>>()       // descale_k
+                                  .Attr<float>("softmax_scale")
+                                  .Attr<bool>("causal")
+                                  .Ret<ffi::AnyBuffer>()              // out
+                                  .Ret<ffi::Buffer<ffi::F32>>());     // lse
 
 }  // namespace jax_flashmla

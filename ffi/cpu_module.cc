@@ -13,6 +13,7 @@ NB_MODULE(_cpu, m) {
   m.def("registrations", []() {
     nb::dict targets;
     targets["jax_flashmla_mla_decode"] = EncapsulateFfiHandler(kMlaDecodeCpu);
+    targets["jax_flashmla_mla_decode_fp8"] = EncapsulateFfiHandler(kMlaDecodeFp8Cpu);
     targets["jax_flashmla_mla_metadata"] = EncapsulateFfiHandler(kMlaMetadataCpu);
     return targets;
   });

@@ -6,6 +6,7 @@
 #include <exception>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -18,10 +19,6 @@ namespace ffi = xla::ffi;
 
 namespace jax_flashmla {
 namespace {
-
-// FlashMLA writes 7 fields of each 8-int scheduler row; the last is never written, so it is
-// zeroed to keep XLA's buffer deterministic.
-constexpr int64_t kUnwrittenMetadataField = 7;
 
 at::Tensor Wrap(ffi::AnyBuffer buffer, int device) {
   return WrapBuffer(buffer.untyped_data(), buffer.dimensions(), buffer.element_type(), device);
@@ -51,7 +48,7 @@ ffi::Error OnXlaStream(cudaStream_t stream, int32_t device, std::string_view wha
 ffi::Error MlaMetadataCudaImpl(cudaStream_t stream, int32_t device,
                                ffi::Buffer<ffi::S32> seq_lens, std::string_view op,
                                int64_t num_q_tokens_per_head_k, int64_t num_heads_k,
-                               int64_t num_heads_q,
+                               int64_t num_heads_q, int64_t written_fields,
                                ffi::ResultBuffer<ffi::S32> tile_scheduler_metadata,
                                ffi::ResultBuffer<ffi::S32> num_splits) {
   return OnXlaStream(stream, device, op, [&] {
@@ -65,9 +62,36 @@ ffi::Error MlaMetadataCudaImpl(cudaStream_t stream, int32_t device,
     if (results.size() < 2) throw std::runtime_error("expected (metadata, num_splits)");
     const at::Tensor metadata = Wrap(*tile_scheduler_metadata, device);
     CopyToResult(results[0], metadata, "tile_scheduler_metadata");
-    metadata.select(1, kUnwrittenMetadataField).zero_();
+    // The scheduler leaves the row's last fields unwritten (uninitialised memory from torch's
+    // allocator); zeroing them keeps XLA's buffer deterministic.
+    metadata.narrow(1, written_fields, metadata.size(1) - written_fields).zero_();
     CopyToResult(results[1], Wrap(*num_splits, device), "num_splits");
   });
+}
+
+// The arguments both decode ops take.
+OpArgs DecodeArgs(int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
+                  ffi::Buffer<ffi::S32> block_table, ffi::Buffer<ffi::S32> seq_lens,
+                  ffi::Buffer<ffi::S32> tile_scheduler_metadata, ffi::Buffer<ffi::S32> num_splits,
+                  float softmax_scale, bool causal, int64_t head_dim_v) {
+  OpArgs args;
+  Slot(args, OpArg::kQ) = Wrap(q, device);
+  Slot(args, OpArg::kKvCache) = Wrap(kv_cache, device);
+  Slot(args, OpArg::kHeadDimV) = head_dim_v;
+  Slot(args, OpArg::kSeqLens) = Wrap(seq_lens, device);
+  Slot(args, OpArg::kBlockTable) = Wrap(block_table, device);
+  Slot(args, OpArg::kSoftmaxScale) = static_cast<double>(softmax_scale);
+  Slot(args, OpArg::kCausal) = causal;
+  Slot(args, OpArg::kTileSchedulerMetadata) = Wrap(tile_scheduler_metadata, device);
+  Slot(args, OpArg::kNumSplits) = Wrap(num_splits, device);
+  return args;
+}
+
+void CopyDecodeResults(const std::vector<at::Tensor>& results, int32_t device,
+                       ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::F32> lse) {
+  if (results.size() < 2) throw std::runtime_error("expected (out, lse)");
+  CopyToResult(results[0], Wrap(*out, device), "out");
+  CopyToResult(results[1], Wrap(*lse, device), "lse");
 }
 
 ffi::Error MlaDecodeCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
@@ -78,21 +102,30 @@ ffi::Error MlaDecodeCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer
                              float softmax_scale, bool causal, ffi::Result<ffi::AnyBuffer> out,
                              ffi::ResultBuffer<ffi::F32> lse) {
   return OnXlaStream(stream, device, op, [&] {
-    OpArgs args;
-    Slot(args, OpArg::kQ) = Wrap(q, device);
-    Slot(args, OpArg::kKvCache) = Wrap(kv_cache, device);
-    Slot(args, OpArg::kHeadDimV) = out->dimensions().back();
-    Slot(args, OpArg::kSeqLens) = Wrap(seq_lens, device);
-    Slot(args, OpArg::kBlockTable) = Wrap(block_table, device);
-    Slot(args, OpArg::kSoftmaxScale) = static_cast<double>(softmax_scale);
-    Slot(args, OpArg::kCausal) = causal;
-    Slot(args, OpArg::kTileSchedulerMetadata) = Wrap(tile_scheduler_metadata, device);
-    Slot(args, OpArg::kNumSplits) = Wrap(num_splits, device);
+    OpArgs args = DecodeArgs(device, q, kv_cache, block_table, seq_lens, tile_scheduler_metadata,
+                             num_splits, softmax_scale, causal, out->dimensions().back());
     Slot(args, OpArg::kIsFp8) = false;
-    const auto results = CallTorchOp(op, args);
-    if (results.size() < 2) throw std::runtime_error("expected (out, lse)");
-    CopyToResult(results[0], Wrap(*out, device), "out");
-    CopyToResult(results[1], Wrap(*lse, device), "lse");
+    CopyDecodeResults(CallTorchOp(op, args), device, out, lse);
+  });
+}
+
+// FlashMLA's dense FP8 decode (fwd_kvcache_mla_fp8): q and the cache in e4m3fn, the per-tensor
+// scales as (1,) float32 buffers on the device, out bfloat16.
+ffi::Error MlaDecodeFp8CudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
+                                ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> block_table,
+                                ffi::Buffer<ffi::S32> seq_lens,
+                                ffi::Buffer<ffi::S32> tile_scheduler_metadata,
+                                ffi::Buffer<ffi::S32> num_splits, ffi::Buffer<ffi::F32> descale_q,
+                                ffi::Buffer<ffi::F32> descale_k, std::string_view op,
+                                float softmax_scale, bool causal,
+                                ffi::Result<ffi::AnyBuffer> out,
+                                ffi::ResultBuffer<ffi::F32> lse) {
+  return OnXlaStream(stream, device, op, [&] {
+    OpArgs args = DecodeArgs(device, q, kv_cache, block_table, seq_lens, tile_scheduler_metadata,
+                             num_splits, softmax_scale, causal, out->dimensions().back());
+    Slot(args, OpArg::kDescaleQ) = Wrap(descale_q, device);
+    Slot(args, OpArg::kDescaleK) = Wrap(descale_k, device);
+    CopyDecodeResults(CallTorchOp(op, args), device, out, lse);
   });
 }
 
@@ -107,6 +140,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaMetadataCuda, MlaMetadataCudaImpl,
                                   .Attr<int64_t>("num_q_tokens_per_head_k")
                                   .Attr<int64_t>("num_heads_k")
                                   .Attr<int64_t>("num_heads_q")
+                                  .Attr<int64_t>("written_fields")
                                   .Ret<ffi::Buffer<ffi::S32>>()     // tile_scheduler_metadata
                                   .Ret<ffi::Buffer<ffi::S32>>());   // num_splits
 
@@ -120,6 +154,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaDecodeCuda, MlaDecodeCudaImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()     // seq_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()     // tile_scheduler_metadata
                                   .Arg<ffi::Buffer<ffi::S32>>()     // num_splits
+                                  .Attr<std::string_view>("op")
+                                  .Attr<float>("softmax_scale")
+                                  .Attr<bool>("causal")
+                                  .Ret<ffi::AnyBuffer>()            // out
+                                  .Ret<ffi::Buffer<ffi::F32>>());   // lse
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaDecodeFp8Cuda, MlaDecodeFp8CudaImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()            // q
+                                  .Arg<ffi::AnyBuffer>()            // kv_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // block_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // seq_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // tile_scheduler_metadata
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // num_splits
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // descale_q
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // descale_k
                                   .Attr<std::string_view>("op")
                                   .Attr<float>("softmax_scale")
                                   .Attr<bool>("causal")

@@ -8,6 +8,7 @@
 namespace jax_flashmla {
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaDecodeCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaDecodeFp8Cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaMetadataCuda);
 
 }  // namespace jax_flashmla

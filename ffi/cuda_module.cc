@@ -14,6 +14,7 @@ NB_MODULE(_cuda, m) {
   m.def("registrations", []() {
     nb::dict targets;
     targets["jax_flashmla_mla_decode"] = EncapsulateFfiHandler(kMlaDecodeCuda);
+    targets["jax_flashmla_mla_decode_fp8"] = EncapsulateFfiHandler(kMlaDecodeFp8Cuda);
     targets["jax_flashmla_mla_metadata"] = EncapsulateFfiHandler(kMlaMetadataCuda);
     return targets;
   });

@@ -15,8 +15,8 @@ constexpr int64_t kPieceOverheadBlocks = 5;
 
 int64_t NumBlocks(int32_t seq_len) { return (std::max<int32_t>(seq_len, 0) + kPageSize - 1) / kPageSize; }
 
-float HalfToFloat(uint16_t bits, HalfType type) {
-  if (type == HalfType::kBFloat16) {
+float HalfToFloat(uint16_t bits, ElementType type) {
+  if (type == ElementType::kBFloat16) {
     uint32_t word = static_cast<uint32_t>(bits) << 16;
     float value;
     std::memcpy(&value, &word, sizeof(value));
@@ -27,8 +27,8 @@ float HalfToFloat(uint16_t bits, HalfType type) {
   return static_cast<float>(half);
 }
 
-uint16_t FloatToHalf(float value, HalfType type) {
-  if (type == HalfType::kBFloat16) {
+uint16_t FloatToHalf(float value, ElementType type) {
+  if (type == ElementType::kBFloat16) {
     uint32_t word;
     std::memcpy(&word, &value, sizeof(word));
     if (std::isnan(value)) return 0x7fc0;
@@ -41,6 +41,13 @@ uint16_t FloatToHalf(float value, HalfType type) {
   return bits;
 }
 
+// Element i of a buffer of q's or the cache's type, as a float (before any scale).
+float LoadElement(const void* base, int64_t i, ElementType type) {
+  if (type == ElementType::kFloat8E4M3FN)
+    return Float8E4M3FNToFloat(static_cast<const uint8_t*>(base)[i]);
+  return HalfToFloat(static_cast<const uint16_t*>(base)[i], type);
+}
+
 // Online-softmax state of one (query token, head) over the keys seen so far.
 struct RowState {
   float max = -std::numeric_limits<float>::infinity();
@@ -48,6 +55,15 @@ struct RowState {
 };
 
 }  // namespace
+
+float Float8E4M3FNToFloat(uint8_t bits) {
+  const float sign = (bits & 0x80) ? -1.f : 1.f;
+  const int exponent = (bits >> 3) & 0xf;
+  const int mantissa = bits & 0x7;
+  if (exponent == 0xf && mantissa == 0x7) return std::numeric_limits<float>::quiet_NaN();
+  if (exponent == 0) return sign * std::ldexp(static_cast<float>(mantissa), -9);  // m/8 * 2^-6
+  return sign * std::ldexp(static_cast<float>(8 + mantissa), exponent - 10);   // (1 + m/8) * 2^(e-7)
+}
 
 void ScheduleDecode(const int32_t* seq_lens, int64_t batch, int64_t num_parts,
                     SchedulerRow* rows, int32_t* num_splits) {
@@ -104,9 +120,9 @@ void ScheduleDecode(const int32_t* seq_lens, int64_t batch, int64_t num_parts,
   for (int64_t r = 0; r < batch; ++r) num_splits[r + 1] = num_splits[r] + splits_of[r];
 }
 
-std::string DecodeReference(const DecodeProblem& p, const uint16_t* q, const uint16_t* kv_cache,
+std::string DecodeReference(const DecodeProblem& p, const void* q, const void* kv_cache,
                             const int32_t* block_table, const int32_t* seq_lens,
-                            const SchedulerRow* rows, const int32_t* num_splits, uint16_t* out,
+                            const SchedulerRow* rows, const int32_t* num_splits, void* out,
                             float* lse) {
   const int64_t rows_per_req = p.seqlen_q * p.heads_q;  // (query token, head) pairs
   const int64_t total_splits = num_splits[p.batch];
@@ -137,7 +153,7 @@ std::string DecodeReference(const DecodeProblem& p, const uint16_t* q, const uin
       if (split >= num_splits[r + 1]) return "tile_scheduler_metadata does not match num_splits";
 
       for (int64_t i = 0; i < rows_per_req * p.head_dim; ++i)
-        q_req[i] = HalfToFloat(q[r * rows_per_req * p.head_dim + i], p.dtype);
+        q_req[i] = LoadElement(q, r * rows_per_req * p.head_dim + i, p.in_type) * p.q_scale;
       std::fill(state.begin(), state.end(), RowState{});
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t b = first; b < last; ++b) {
@@ -148,7 +164,7 @@ std::string DecodeReference(const DecodeProblem& p, const uint16_t* q, const uin
                  std::to_string(p.num_pages) + ")";
         const int64_t tokens = std::min<int64_t>(kPageSize, seq_lens[r] - b * kPageSize);
         for (int64_t t = 0; t < tokens * p.head_dim; ++t)
-          key[t] = HalfToFloat(kv_cache[page * kPageSize * p.head_dim + t], p.dtype);
+          key[t] = LoadElement(kv_cache, page * kPageSize * p.head_dim + t, p.in_type) * p.k_scale;
         for (int64_t qi = 0; qi < p.seqlen_q; ++qi) {
           const int64_t visible = p.causal ? seq_lens[r] - p.seqlen_q + qi + 1 : seq_lens[r];
           const int64_t n = std::min<int64_t>(tokens, visible - b * kPageSize);
@@ -204,8 +220,8 @@ std::string DecodeReference(const DecodeProblem& p, const uint16_t* q, const uin
           for (float& c : combined) c /= weight_sum;
           row_lse = max_lse + std::log(weight_sum);
         }
-        uint16_t* dst = &out[(r * rows_per_req + idx) * p.head_dim_v];
-        for (int64_t d = 0; d < p.head_dim_v; ++d) dst[d] = FloatToHalf(combined[d], p.dtype);
+        uint16_t* dst = static_cast<uint16_t*>(out) + (r * rows_per_req + idx) * p.head_dim_v;
+        for (int64_t d = 0; d < p.head_dim_v; ++d) dst[d] = FloatToHalf(combined[d], p.out_type);
         lse[(r * p.heads_q + h) * p.seqlen_q + qi] = row_lse;
       }
     }

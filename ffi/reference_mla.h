@@ -35,25 +35,36 @@ static_assert(sizeof(SchedulerRow) == kMetadataFields * sizeof(int32_t));
 void ScheduleDecode(const int32_t* seq_lens, int64_t batch, int64_t num_parts,
                     SchedulerRow* rows, int32_t* num_splits);
 
-enum class HalfType { kBFloat16, kFloat16 };
+// Element types of q, the cache and out. kFloat8E4M3FN is FlashMLA's FP8 decode: q and the
+// cache in e4m3fn (1 sign, 4 exponent bits of bias 7, 3 mantissa bits, no infinity), each
+// with a per-tensor scale, and out in bfloat16.
+enum class ElementType { kBFloat16, kFloat16, kFloat8E4M3FN };
 
 struct DecodeProblem {
-  HalfType dtype;
+  ElementType in_type;  // of q and kv_cache
+  ElementType out_type;
   int64_t batch, seqlen_q, heads_q, head_dim, head_dim_v;
   int64_t num_pages, max_pages;
   int64_t num_parts;
   float softmax_scale;
   bool causal;
+  // An element of q (of the cache) stands for its stored value times q_scale (k_scale): the
+  // FP8 kernel's descale_q and descale_k; 1 for bfloat16 and float16.
+  float q_scale = 1.f;
+  float k_scale = 1.f;
 };
+
+// The value of an e4m3fn byte (NaN for 0x7f and 0xff).
+float Float8E4M3FNToFloat(uint8_t bits);
 
 // Runs the decode. Inputs are row-major: q (batch, seqlen_q, heads_q, head_dim),
 // kv_cache (num_pages, 64, 1, head_dim), block_table (batch, max_pages),
 // seq_lens (batch), rows (num_parts), num_splits (batch + 1). Outputs: out
 // (batch, seqlen_q, heads_q, head_dim_v), lse (batch, heads_q, seqlen_q).
 // Returns an empty string on success, otherwise what was wrong with the inputs.
-std::string DecodeReference(const DecodeProblem& p, const uint16_t* q, const uint16_t* kv_cache,
+std::string DecodeReference(const DecodeProblem& p, const void* q, const void* kv_cache,
                             const int32_t* block_table, const int32_t* seq_lens,
-                            const SchedulerRow* rows, const int32_t* num_splits, uint16_t* out,
+                            const SchedulerRow* rows, const int32_t* num_splits, void* out,
                             float* lse);
 
 }  // namespace jax_flashmla

@@ -40,6 +40,8 @@ OpArg ArgForName(std::string_view name, bool* known) {
       {"num_heads_k", OpArg::kNumHeadsK},
       {"h_q", OpArg::kNumHeadsQ},
       {"num_heads_q", OpArg::kNumHeadsQ},
+      {"descale_q", OpArg::kDescaleQ},
+      {"descale_k", OpArg::kDescaleK},
   };
   auto it = kNames.find(name);
   *known = it != kNames.end();

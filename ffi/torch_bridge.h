@@ -32,6 +32,8 @@ enum class OpArg {
   kQTokensPerHeadK,
   kNumHeadsK,
   kNumHeadsQ,
+  kDescaleQ,  // the FP8 decode's per-tensor scales of q and the cache
+  kDescaleK,
   kCount,
 };
 

@@ -7,6 +7,9 @@ copies nothing). Slots outside [0, num_tokens) are dropped, never wrapped or cla
 another token; token_slots maps every position it cannot place to INVALID_SLOT (-1).
 On CPU a bfloat16 cache is written row by row instead (still in place, but each row costs a
 pass over the cache there): XLA:CPU would run a bf16 scatter in float32 on a copy.
+A float8_e4m3fn cache (FlashMLA's FP8 decode) stores rows quantized with the layer's scale,
+as SGLang's scaled_fp8_quant does; the scale is the caller's, passed to write_kv and
+mla_decode.
 """
 import dataclasses
 import functools
@@ -15,11 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flashmla import validation
+from jax_flashmla import fp8, validation
 from jax_flashmla.validation import HEAD_DIM, HEAD_DIM_V, PAGE_SIZE
 
 ROPE_DIM = HEAD_DIM - HEAD_DIM_V  # 64-d decoupled rope key after the 512-d latent
 INVALID_SLOT = -1
+CACHE_DTYPES = validation.SUPPORTED_DTYPES + (validation.FP8_DTYPE,)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["data"], meta_fields=[])
@@ -28,8 +32,9 @@ class PagedKVCache:
     """One layer's paged MLA KV cache.
 
     Attributes:
-      data: (num_pages, 64, 1, 576) bfloat16 or float16, FlashMLA's layout: page, offset in
-        page, the single latent KV head, then the 512-d latent (also V) and the 64-d rope key.
+      data: (num_pages, 64, 1, 576) bfloat16, float16 or float8_e4m3fn, FlashMLA's layout:
+        page, offset in page, the single latent KV head, then the 512-d latent (also V) and the
+        64-d rope key.
 
     A pytree, so it passes through jit, scan and donation like its array.
     """
@@ -42,8 +47,9 @@ class PagedKVCache:
         if not isinstance(num_pages, (int, np.integer)) or num_pages < 1:
             raise ValueError(f"PagedKVCache.create: num_pages must be a positive int; "
                              f"got {num_pages!r}")
-        if np.dtype(dtype) not in validation.SUPPORTED_DTYPES:
-            raise TypeError(f"PagedKVCache.create: dtype must be bfloat16 or float16; got {dtype}")
+        if np.dtype(dtype) not in CACHE_DTYPES:
+            raise TypeError(f"PagedKVCache.create: dtype must be bfloat16, float16 or "
+                            f"float8_e4m3fn; got {dtype}")
         return cls(jnp.zeros((int(num_pages), PAGE_SIZE, 1, HEAD_DIM), dtype))
 
     @property
@@ -74,8 +80,9 @@ def cache_array(kv_cache, where="write_kv"):
     if data.ndim != 4 or data.shape[1:] != (PAGE_SIZE, 1, HEAD_DIM):
         raise ValueError(f"{where}: kv_cache must have shape (num_pages, {PAGE_SIZE}, 1, "
                          f"{HEAD_DIM}); got {tuple(data.shape)}")
-    if np.dtype(data.dtype) not in validation.SUPPORTED_DTYPES:
-        raise TypeError(f"{where}: kv_cache must be bfloat16 or float16; got {data.dtype}")
+    if np.dtype(data.dtype) not in CACHE_DTYPES:
+        raise TypeError(f"{where}: kv_cache must be bfloat16, float16 or float8_e4m3fn; "
+                        f"got {data.dtype}")
     return data
 
 
@@ -119,7 +126,19 @@ def _write_rows_loop(data, slots, rows):
     return jax.lax.fori_loop(0, jnp.sum(valid), write_one, data)
 
 
-def write_kv(kv_cache, slots, *, latent=None, rope=None, kv=None):
+def _to_cache_dtype(rows, dtype, scale):
+    if np.dtype(dtype) == validation.FP8_DTYPE:
+        if scale is None:
+            raise TypeError("write_kv: a float8_e4m3fn kv_cache needs scale, its float32 scale of "
+                            "shape () or (1,)")
+        validation.check_scale("write_kv", "scale", scale)
+        return fp8.quantize(rows, jnp.asarray(scale))
+    if scale is not None:
+        raise TypeError(f"write_kv: scale is only for a float8_e4m3fn kv_cache; kv_cache is {dtype}")
+    return rows.astype(dtype)
+
+
+def write_kv(kv_cache, slots, *, latent=None, rope=None, kv=None, scale=None):
     """Stores new tokens' KV rows at their slots.
 
     Args:
@@ -129,6 +148,8 @@ def write_kv(kv_cache, slots, *, latent=None, rope=None, kv=None):
         slots in one call store one of their rows, which one is unspecified (as in XLA scatter).
       latent: S + (512,) latent (the V part), with rope: S + (64,) rope key; or
       kv: S + (576,) whole rows. Cast to the cache's dtype.
+      scale: with a float8_e4m3fn cache (and only then), its float32 scale of shape () or (1,):
+        rows are stored as rows / scale, saturated at +-448 (jax_flashmla/fp8.py).
 
     Returns:
       The updated cache, of kv_cache's kind (PagedKVCache or array). Under
@@ -139,13 +160,19 @@ def write_kv(kv_cache, slots, *, latent=None, rope=None, kv=None):
     validation.check_int32("write_kv", "slots", slots)
     parts = _rows(slots.shape, latent, rope, kv)
     rows = jnp.concatenate([x.reshape(-1, width) for _, x, width in parts], axis=-1)
-    rows = rows.astype(data.dtype)
+    rows = _to_cache_dtype(rows, data.dtype, scale)
     capacity = data.shape[0] * PAGE_SIZE
     flat_slots = slots.reshape(-1)
     # jnp indexing wraps negative indices before mode="drop" applies, so -1 would land on the
     # last token: send every invalid slot to `capacity`, past the end, where writes drop.
     flat_slots = jnp.where((flat_slots >= 0) & (flat_slots < capacity), flat_slots, capacity)
-    if data.dtype == jnp.bfloat16:
+    if np.dtype(data.dtype) == validation.FP8_DTYPE:
+        # XLA:CPU would scatter float8 in float16 on a converted copy of the whole cache; the
+        # same bytes as uint8 scatter natively (in place) everywhere.
+        as_bytes = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint8)
+        new = jax.lax.bitcast_convert_type(
+            _write_rows_scatter(as_bytes(data), flat_slots, as_bytes(rows)), data.dtype)
+    elif data.dtype == jnp.bfloat16:
         # XLA:CPU runs a bfloat16 scatter in float32, converting (so copying) the whole cache;
         # there a loop of dynamic_update_slice is the in-place write. GPUs scatter bf16 natively.
         new = jax.lax.platform_dependent(data, flat_slots, rows, cpu=_write_rows_loop,

@@ -30,11 +30,14 @@ class KernelLibrary:
 
 @dataclasses.dataclass(frozen=True)
 class KernelOps:
-    """Qualified torch op names the CUDA handlers call; their schemas are read at run time."""
+    """Qualified torch op names the CUDA handlers call; their schemas are read at run time.
+    decode_fp8 and metadata_fp8 (the dense FP8 decode) are None where the library has none."""
 
     decode: str
     metadata: str
     library: KernelLibrary
+    decode_fp8: str | None = None
+    metadata_fp8: str | None = None
 
 
 def _package_dir(name):
@@ -74,6 +77,17 @@ def _first_registered(namespace, names):
     raise RuntimeError(f"none of torch.ops.{namespace}.{{{', '.join(names)}}} is registered")
 
 
+def _fp8_ops(namespace):
+    """The dense FP8 decode and its scheduler, both or neither."""
+    import torch
+
+    ops = getattr(torch.ops, namespace)
+    if hasattr(ops, "fwd_kvcache_mla_fp8") and hasattr(ops, "get_mla_decoding_metadata_dense_fp8"):
+        return dict(decode_fp8=f"{namespace}::fwd_kvcache_mla_fp8",
+                    metadata_fp8=f"{namespace}::get_mla_decoding_metadata_dense_fp8")
+    return {}
+
+
 @functools.cache
 def load_kernels():
     """Loads FlashMLA's torch ops into this process (imports torch) and names them."""
@@ -91,11 +105,11 @@ def load_kernels():
         return KernelOps(
             decode=_first_registered("flash_mla_legacy", ["dense_decode_fwd", "fwd_kvcache_mla"]),
             metadata=_first_registered("flash_mla_legacy", ["get_mla_decoding_metadata"]),
-            library=library)
+            library=library, **_fp8_ops("flash_mla_legacy"))
     torch.ops.load_library(library.path)
     return KernelOps(decode=_first_registered("sgl_kernel", ["fwd_kvcache_mla"]),
                      metadata=_first_registered("sgl_kernel", ["get_mla_decoding_metadata"]),
-                     library=library)
+                     library=library, **_fp8_ops("sgl_kernel"))
 
 
 def _hopper_gpus():

@@ -3,6 +3,10 @@
 On CUDA the custom call runs FlashMLA's kernels (jax_flashmla/kernels.py finds and loads them,
 and registers the CUDA targets, when a CUDA lowering first happens); on CPU it runs the C++
 model of FlashMLA in ffi/reference_mla.cc. vmap maps sequentially over the batched axis.
+
+The decode primitive takes two more operands for FlashMLA's FP8 decode, descale_q and
+descale_k ((1,) float32), with q and the cache in float8_e4m3fn; it then lowers to its own
+target (the FP8 op takes the scales as tensors) and its out is bfloat16.
 """
 import functools
 
@@ -16,6 +20,7 @@ from jax_flashmla import _cpu, kernels, validation
 from jax_flashmla.validation import METADATA_FIELDS
 
 DECODE_TARGET = "jax_flashmla_mla_decode"
+DECODE_FP8_TARGET = "jax_flashmla_mla_decode_fp8"
 METADATA_TARGET = "jax_flashmla_mla_metadata"
 
 for _name, _capsule in _cpu.registrations().items():
@@ -35,38 +40,64 @@ mla_decode_p.def_impl(functools.partial(_impl, mla_decode_p))
 mla_metadata_p.def_impl(functools.partial(_impl, mla_metadata_p))
 
 
+# Scheduler-row fields FlashMLA writes (the rest are zeroed by the CUDA handler): the bf16
+# scheduler 7 (requests, blocks, split, first/last split flags); the FP8 decode's scheduler,
+# FlashMLA's original one, 5 (begin request and token, end request and token, begin split).
+WRITTEN_METADATA_FIELDS = 7
+WRITTEN_METADATA_FIELDS_FP8 = 5
+
+
 @mla_decode_p.def_abstract_eval
 def _decode_abstract(q, kv_cache, block_table, seq_lens, tile_scheduler_metadata, num_splits,
-                     *, softmax_scale, causal, head_dim_v):
+                     *descales, softmax_scale, causal, head_dim_v):
     batch, s_q, h_q, _ = q.shape
-    return (jax.core.ShapedArray((batch, s_q, h_q, head_dim_v), q.dtype),
+    out_dtype = jnp.bfloat16 if descales else q.dtype
+    return (jax.core.ShapedArray((batch, s_q, h_q, head_dim_v), out_dtype),
             jax.core.ShapedArray((batch, h_q, s_q), jnp.float32))
 
 
 @mla_metadata_p.def_abstract_eval
-def _metadata_abstract(seq_lens, *, num_heads_q, num_q_tokens, num_heads_k, num_sm_parts):
+def _metadata_abstract(seq_lens, *, num_heads_q, num_q_tokens, num_heads_k, num_sm_parts, fp8):
     return (jax.core.ShapedArray((num_sm_parts, METADATA_FIELDS), jnp.int32),
             jax.core.ShapedArray((seq_lens.shape[0] + 1,), jnp.int32))
 
 
+def _is_fp8_decode(args):
+    return len(args) == 8  # the six operands and descale_q, descale_k
+
+
 def _decode_cpu(ctx, *args, softmax_scale, causal, head_dim_v):
-    return jax.ffi.ffi_lowering(DECODE_TARGET)(
+    target = DECODE_FP8_TARGET if _is_fp8_decode(args) else DECODE_TARGET
+    return jax.ffi.ffi_lowering(target)(
         ctx, *args, softmax_scale=np.float32(softmax_scale), causal=bool(causal))
+
+
+def _fp8_op(ops, name):
+    op = getattr(ops, name)
+    if op is None:
+        raise RuntimeError(f"mla_decode: the FlashMLA kernels in {ops.library.path} have no dense "
+                           "FP8 decode (fwd_kvcache_mla_fp8, get_mla_decoding_metadata_dense_fp8)")
+    return op
 
 
 def _decode_cuda(ctx, *args, softmax_scale, causal, head_dim_v):
     ops = kernels.ensure_cuda_targets()
-    return jax.ffi.ffi_lowering(DECODE_TARGET)(
-        ctx, *args, op=ops.decode, softmax_scale=np.float32(softmax_scale), causal=bool(causal))
+    fp8 = _is_fp8_decode(args)
+    return jax.ffi.ffi_lowering(DECODE_FP8_TARGET if fp8 else DECODE_TARGET)(
+        ctx, *args, op=_fp8_op(ops, "decode_fp8") if fp8 else ops.decode,
+        softmax_scale=np.float32(softmax_scale), causal=bool(causal))
 
 
-def _metadata_cpu(ctx, seq_lens, *, num_heads_q, num_q_tokens, num_heads_k, num_sm_parts):
+def _metadata_cpu(ctx, seq_lens, *, num_heads_q, num_q_tokens, num_heads_k, num_sm_parts, fp8):
+    # The C++ model's decode reads its own scheduler's rows, for bf16 and FP8 alike.
     return jax.ffi.ffi_lowering(METADATA_TARGET)(ctx, seq_lens)
 
 
-def _metadata_cuda(ctx, seq_lens, *, num_heads_q, num_q_tokens, num_heads_k, num_sm_parts):
+def _metadata_cuda(ctx, seq_lens, *, num_heads_q, num_q_tokens, num_heads_k, num_sm_parts, fp8):
     ops = kernels.ensure_cuda_targets()
     # FlashMLA's scheduler plans for the GPU's own SM count, whatever num_sms said at trace time.
+    # Its bf16 and FP8 schedulers share the formula (FlashMLA's dense FP8 source); should a
+    # release differ, the handler refuses the result's shape at run time.
     expected = validation.num_sm_parts(kernels.gpu_sm_count(), num_heads_q, num_q_tokens,
                                        num_heads_k)
     if num_sm_parts != expected:
@@ -74,9 +105,10 @@ def _metadata_cuda(ctx, seq_lens, *, num_heads_q, num_q_tokens, num_heads_k, num
             f"get_mla_metadata: traced for {num_sm_parts} SM parts, but FlashMLA on this GPU "
             f"({kernels.gpu_sm_count()} SMs) makes {expected}; leave num_sms unset on GPUs")
     return jax.ffi.ffi_lowering(METADATA_TARGET)(
-        ctx, seq_lens, op=ops.metadata,
+        ctx, seq_lens, op=_fp8_op(ops, "metadata_fp8") if fp8 else ops.metadata,
         num_q_tokens_per_head_k=np.int64(num_q_tokens * num_heads_q // num_heads_k),
-        num_heads_k=np.int64(num_heads_k), num_heads_q=np.int64(num_heads_q))
+        num_heads_k=np.int64(num_heads_k), num_heads_q=np.int64(num_heads_q),
+        written_fields=np.int64(WRITTEN_METADATA_FIELDS_FP8 if fp8 else WRITTEN_METADATA_FIELDS))
 
 
 mlir.register_lowering(mla_decode_p, _decode_cpu, platform="cpu")

@@ -3,8 +3,10 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from jax_flashmla import fp8 as fp8_quant
 from jax_flashmla import kernels, lowering, sharding, validation
 from jax_flashmla.reference import mla_decode_reference
 
@@ -13,7 +15,7 @@ IMPLEMENTATIONS = ("flashmla", "reference")
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["tile_scheduler_metadata", "num_splits"],
-                   meta_fields=["num_heads_q", "num_q_tokens", "num_heads_k"])
+                   meta_fields=["num_heads_q", "num_q_tokens", "num_heads_k", "fp8"])
 @dataclasses.dataclass(frozen=True)
 class MLAMetadata:
     """FlashMLA's split-KV schedule for one decode step, shared by every layer of the step.
@@ -22,6 +24,7 @@ class MLAMetadata:
       tile_scheduler_metadata: (num_sm_parts, 8) int32, one row of work per SM part.
       num_splits: (batch + 1,) int32, prefix sums of the number of KV splits per request.
       num_heads_q, num_q_tokens, num_heads_k: the layout it was computed for (static).
+      fp8: made by the FP8 decode's scheduler, for a float8_e4m3fn cache (static).
     """
 
     tile_scheduler_metadata: jax.Array
@@ -29,6 +32,7 @@ class MLAMetadata:
     num_heads_q: int
     num_q_tokens: int
     num_heads_k: int
+    fp8: bool = False
 
 
 def _resolve(implementation):
@@ -46,7 +50,7 @@ def _default_num_sms():
 
 
 def get_mla_metadata(seq_lens, *, num_heads_q, num_q_tokens=1, num_heads_k=1, num_sms=None,
-                     implementation=None):
+                     implementation=None, fp8=False):
     """Computes FlashMLA's tile-scheduler metadata for one decode step.
 
     Args:
@@ -58,6 +62,9 @@ def get_mla_metadata(seq_lens, *, num_heads_q, num_q_tokens=1, num_heads_k=1, nu
         H100/H200) on devices that have none, so CPU traces see GPU shapes.
       implementation: as in mla_decode. The pure-JAX reference needs no schedule: with it this
         returns None, which mla_decode accepts.
+      fp8: for a float8_e4m3fn cache: FlashMLA's FP8 decode has its own scheduler
+        (get_mla_decoding_metadata_dense_fp8), whose rows the bf16 decode cannot read, nor the
+        reverse; mla_decode refuses a mismatch.
 
     Returns:
       MLAMetadata with tile_scheduler_metadata (num_sm_parts, 8) int32 and num_splits
@@ -71,8 +78,9 @@ def get_mla_metadata(seq_lens, *, num_heads_q, num_q_tokens=1, num_heads_k=1, nu
                                     num_heads_k)
     tile_md, num_splits = lowering.mla_metadata_p.bind(
         seq_lens, num_heads_q=int(num_heads_q), num_q_tokens=int(num_q_tokens),
-        num_heads_k=int(num_heads_k), num_sm_parts=parts)
-    return MLAMetadata(tile_md, num_splits, int(num_heads_q), int(num_q_tokens), int(num_heads_k))
+        num_heads_k=int(num_heads_k), num_sm_parts=parts, fp8=bool(fp8))
+    return MLAMetadata(tile_md, num_splits, int(num_heads_q), int(num_q_tokens), int(num_heads_k),
+                       bool(fp8))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,18 +90,21 @@ class _DecodeConfig:
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _decode(config, q, kv_cache, block_table, seq_lens, metadata):
+def _decode(config, q, kv_cache, block_table, seq_lens, metadata, descales):
+    """descales: () or, for the FP8 decode, (descale_q, descale_k) of shape (1,)."""
     kernel = config.kernel
     if config.implementation == "reference":
+        q_scale, k_scale = descales or (None, None)
         return mla_decode_reference(q, kv_cache, block_table, seq_lens,
                                     softmax_scale=kernel.softmax_scale, causal=kernel.causal,
-                                    head_dim_v=kernel.head_dim_v)
+                                    head_dim_v=kernel.head_dim_v, q_scale=q_scale,
+                                    k_scale=k_scale)
     if metadata is None:
         return sharding.partitioned_decode_local_metadata(kernel)(q, kv_cache, block_table,
-                                                                  seq_lens)
+                                                                  seq_lens, *descales)
     return sharding.partitioned_decode(kernel)(q, kv_cache, block_table, seq_lens,
                                                metadata.tile_scheduler_metadata,
-                                               metadata.num_splits)
+                                               metadata.num_splits, *descales)
 
 
 @_decode.defjvp
@@ -105,12 +116,13 @@ def _decode_jvp(config, primals, tangents):
 
 
 def mla_decode(q, kv_cache, block_table, seq_lens, *, metadata=None, softmax_scale=None,
-               causal=True, head_dim_v=validation.HEAD_DIM_V, implementation=None):
+               causal=True, head_dim_v=validation.HEAD_DIM_V, implementation=None, k_scale=None):
     """Multi-head latent attention decode over a paged KV cache (FlashMLA's dense decode).
 
     Args:
       q: (batch, s_q, h_q, 576) bfloat16 or float16; 512 latent + 64 rope columns per head.
-      kv_cache: (num_pages, 64, 1, 576) of q's dtype; V is the first 512 columns of each row.
+      kv_cache: (num_pages, 64, 1, 576) of q's dtype, or float8_e4m3fn with k_scale (FlashMLA's
+        FP8 decode); V is the first 512 columns of each row.
       block_table: (batch, max_pages) int32; entry j of request i is the page holding its
         tokens [64 j, 64 j + 64). Entries past a request's last page are never read.
       seq_lens: (batch,) int32 KV lengths; 0 is allowed (out 0, lse +inf).
@@ -125,21 +137,32 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, metadata=None, softmax_sca
       implementation: None picks "flashmla" on a Hopper GPU whose kernels and CUDA bridge are
         available, else "reference". "flashmla" is the custom call: FlashMLA's kernels on CUDA
         (lowering fails naming what is missing), its C++ model on CPU. "reference" is pure JAX.
+      k_scale: with a float8_e4m3fn kv_cache (and only then), its per-tensor scale: float32 of
+        shape () or (1,), an array so that one compiled step serves any scale. As SGLang does,
+        q is quantized to float8_e4m3fn with this same scale (saturating at +-448, see
+        jax_flashmla/fp8.py), and the kernel gets it as descale_q and descale_k.
 
     Returns:
-      out: (batch, s_q, h_q, 512) in q's dtype.
+      out: (batch, s_q, h_q, 512) in q's dtype; bfloat16 with a float8_e4m3fn cache.
       lse: (batch, h_q, s_q) float32, natural-log sum of exp(softmax_scale * q.k) over the keys
         each query sees; +inf where it sees none.
     """
-    batch, s_q, h_q = validation.check_decode_args(q, kv_cache, block_table, seq_lens, head_dim_v)
+    batch, s_q, h_q = validation.check_decode_args(q, kv_cache, block_table, seq_lens, head_dim_v,
+                                                   k_scale)
+    fp8 = k_scale is not None
     implementation = _resolve(implementation)
     num_sms = _default_num_sms()
     if metadata is not None:
-        validation.check_metadata_matches(metadata, batch, s_q, h_q)
+        validation.check_metadata_matches(metadata, batch, s_q, h_q, fp8)
     elif implementation == "flashmla":
         validation.num_sm_parts(num_sms, h_q, s_q, 1, where="mla_decode")
     if softmax_scale is None:
         softmax_scale = validation.HEAD_DIM ** -0.5
-    kernel = sharding.DecodeConfig(float(softmax_scale), bool(causal), int(head_dim_v), num_sms)
+    descales = ()
+    if fp8:
+        scale = jnp.asarray(k_scale).reshape(1)
+        q, descales = fp8_quant.quantize(q, scale), (scale, scale)
+    kernel = sharding.DecodeConfig(float(softmax_scale), bool(causal), int(head_dim_v), num_sms,
+                                   fp8)
     return _decode(_DecodeConfig(kernel, implementation), q, kv_cache, block_table, seq_lens,
-                   metadata)
+                   metadata, descales)

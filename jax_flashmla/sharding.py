@@ -3,8 +3,8 @@
 The custom call is wrapped in `jax.experimental.custom_partitioning` with a Shardy sharding
 rule (the mechanism JAX documents for custom calls under Shardy, its default partitioner):
 q may be split along batch (data-parallel attention) and heads (tensor parallel); the block
-table and lengths follow q's batch split; the cache, the query tokens, the head dims and the
-metadata stay replicated. Each device then runs the kernel on its local batch and heads, with
+table and lengths follow q's batch split; the cache, the query tokens, the head dims, the
+metadata and the FP8 scales stay replicated. Each device then runs the kernel on its local batch and heads, with
 FlashMLA metadata computed for those local shapes when the split changes them.
 
 custom_partitioning has no vmap rule, so each partitioned call is also a `custom_vmap` that
@@ -20,10 +20,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jax_flashmla import lowering, validation
 
 # Factors: b batch, s query tokens, h query heads, d head dim (576), v V dim (512), n pages,
-# p page size, k KV heads (1), m block-table width, x SM parts, y metadata fields, c batch + 1.
-_DECODE_RULE = "b s h d, n p k d, b m, b, x y, c -> b s h v, b h s"
-_DECODE_RULE_NO_METADATA = "b s h d, n p k d, b m, b -> b s h v, b h s"
-_REPLICATED = {"s", "d", "v", "n", "p", "k", "m", "x", "y", "c"}
+# p page size, k KV heads (1), m block-table width, x SM parts, y metadata fields, c batch + 1,
+# e and f the (1,) FP8 scales of q and the cache.
+_REPLICATED = {"s", "d", "v", "n", "p", "k", "m", "x", "y", "c", "e", "f"}
+
+
+def _decode_rule(with_metadata, fp8):
+    operands = "b s h d, n p k d, b m, b" + (", x y, c" if with_metadata else "")
+    return operands + (", e, f" if fp8 else "") + " -> b s h v, b h s"
 
 
 def _replicated_factors(rule):
@@ -39,11 +43,12 @@ class DecodeConfig:
     causal: bool
     head_dim_v: int
     num_sms: int
+    fp8: bool = False  # FlashMLA's FP8 decode: two more operands, descale_q and descale_k
 
 
-def _bind_decode(config, q, kv_cache, block_table, seq_lens, tile_md, num_splits):
+def _bind_decode(config, q, kv_cache, block_table, seq_lens, tile_md, num_splits, *descales):
     out, lse = lowering.mla_decode_p.bind(
-        q, kv_cache, block_table, seq_lens, tile_md, num_splits,
+        q, kv_cache, block_table, seq_lens, tile_md, num_splits, *descales,
         softmax_scale=config.softmax_scale, causal=config.causal, head_dim_v=config.head_dim_v)
     return out, lse
 
@@ -51,7 +56,7 @@ def _bind_decode(config, q, kv_cache, block_table, seq_lens, tile_md, num_splits
 def _local_metadata(config, seq_lens, s_q, h_q):
     parts = validation.num_sm_parts(config.num_sms, h_q, s_q, 1)
     return lowering.mla_metadata_p.bind(seq_lens, num_heads_q=h_q, num_q_tokens=s_q,
-                                        num_heads_k=1, num_sm_parts=parts)
+                                        num_heads_k=1, num_sm_parts=parts, fp8=config.fp8)
 
 
 def _q_axes(q_sharding):
@@ -59,11 +64,13 @@ def _q_axes(q_sharding):
     return spec[0], spec[2]  # mesh axes of q's batch and heads dims
 
 
-def _shardings(mesh, batch_axes, head_axes, with_metadata):
+def _shardings(mesh, batch_axes, head_axes, with_metadata, fp8):
     named = lambda *spec: NamedSharding(mesh, P(*spec))
     args = [named(batch_axes, None, head_axes, None), named(), named(batch_axes, None),
             named(batch_axes)]
     if with_metadata:
+        args += [named(), named()]
+    if fp8:
         args += [named(), named()]
     results = (named(batch_axes, None, head_axes, None), named(batch_axes, head_axes, None))
     return tuple(args), results
@@ -89,14 +96,16 @@ def _map_sequentially(fn):
 
 @functools.cache
 def partitioned_decode(config):
-    """(q, kv_cache, block_table, seq_lens, tile_md, num_splits) -> (out, lse), shardable.
+    """(q, kv_cache, block_table, seq_lens, tile_md, num_splits[, descale_q, descale_k]) ->
+    (out, lse), shardable; the descales when config.fp8.
 
     The given metadata describes the whole batch and all heads, so it is only valid when the
     partitioner keeps both whole; a split that changes them is refused."""
 
     @custom_partitioning
-    def decode(q, kv_cache, block_table, seq_lens, tile_md, num_splits):
-        return _bind_decode(config, q, kv_cache, block_table, seq_lens, tile_md, num_splits)
+    def decode(q, kv_cache, block_table, seq_lens, tile_md, num_splits, *descales):
+        return _bind_decode(config, q, kv_cache, block_table, seq_lens, tile_md, num_splits,
+                            *descales)
 
     def partition(mesh, arg_shapes, result_shape):
         batch_axes, head_axes = _q_axes(arg_shapes[0].sharding)
@@ -105,30 +114,35 @@ def partitioned_decode(config):
                 "mla_decode: metadata computed for the whole batch and all heads cannot be used "
                 f"with q split along batch ({batch_axes}) or heads ({head_axes}); pass "
                 "metadata=None (computed per device), or call the raw ops inside shard_map")
-        args, results = _shardings(mesh, None, None, with_metadata=True)
+        args, results = _shardings(mesh, None, None, with_metadata=True, fp8=config.fp8)
         return mesh, functools.partial(_bind_decode, config), results, args
 
-    decode.def_partition(partition, sharding_rule=_DECODE_RULE,
-                         need_replication_factors=_replicated_factors(_DECODE_RULE))
+    rule = _decode_rule(with_metadata=True, fp8=config.fp8)
+    decode.def_partition(partition, sharding_rule=rule,
+                         need_replication_factors=_replicated_factors(rule))
     return _map_sequentially(decode)
 
 
 @functools.cache
 def partitioned_decode_local_metadata(config):
-    """(q, kv_cache, block_table, seq_lens) -> (out, lse), shardable along batch and heads; the
-    FlashMLA metadata is computed on each device for its local batch and heads."""
+    """(q, kv_cache, block_table, seq_lens[, descale_q, descale_k]) -> (out, lse), shardable
+    along batch and heads; the FlashMLA metadata is computed on each device for its local
+    batch and heads."""
 
-    def local(q, kv_cache, block_table, seq_lens):
+    def local(q, kv_cache, block_table, seq_lens, *descales):
         tile_md, num_splits = _local_metadata(config, seq_lens, q.shape[1], q.shape[2])
-        return _bind_decode(config, q, kv_cache, block_table, seq_lens, tile_md, num_splits)
+        return _bind_decode(config, q, kv_cache, block_table, seq_lens, tile_md, num_splits,
+                            *descales)
 
     decode = custom_partitioning(local)
 
     def partition(mesh, arg_shapes, result_shape):
         batch_axes, head_axes = _q_axes(arg_shapes[0].sharding)
-        args, results = _shardings(mesh, batch_axes, head_axes, with_metadata=False)
+        args, results = _shardings(mesh, batch_axes, head_axes, with_metadata=False,
+                                   fp8=config.fp8)
         return mesh, local, results, args
 
-    decode.def_partition(partition, sharding_rule=_DECODE_RULE_NO_METADATA,
-                         need_replication_factors=_replicated_factors(_DECODE_RULE_NO_METADATA))
+    rule = _decode_rule(with_metadata=False, fp8=config.fp8)
+    decode.def_partition(partition, sharding_rule=rule,
+                         need_replication_factors=_replicated_factors(rule))
     return _map_sequentially(decode)

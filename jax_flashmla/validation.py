@@ -18,6 +18,9 @@ QUERY_TILE_ROWS = 64
 # metadata shapes a Hopper GPU would.
 DEFAULT_NUM_SMS = 132
 SUPPORTED_DTYPES = (np.dtype("bfloat16"), np.dtype("float16"))
+# FlashMLA's FP8 KV cache (dense decode on Hopper): the cache and the quantized q in e4m3fn,
+# with one float32 scale per tensor; out in bfloat16.
+FP8_DTYPE = np.dtype("float8_e4m3fn")
 
 
 def _fail(exc, where, message):
@@ -46,6 +49,19 @@ def num_sm_parts(num_sms, num_heads_q, num_q_tokens, num_heads_k, where="get_mla
     return parts
 
 
+def check_scale(where, name, scale):
+    """A per-tensor FP8 scale: a float32 array of shape () or (1,). An array, not a Python
+    number, so that a jitted step traces it and serves any scale with one compilation."""
+    if not (hasattr(scale, "dtype") and hasattr(scale, "shape")):
+        _fail(TypeError, where, f"{name} must be a float32 array of shape () or (1,) (an array, so "
+                                f"that one compiled step serves any scale); got {type(scale).__name__}")
+    if scale.dtype != np.float32:
+        _fail(TypeError, where, f"{name} must be float32; got {scale.dtype}")
+    if tuple(scale.shape) not in ((), (1,)):
+        _fail(ValueError, where, f"{name} must have shape () or (1,) (one scale per tensor); "
+                                 f"got {tuple(scale.shape)}")
+
+
 def check_metadata_args(seq_lens, num_heads_q, num_q_tokens, num_heads_k):
     where = "get_mla_metadata"
     check_rank(where, "seq_lens", seq_lens, 1, "(batch,)")
@@ -59,7 +75,26 @@ def check_metadata_args(seq_lens, num_heads_q, num_q_tokens, num_heads_k):
               f"num_heads_q ({num_heads_q}) must be a multiple of num_heads_k ({num_heads_k})")
 
 
-def check_decode_args(q, kv_cache, block_table, seq_lens, head_dim_v):
+def _check_dtypes(where, q, kv_cache, k_scale):
+    if np.dtype(q.dtype) == FP8_DTYPE:
+        _fail(TypeError, where, "q must be bfloat16 or float16, also with a float8_e4m3fn kv_cache "
+                                "(mla_decode quantizes q itself with k_scale); got float8_e4m3fn")
+    if np.dtype(q.dtype) not in SUPPORTED_DTYPES:
+        _fail(TypeError, where, f"q must be bfloat16 or float16; got {q.dtype}")
+    if np.dtype(kv_cache.dtype) == FP8_DTYPE:
+        if k_scale is None:
+            _fail(TypeError, where, "a float8_e4m3fn kv_cache needs k_scale, its float32 scale of "
+                                    "shape () or (1,)")
+        check_scale(where, "k_scale", k_scale)
+        return
+    if kv_cache.dtype != q.dtype:
+        _fail(TypeError, where, f"kv_cache must have q's dtype {q.dtype}; got {kv_cache.dtype}")
+    if k_scale is not None:
+        _fail(TypeError, where, f"k_scale is only for a float8_e4m3fn kv_cache; kv_cache is "
+                                f"{kv_cache.dtype}")
+
+
+def check_decode_args(q, kv_cache, block_table, seq_lens, head_dim_v, k_scale=None):
     """Checks the operands of mla_decode; returns (batch, s_q, h_q)."""
     where = "mla_decode"
     check_rank(where, "q", q, 4, "(batch, s_q, h_q, 576)")
@@ -73,10 +108,7 @@ def check_decode_args(q, kv_cache, block_table, seq_lens, head_dim_v):
     if kv_cache.shape[1:] != (PAGE_SIZE, 1, HEAD_DIM):
         _fail(ValueError, where, f"kv_cache must have shape (num_pages, {PAGE_SIZE}, 1, {HEAD_DIM})"
                                  f" (page size {PAGE_SIZE}, one latent KV head); got {tuple(kv_cache.shape)}")
-    if np.dtype(q.dtype) not in SUPPORTED_DTYPES:
-        _fail(TypeError, where, f"q must be bfloat16 or float16; got {q.dtype}")
-    if kv_cache.dtype != q.dtype:
-        _fail(TypeError, where, f"kv_cache must have q's dtype {q.dtype}; got {kv_cache.dtype}")
+    _check_dtypes(where, q, kv_cache, k_scale)
     check_int32(where, "block_table", block_table)
     check_int32(where, "seq_lens", seq_lens)
     if block_table.shape[0] != batch:
@@ -91,8 +123,13 @@ def check_decode_args(q, kv_cache, block_table, seq_lens, head_dim_v):
     return batch, s_q, h_q
 
 
-def check_metadata_matches(metadata, batch, s_q, h_q):
+def check_metadata_matches(metadata, batch, s_q, h_q, fp8):
     where = "mla_decode"
+    if metadata.fp8 != fp8:
+        # The FP8 kernel reads its own scheduler's rows (another layout): never mix the two.
+        _fail(ValueError, where,
+              f"metadata was computed with fp8={metadata.fp8}, but the kv_cache is "
+              f"{'' if fp8 else 'not '}float8_e4m3fn; call get_mla_metadata(..., fp8={fp8})")
     if (metadata.num_heads_q, metadata.num_q_tokens) != (h_q, s_q):
         _fail(ValueError, where,
               f"metadata was computed for num_heads_q={metadata.num_heads_q}, "

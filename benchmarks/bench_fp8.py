@@ -1,0 +1,104 @@
+"""mla_decode with an FP8 (e4m3) KV cache against the bf16 cache, on the GPU machine.
+
+For b=128, s_q=1, s_k in {4096, 8192}, h_q in {16, 128}: time per jitted call of each path
+(metadata computed once outside the timed region, each path with its own scheduler), the
+bandwidth each reaches counting its own cache's bytes (576 per token in FP8, 1152 in bf16),
+the speed-up, and the FP8 output's difference from the bf16 output on the same data (the
+cache quantized with a per-tensor scale amax / 448). Timing as in bench_decode.py: N calls
+back to back, then a device sync, wall clock, median of repeats.
+
+    python benchmarks/bench_fp8.py --out benchmarks/results/fp8_h200.json
+    python benchmarks/bench_fp8.py --tiny   # a small shape, for CPU (the custom call's C++ model)
+"""
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_flashmla as jf
+from jax_flashmla import fp8
+
+
+def _time_per_call(call, calls, repeats, warmup=3):
+    for _ in range(warmup):
+        jax.block_until_ready(call())
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            result = call()
+        jax.block_until_ready(result)
+        samples.append((time.perf_counter() - start) / calls)
+    return statistics.median(samples)
+
+
+def _inputs(batch, s_k, h_q, seed=0):
+    """bf16 q and cache in FlashMLA's test scale (N(0, 1)/10 clipped to [-1, 1]), the cache
+    also quantized to FP8 with its per-tensor scale, a shuffled block table, equal lengths."""
+    pages_per_req = -(-s_k // 64)
+    key_q, key_kv = jax.random.split(jax.random.key(seed))
+    q = jnp.clip(jax.random.normal(key_q, (batch, 1, h_q, 576)) / 10, -1, 1).astype(jnp.bfloat16)
+    kv = jnp.clip(jax.random.normal(key_kv, (batch * pages_per_req, 64, 1, 576)) / 10, -1, 1)
+    kv = kv.astype(jnp.bfloat16)
+    scale = (jnp.max(jnp.abs(kv.astype(jnp.float32))) / fp8.FP8_MAX).astype(jnp.float32)
+    kv8 = jax.jit(fp8.quantize)(kv, scale)
+    perm = np.random.default_rng(seed).permutation(batch * pages_per_req).astype(np.int32)
+    bt = jnp.asarray(perm.reshape(batch, pages_per_req))
+    sl = jnp.full((batch,), s_k, jnp.int32)
+    return q, kv, kv8, scale, bt, sl
+
+
+def bench_one(batch, s_k, h_q, calls, repeats):
+    q, kv, kv8, scale, bt, sl = _inputs(batch, s_k, h_q)
+    md = jf.get_mla_metadata(sl, num_heads_q=h_q, implementation="flashmla")
+    md8 = jf.get_mla_metadata(sl, num_heads_q=h_q, fp8=True, implementation="flashmla")
+    decode = jax.jit(lambda q, kv, bt, sl, md: jf.mla_decode(q, kv, bt, sl, metadata=md,
+                                                             implementation="flashmla"))
+    decode8 = jax.jit(lambda q, kv, bt, sl, md, s: jf.mla_decode(
+        q, kv, bt, sl, metadata=md, k_scale=s, implementation="flashmla"))
+    bf16_s = _time_per_call(lambda: decode(q, kv, bt, sl, md), calls, repeats)
+    fp8_s = _time_per_call(lambda: decode8(q, kv8, bt, sl, md8, scale), calls, repeats)
+    out = np.asarray(decode(q, kv, bt, sl, md)[0], np.float64)
+    out8 = np.asarray(decode8(q, kv8, bt, sl, md8, scale)[0], np.float64)
+    cos_diff = 1 - 2 * (out * out8).sum() / max((out * out).sum() + (out8 * out8).sum(), 1e-30)
+    tokens = batch * s_k
+    return dict(batch=batch, s_k=s_k, h_q=h_q, s_q=1, k_scale=float(scale),
+                bf16_ms=bf16_s * 1e3, fp8_ms=fp8_s * 1e3, speedup=bf16_s / fp8_s,
+                bf16_cache_gbps=tokens * 576 * 2 / bf16_s / 1e9,
+                fp8_cache_gbps=tokens * 576 / fp8_s / 1e9,
+                fp8_vs_bf16_max_abs=float(np.abs(out8 - out).max()),
+                fp8_vs_bf16_rel_l2=float(np.linalg.norm(out8 - out) / np.linalg.norm(out)),
+                fp8_vs_bf16_cos_diff=float(cos_diff))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--tiny", action="store_true", help="b=2, s_k=128, h_q=16 (for CPU)")
+    parser.add_argument("--calls", type=int, default=200)
+    args = parser.parse_args()
+    if args.tiny:
+        grid, calls, repeats = [(2, 128, 16)], 2, 2
+    else:
+        grid, calls, repeats = [(128, s_k, h_q) for s_k in (4096, 8192) for h_q in (16, 128)], \
+            args.calls, 7
+    results = dict(device=jax.devices()[0].device_kind, runs=[])
+    for batch, s_k, h_q in grid:
+        r = bench_one(batch, s_k, h_q, calls, repeats)
+        results["runs"].append(r)
+        print(f"b={batch} s_k={s_k} h_q={h_q:3d}: bf16 {r['bf16_ms']:.4f} ms "
+              f"{r['bf16_cache_gbps']:.0f} GB/s  fp8 {r['fp8_ms']:.4f} ms "
+              f"{r['fp8_cache_gbps']:.0f} GB/s  speed-up {r['speedup']:.2f}  fp8 vs bf16: max abs "
+              f"{r['fp8_vs_bf16_max_abs']:.3g} rel l2 {r['fp8_vs_bf16_rel_l2']:.3g} cos diff "
+              f"{r['fp8_vs_bf16_cos_diff']:.3g}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
