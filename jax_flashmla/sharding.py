@@ -4,8 +4,9 @@ The custom call is wrapped in `jax.experimental.custom_partitioning` with a Shar
 rule (the mechanism JAX documents for custom calls under Shardy, its default partitioner):
 q may be split along batch (data-parallel attention) and heads (tensor parallel); the block
 table and lengths follow q's batch split; the cache, the query tokens, the head dims, the
-metadata and the FP8 scales stay replicated. Each device then runs the kernel on its local batch and heads, with
-FlashMLA metadata computed for those local shapes when the split changes them.
+metadata and the FP8 scales stay replicated. Each device then runs the kernel on its local
+batch and heads, with FlashMLA metadata computed for those local shapes when the split
+changes them.
 
 custom_partitioning has no vmap rule, so each partitioned call is also a `custom_vmap` that
 maps sequentially over the vmapped axis, as the primitive's own batching rule does.
