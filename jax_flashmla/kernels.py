@@ -134,7 +134,8 @@ def ensure_cuda_targets():
     if not _hopper_gpus():
         kinds = [f"{d.device_kind} (sm {getattr(d, 'compute_capability', '?')})"
                  for d in jax.devices()]
-        raise RuntimeError(f"FlashMLA's decode kernels need a Hopper GPU (sm 9.x); JAX sees {kinds}")
+        raise RuntimeError(
+            f"FlashMLA's decode kernels need a Hopper GPU (sm 9.x); JAX sees {kinds}")
     ops = load_kernels()
     try:
         from jax_flashmla import _cuda

@@ -29,7 +29,8 @@ def _fail(exc, where, message):
 
 def check_rank(where, name, x, rank, layout):
     if x.ndim != rank:
-        _fail(ValueError, where, f"{name} must have rank {rank} {layout}; got shape {tuple(x.shape)}")
+        _fail(ValueError, where,
+              f"{name} must have rank {rank} {layout}; got shape {tuple(x.shape)}")
 
 
 def check_int32(where, name, x):
@@ -42,10 +43,11 @@ def num_sm_parts(num_sms, num_heads_q, num_q_tokens, num_heads_k, where="get_mla
     tiles = math.ceil(num_q_tokens * num_heads_q // num_heads_k / QUERY_TILE_ROWS)
     parts = num_sms // num_heads_k // tiles
     if parts < 1:
+        rows = num_q_tokens * num_heads_q // num_heads_k
         _fail(ValueError, where,
-              f"num_q_tokens * num_heads_q / num_heads_k = {num_q_tokens * num_heads_q // num_heads_k}"
-              f" query rows need {tiles} tiles of {QUERY_TILE_ROWS}, more than the {num_sms} SMs;"
-              " split the heads or the query tokens")
+              f"num_q_tokens * num_heads_q / num_heads_k = {rows} query rows need {tiles} tiles"
+              f" of {QUERY_TILE_ROWS}, more than the {num_sms} SMs; split the heads or the"
+              " query tokens")
     return parts
 
 
@@ -53,8 +55,9 @@ def check_scale(where, name, scale):
     """A per-tensor FP8 scale: a float32 array of shape () or (1,). An array, not a Python
     number, so that a jitted step traces it and serves any scale with one compilation."""
     if not (hasattr(scale, "dtype") and hasattr(scale, "shape")):
-        _fail(TypeError, where, f"{name} must be a float32 array of shape () or (1,) (an array, so "
-                                f"that one compiled step serves any scale); got {type(scale).__name__}")
+        _fail(TypeError, where,
+              f"{name} must be a float32 array of shape () or (1,) (an array, so that one "
+              f"compiled step serves any scale); got {type(scale).__name__}")
     if scale.dtype != np.float32:
         _fail(TypeError, where, f"{name} must be float32; got {scale.dtype}")
     if tuple(scale.shape) not in ((), (1,)):
@@ -106,8 +109,9 @@ def check_decode_args(q, kv_cache, block_table, seq_lens, head_dim_v, k_scale=No
         _fail(ValueError, where, f"q must have head dim {HEAD_DIM} (512 latent + 64 rope); "
                                  f"got shape {tuple(q.shape)}")
     if kv_cache.shape[1:] != (PAGE_SIZE, 1, HEAD_DIM):
-        _fail(ValueError, where, f"kv_cache must have shape (num_pages, {PAGE_SIZE}, 1, {HEAD_DIM})"
-                                 f" (page size {PAGE_SIZE}, one latent KV head); got {tuple(kv_cache.shape)}")
+        _fail(ValueError, where,
+              f"kv_cache must have shape (num_pages, {PAGE_SIZE}, 1, {HEAD_DIM}) (page size "
+              f"{PAGE_SIZE}, one latent KV head); got {tuple(kv_cache.shape)}")
     _check_dtypes(where, q, kv_cache, k_scale)
     check_int32(where, "block_table", block_table)
     check_int32(where, "seq_lens", seq_lens)
@@ -115,9 +119,11 @@ def check_decode_args(q, kv_cache, block_table, seq_lens, head_dim_v, k_scale=No
         _fail(ValueError, where, f"block_table must have shape ({batch}, max_pages) for q's batch "
                                  f"{batch}; got {tuple(block_table.shape)}")
     if seq_lens.shape != (batch,):
-        _fail(ValueError, where, f"seq_lens must have shape ({batch},); got {tuple(seq_lens.shape)}")
+        _fail(ValueError, where,
+              f"seq_lens must have shape ({batch},); got {tuple(seq_lens.shape)}")
     if head_dim_v != HEAD_DIM_V:
-        _fail(ValueError, where, f"head_dim_v must be {HEAD_DIM_V} (FlashMLA's V width); got {head_dim_v}")
+        _fail(ValueError, where,
+              f"head_dim_v must be {HEAD_DIM_V} (FlashMLA's V width); got {head_dim_v}")
     if s_q < 1 or h_q < 1 or batch < 1:
         _fail(ValueError, where, f"q must have batch, s_q and h_q >= 1; got shape {tuple(q.shape)}")
     return batch, s_q, h_q
