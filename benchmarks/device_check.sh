@@ -15,11 +15,11 @@ export PYTHONUNBUFFERED=1 JAX_FLASHMLA_REQUIRE_GPU=1
 ngpu=$(nvidia-smi -L | wc -l)
 [ "$ngpu" -ge 2 ] && export JAX_FLASHMLA_REQUIRE_GPUS=2
 
-if [ ! -e jax_flashmla/_cuda*.so ] && ! python3 -c "import jax_flashmla._cuda" 2>/dev/null; then
-  nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$out/gpu.txt"
-  JAX_FLASHMLA_CUDA=ON python3 -m pip install -q --no-build-isolation --no-deps -e . \
-    > "$out/build.txt" 2>&1 || { tail -40 "$out/build.txt"; exit 1; }
-fi
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$out/gpu.txt"
+# Always (re)install: a warm machine keeps build/ between calls, so this is incremental, and
+# it never runs a bridge older than the sources that came with this call.
+JAX_FLASHMLA_CUDA=ON python3 -m pip install -q --no-build-isolation --no-deps -e . \
+  > "$out/build.txt" 2>&1 || { tail -40 "$out/build.txt"; exit 1; }
 
 if [ "$mode" = tests ]; then
   # The CPU-only suites (HF comparisons, Bazel, the bridge's compile check) run in CI; here the
