@@ -10,7 +10,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_flashmla as jf
 from jax_flashmla import context_parallel as cp
-from oracle import LSE_TOL, OUT_TOL, assert_flashmla_close, make_decode_inputs
+from oracle import LSE_TOL, OUT_TOL, assert_flashmla_close
+from test_sharding import _problem as sharding_problem
 from test_sharding import _split_for_dcp
 
 pytestmark = pytest.mark.gpu
@@ -27,11 +28,8 @@ def gpus():
     return gpus[:2]
 
 
-def _problem(seed, batch=16, h_q=128, mean_sk=1024):
-    q, kv, bt, sl = make_decode_inputs(np.random.default_rng(seed), batch=batch, s_q=1, h_q=h_q,
-                                       mean_sk=mean_sk, varlen=True, dtype=jnp.bfloat16,
-                                       zero_lengths=1)
-    return q, kv, jnp.asarray(bt), jnp.asarray(sl)
+def _problem(seed):
+    return sharding_problem(seed, batch=16, h_q=128, mean_sk=1024)
 
 
 def test_tensor_parallel_over_two_gpus_equals_one(gpus):
