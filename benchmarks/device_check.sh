@@ -5,6 +5,7 @@
 #   bash benchmarks/device_check.sh tests   # build, then every GPU-relevant test, skips failing
 #   bash benchmarks/device_check.sh bench   # the benchmarks and the served example
 #   bash benchmarks/device_check.sh grid    # FlashMLA's grid (benchmarks/bench_grid.py), ~7 min
+#   bash benchmarks/device_check.sh profile # the GPU timeline of one decode, jax against torch
 set -uo pipefail
 mode=${1:-tests}
 out=${OUT:-device-out}
@@ -36,6 +37,8 @@ if [ "$mode" = tests ]; then
   env -u JAX_FLASHMLA_KERNEL_LIBRARY PYTHONPATH=$site timeout 120 python3 -m pytest -q \
     -p no:cacheprovider tests/test_gpu.py tests/test_gpu_fp8.py 2>&1 \
     | tee "$out/pytest_flash_mla.txt" | tail -3
+elif [ "$mode" = profile ]; then
+  timeout 200 python3 benchmarks/profile_decode.py --out "$out/profile.json" 2>&1 | tee "$out/profile.txt"
 elif [ "$mode" = grid ]; then
   # Writes its JSON and markdown after every point; --resume finishes a partial run.
   timeout 500 python3 benchmarks/bench_grid.py --deadline-s 420 --out-dir "$out" \

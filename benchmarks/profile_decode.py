@@ -1,0 +1,136 @@
+"""Where the GPU time of one decode goes: mla_decode under jit against the torch op, as seen by
+CUPTI (torch's profiler records every kernel and copy in the process, XLA's included).
+
+For each variant (the torch op in a loop, the torch op plus the two copies the bridge makes,
+one jitted mla_decode per call, a jitted step of 8 decodes) it reports per decode: the span
+from the first GPU activity to the last, the time the GPU was busy, the idle rest, and each
+kernel or copy with its count and mean duration; plus how long each GPU activity waited after
+its launch call returned (near zero: the GPU was starved by the host).
+
+    python benchmarks/profile_decode.py --out benchmarks/results/profile_h200.json
+"""
+import argparse
+import json
+import os
+import statistics
+import tempfile
+
+import jax
+import jax.numpy as jnp
+
+import jax_flashmla as jf
+from jax_flashmla import kernels
+
+from bench_decode import _inputs, _torch_side
+
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
+
+
+def summarize_trace(trace, decodes):
+    """Per-decode GPU timeline statistics of a chrome trace (torch.profiler's export)."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    gpu = sorted((e for e in events if e.get("cat") in GPU_CATEGORIES), key=lambda e: e["ts"])
+    if not gpu:
+        raise RuntimeError("the profile holds no GPU activity (is CUPTI available?)")
+    busy, cursor = 0.0, gpu[0]["ts"]
+    for e in gpu:
+        start, end = max(e["ts"], cursor), e["ts"] + e["dur"]
+        if end > start:
+            busy += end - start
+            cursor = end
+    span = max(e["ts"] + e["dur"] for e in gpu) - gpu[0]["ts"]
+    by_name = {}
+    for e in gpu:
+        by_name.setdefault(e["name"][:90], []).append(e["dur"])
+    launch_end = {e["args"]["correlation"]: e["ts"] + e["dur"] for e in events
+                  if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
+    waits = [e["ts"] - launch_end[e["args"]["correlation"]] for e in gpu
+             if e.get("args", {}).get("correlation") in launch_end]
+    return dict(
+        span_us=span / decodes, busy_us=busy / decodes, idle_us=(span - busy) / decodes,
+        activities={name: dict(per_decode=len(durs) / decodes, mean_us=statistics.mean(durs))
+                    for name, durs in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))},
+        launch_to_start_us=dict(median=statistics.median(waits), min=min(waits)) if waits else None)
+
+
+def profile(torch, run, sync, decodes):
+    """Runs `run` (which issues `decodes` decodes) under torch's profiler, once warm."""
+    from torch.profiler import ProfilerActivity
+    run()
+    sync()
+    with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        sync()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return summarize_trace(json.load(f), decodes)
+
+
+def profile_point(torch, ops, batch, s_k, h_q, calls, layers):
+    q, kv, bt, sl = _inputs(batch, s_k, h_q, 1)
+    q_layers = [q * (1 + i / layers) for i in range(layers)]
+    md = jax.block_until_ready(jf.get_mla_metadata(sl, num_heads_q=h_q))
+    decode = jax.jit(lambda q, kv, bt, sl, md: jf.mla_decode(q, kv, bt, sl, metadata=md))
+    step = jax.jit(lambda qs, kv, bt, sl, md: [jf.mla_decode(qs[i], kv, bt, sl, metadata=md)
+                                               for i in range(layers)])
+    torch_call = _torch_side(torch, ops, q, kv, bt, sl, h_q, 1)
+    out_buf = torch.empty((batch, 1, h_q, 512), dtype=torch.bfloat16, device="cuda")
+    lse_buf = torch.empty((batch, h_q, 1), dtype=torch.float32, device="cuda")
+
+    def torch_loop():
+        for _ in range(calls):
+            torch_call()
+
+    def torch_copies_loop():
+        for _ in range(calls):
+            out, lse = torch_call()[:2]
+            out_buf.copy_(out)
+            lse_buf.copy_(lse)
+
+    def jax_loop():
+        for _ in range(calls):
+            result = decode(q, kv, bt, sl, md)
+        jax.block_until_ready(result)
+
+    def jax_step_loop():
+        for _ in range(calls // layers):
+            result = step(q_layers, kv, bt, sl, md)
+        jax.block_until_ready(result)
+
+    sync = torch.cuda.synchronize
+    return dict(batch=batch, s_k=s_k, h_q=h_q, calls=calls,
+                torch=profile(torch, torch_loop, sync, calls),
+                torch_with_copies=profile(torch, torch_copies_loop, sync, calls),
+                jax_one_call=profile(torch, jax_loop, sync, calls),
+                jax_step=profile(torch, jax_step_loop, sync, calls // layers * layers))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--calls", type=int, default=64)
+    args = parser.parse_args()
+    ops = kernels.ensure_cuda_targets()
+    import torch
+
+    results = []
+    for h_q in (16, 128):
+        point = profile_point(torch, ops, 128, 4096, h_q, args.calls, layers=8)
+        results.append(point)
+        for variant in ("torch", "torch_with_copies", "jax_one_call", "jax_step"):
+            s = point[variant]
+            print(f"h_q={h_q:3d} {variant:18s} span {s['span_us']:7.1f} us/decode, busy "
+                  f"{s['busy_us']:7.1f}, idle {s['idle_us']:6.1f}, launch->start "
+                  f"{s['launch_to_start_us']}", flush=True)
+            for name, a in s["activities"].items():
+                print(f"    {a['per_decode']:4.1f} x {a['mean_us']:7.2f} us  {name}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
