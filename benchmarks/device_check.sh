@@ -2,12 +2,14 @@
 # The GPU machine's check of jax_flashmla, for the device tool (kind nvidia-h200-x2 runs the
 # two-GPU parts too). Expects the kernels that ../shared/tools/fetch-flashmla-ops puts in
 # .device/kernels (carried with the call). Logs and JSON go under $OUT (or ./device-out).
-#   bash benchmarks/device_check.sh tests   # build, then every GPU-relevant test, skips failing
-#   bash benchmarks/device_check.sh bench   # the benchmarks and the served example
-#   bash benchmarks/device_check.sh grid    # FlashMLA's grid (benchmarks/bench_grid.py), ~7 min
-#   bash benchmarks/device_check.sh profile # the GPU timeline of one decode, jax against torch
+#   bash benchmarks/device_check.sh MODE...  # build once, then each mode in turn:
+#     tests      every GPU-relevant test but FP8's, skips failing
+#     fp8        the FP8 tests            probe_fp8  which inputs FlashMLA's FP8 kernel takes
+#     decode     bench_decode.py          profile    the GPU timeline of one decode, jax vs torch
+#     bench      multi-GPU, FP8, write_kv benchmarks and the served example
+#     grid       FlashMLA's grid (bench_grid.py), ~7 min; GRID_DEADLINE_S, GRID_FLAGS
 set -uo pipefail
-mode=${1:-tests}
+modes=("${@:-tests}")
 out=${OUT:-device-out}
 mkdir -p "$out"
 kernels=.device/kernels
@@ -22,32 +24,48 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | 
 JAX_FLASHMLA_CUDA=ON python3 -m pip install -q --no-build-isolation --no-deps -e . \
   > "$out/build.txt" 2>&1 || { tail -40 "$out/build.txt"; exit 1; }
 
-if [ "$mode" = tests ]; then
-  # The CPU-only suites (HF comparisons, Bazel, the bridge's compile check) run in CI; here the
-  # Flax file runs its GPU test only.
-  timeout 400 python3 -m pytest -q -rfEs -p no:cacheprovider tests \
-    --ignore=tests/test_flax_mla.py --ignore=tests/test_flax_weights.py \
-    --ignore=tests/test_bazel_extension.py --ignore=tests/test_bridge_compile.py \
-    2>&1 | tee "$out/pytest.txt" | tail -30
-  timeout 150 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/test_flax_mla.py \
-    2>&1 | tee "$out/pytest_flax.txt" | tail -5
-  # The third discovery route: the sgl-flash-mla package (flash_mla_legacy ops).
-  site=/tmp/flash_mla_site
-  python3 -m pip install -q --no-index --no-deps --target "$site" $kernels/sgl_flash_mla-*.whl
-  env -u JAX_FLASHMLA_KERNEL_LIBRARY PYTHONPATH=$site timeout 120 python3 -m pytest -q \
-    -p no:cacheprovider tests/test_gpu.py tests/test_gpu_fp8.py 2>&1 \
-    | tee "$out/pytest_flash_mla.txt" | tail -3
-elif [ "$mode" = profile ]; then
-  timeout 200 python3 benchmarks/profile_decode.py --out "$out/profile.json" 2>&1 | tee "$out/profile.txt"
-elif [ "$mode" = grid ]; then
-  # Writes its JSON and markdown after every point; --resume finishes a partial run.
-  timeout 500 python3 benchmarks/bench_grid.py --deadline-s 420 --out-dir "$out" \
-    > "$out/grid_log.txt" 2>&1
-  tail -c 4000 "$out/grid_log.txt"
-else
-  timeout 200 python3 benchmarks/bench_decode.py --out "$out/bench_decode.json" 2>&1 | tee "$out/bench.txt"
-  [ "$ngpu" -ge 2 ] && timeout 90 python3 benchmarks/bench_multi_gpu.py --out "$out/multi_gpu.json" 2>&1 | tail -12
-  timeout 240 python3 benchmarks/bench_fp8.py --out "$out/bench_fp8.json" 2>&1 | tee "$out/bench_fp8.txt"
-  timeout 90 python3 benchmarks/bench_write_kv.py 2>&1 | tee "$out/write_kv.txt" | tail -8
-  timeout 90 python3 examples/serve_deepseek_mla.py --quiet 2>&1 | tee "$out/serve.txt" | tail -4
-fi
+for mode in "${modes[@]}"; do
+  echo "==== $mode"
+  case "$mode" in
+  tests)
+    # The CPU-only suites (HF comparisons, Bazel, the bridge's compile check) run in CI; here
+    # the Flax file runs its GPU test only, and the FP8 file runs on its own (below).
+    timeout 400 python3 -m pytest -q -rfEs -p no:cacheprovider tests \
+      --ignore=tests/test_flax_mla.py --ignore=tests/test_flax_weights.py \
+      --ignore=tests/test_bazel_extension.py --ignore=tests/test_bridge_compile.py \
+      --ignore=tests/test_gpu_fp8.py 2>&1 | tee "$out/pytest.txt" | tail -30
+    timeout 150 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/test_flax_mla.py \
+      2>&1 | tee "$out/pytest_flax.txt" | tail -5
+    # The third discovery route: the sgl-flash-mla package (flash_mla_legacy ops).
+    site=/tmp/flash_mla_site
+    python3 -m pip install -q --no-index --no-deps --target "$site" $kernels/sgl_flash_mla-*.whl
+    env -u JAX_FLASHMLA_KERNEL_LIBRARY PYTHONPATH=$site timeout 120 python3 -m pytest -q \
+      -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$out/pytest_flash_mla.txt" | tail -3 ;;
+  fp8)
+    timeout 200 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_gpu_fp8.py \
+      tests/test_fp8.py 2>&1 | tee "$out/pytest_fp8.txt" | tail -30 ;;
+  probe_fp8)
+    timeout 300 python3 benchmarks/probe_fp8.py --out "$out/probe_fp8.json" 2>&1 | tail -8 ;;
+  profile)
+    timeout 200 python3 benchmarks/profile_decode.py --out "$out/profile.json" 2>&1 \
+      | tee "$out/profile.txt" ;;
+  decode)
+    timeout 200 python3 benchmarks/bench_decode.py --out "$out/bench_decode.json" 2>&1 \
+      | tee "$out/bench.txt" ;;
+  grid)
+    # Writes its JSON and markdown after every point; --resume finishes a partial run.
+    timeout 500 python3 benchmarks/bench_grid.py --deadline-s "${GRID_DEADLINE_S:-420}" \
+      --out-dir "$out" ${GRID_FLAGS:-} > "$out/grid_log.txt" 2>&1
+    tail -c 4000 "$out/grid_log.txt" ;;
+  bench)
+    [ "$ngpu" -ge 2 ] && timeout 90 python3 benchmarks/bench_multi_gpu.py \
+      --out "$out/multi_gpu.json" 2>&1 | tail -12
+    timeout 240 python3 benchmarks/bench_fp8.py --out "$out/bench_fp8.json" 2>&1 \
+      | tee "$out/bench_fp8.txt"
+    timeout 90 python3 benchmarks/bench_write_kv.py 2>&1 | tee "$out/write_kv.txt" | tail -8
+    timeout 90 python3 examples/serve_deepseek_mla.py --quiet 2>&1 | tee "$out/serve.txt" \
+      | tail -4 ;;
+  *)
+    echo "unknown mode $mode"; exit 2 ;;
+  esac
+done

@@ -1,8 +1,9 @@
 """Where the GPU time of one decode goes: mla_decode under jit against the torch op, as seen by
 CUPTI (torch's profiler records every kernel and copy in the process, XLA's included).
 
-For each variant (the torch op in a loop, the torch op plus the two copies the bridge makes,
-one jitted mla_decode per call, a jitted step of 8 decodes) it reports per decode: the span
+For each variant (the torch op in a loop, the torch op plus two copies of its results, one
+jitted mla_decode per call, a jitted step of 8 decodes with 8 different queries and the torch
+loop over the same queries) it reports per decode: the span
 from the first GPU activity to the last, the time the GPU was busy, the idle rest, and each
 kernel or copy with its count and mean duration; plus how long each GPU activity waited after
 its launch call returned (near zero: the GPU was starved by the host).
@@ -90,6 +91,13 @@ def profile_point(torch, ops, batch, s_k, h_q, calls, layers):
             out_buf.copy_(out)
             lse_buf.copy_(lse)
 
+    torch_layer_calls = [_torch_side(torch, ops, ql, kv, bt, sl, h_q, 1) for ql in q_layers]
+
+    def torch_step_loop():
+        for _ in range(calls // layers):
+            for call in torch_layer_calls:
+                call()
+
     def jax_loop():
         for _ in range(calls):
             result = decode(q, kv, bt, sl, md)
@@ -105,6 +113,7 @@ def profile_point(torch, ops, batch, s_k, h_q, calls, layers):
                 torch=profile(torch, torch_loop, sync, calls),
                 torch_with_copies=profile(torch, torch_copies_loop, sync, calls),
                 jax_one_call=profile(torch, jax_loop, sync, calls),
+                torch_step=profile(torch, torch_step_loop, sync, calls // layers * layers),
                 jax_step=profile(torch, jax_step_loop, sync, calls // layers * layers))
 
 
@@ -120,7 +129,7 @@ def main():
     for h_q in (16, 128):
         point = profile_point(torch, ops, 128, 4096, h_q, args.calls, layers=8)
         results.append(point)
-        for variant in ("torch", "torch_with_copies", "jax_one_call", "jax_step"):
+        for variant in ("torch", "torch_with_copies", "jax_one_call", "torch_step", "jax_step"):
             s = point[variant]
             print(f"h_q={h_q:3d} {variant:18s} span {s['span_us']:7.1f} us/decode, busy "
                   f"{s['busy_us']:7.1f}, idle {s['idle_us']:6.1f}, launch->start "

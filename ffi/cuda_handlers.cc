@@ -87,11 +87,19 @@ OpArgs DecodeArgs(int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
   return args;
 }
 
-void CopyDecodeResults(const std::vector<at::Tensor>& results, int32_t device,
-                       ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::F32> lse) {
+// FlashMLA allocates out and lse itself (its ops take no output buffers): one kernel copies
+// both into XLA's buffers, honouring the strides the op returned (lse is a transposed view
+// when s_q > 1).
+void CopyDecodeResults(const std::vector<at::Tensor>& results, cudaStream_t stream,
+                       int32_t device, ffi::Result<ffi::AnyBuffer> out,
+                       ffi::ResultBuffer<ffi::F32> lse) {
   if (results.size() < 2) throw std::runtime_error("expected (out, lse)");
-  CopyToResult(results[0], Wrap(*out, device), "out");
-  CopyToResult(results[1], Wrap(*lse, device), "lse");
+  const cudaError_t status =
+      LaunchStridedCopies(PlanResultCopy(results[0], Wrap(*out, device), "out"),
+                          PlanResultCopy(results[1], Wrap(*lse, device), "lse"), stream);
+  if (status != cudaSuccess)
+    throw std::runtime_error(std::string("copying FlashMLA's results into XLA's buffers: ") +
+                             cudaGetErrorString(status));
 }
 
 ffi::Error MlaDecodeCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
@@ -105,7 +113,7 @@ ffi::Error MlaDecodeCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer
     OpArgs args = DecodeArgs(device, q, kv_cache, block_table, seq_lens, tile_scheduler_metadata,
                              num_splits, softmax_scale, causal, out->dimensions().back());
     Slot(args, OpArg::kIsFp8) = false;
-    CopyDecodeResults(CallTorchOp(op, args), device, out, lse);
+    CopyDecodeResults(CallTorchOp(op, args), stream, device, out, lse);
   });
 }
 
@@ -125,7 +133,7 @@ ffi::Error MlaDecodeFp8CudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuf
                              num_splits, softmax_scale, causal, out->dimensions().back());
     Slot(args, OpArg::kDescaleQ) = Wrap(descale_q, device);
     Slot(args, OpArg::kDescaleK) = Wrap(descale_k, device);
-    CopyDecodeResults(CallTorchOp(op, args), device, out, lse);
+    CopyDecodeResults(CallTorchOp(op, args), stream, device, out, lse);
   });
 }
 

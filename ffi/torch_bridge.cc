@@ -1,5 +1,6 @@
 #include "torch_bridge.h"
 
+#include <cstdint>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -150,14 +151,58 @@ at::Tensor WrapBuffer(void* data, ffi::Span<const int64_t> dims, ffi::DataType d
                            .device(at::kCUDA, static_cast<c10::DeviceIndex>(device)));
 }
 
-void CopyToResult(const at::Tensor& src, const at::Tensor& dst, const char* what) {
+namespace {
+
+void CheckResultMatches(const at::Tensor& src, const at::Tensor& dst, const char* what) {
   if (src.sizes() != dst.sizes() || src.scalar_type() != dst.scalar_type())
     throw std::runtime_error(std::string("FlashMLA returned ") + what + " of shape " +
                              c10::str(src.sizes()) + " and dtype " +
                              c10::toString(src.scalar_type()) + "; jax_flashmla expected " +
                              c10::str(dst.sizes()) + " " + c10::toString(dst.scalar_type()) +
                              " (a kernel release with other conventions?)");
+}
+
+bool Aligned16(const void* pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
+
+}  // namespace
+
+void CopyToResult(const at::Tensor& src, const at::Tensor& dst, const char* what) {
+  CheckResultMatches(src, dst, what);
   dst.copy_(src, /*non_blocking=*/true);
+}
+
+StridedCopy PlanResultCopy(const at::Tensor& src, const at::Tensor& dst, const char* what) {
+  CheckResultMatches(src, dst, what);
+  const int64_t element_bytes = src.element_size();
+  if (src.dim() > kMaxCopyRank || (element_bytes != 1 && element_bytes != 2 && element_bytes != 4))
+    throw std::runtime_error(std::string("jax_flashmla cannot copy FlashMLA's ") + what +
+                             " of shape " + c10::str(src.sizes()) + " and dtype " +
+                             c10::toString(src.scalar_type()));
+  StridedCopy copy{};
+  copy.src = src.data_ptr();
+  copy.dst = dst.data_ptr();
+  // Leading dimensions of size 1 pad the rank; a size-1 dimension's stride never matters.
+  const int64_t pad = kMaxCopyRank - src.dim();
+  for (int64_t d = 0; d < kMaxCopyRank; ++d) {
+    copy.sizes[d] = d < pad ? 1 : src.size(d - pad);
+    copy.src_strides[d] = copy.sizes[d] == 1 ? 0 : src.stride(d - pad);
+  }
+  copy.src_contiguous = src.is_contiguous();
+  copy.unit_bytes = static_cast<int32_t>(element_bytes);
+  const int64_t per_vector = 16 / element_bytes;
+  const int inner = kMaxCopyRank - 1;
+  bool vectorize = (copy.src_strides[inner] == 1 || copy.sizes[inner] == 1) &&
+                   copy.sizes[inner] % per_vector == 0 && Aligned16(copy.src) &&
+                   Aligned16(copy.dst);
+  for (int d = 0; d < inner; ++d) vectorize = vectorize && copy.src_strides[d] % per_vector == 0;
+  if (vectorize) {
+    copy.unit_bytes = 16;
+    copy.sizes[inner] /= per_vector;
+    copy.src_strides[inner] = 1;
+    for (int d = 0; d < inner; ++d) copy.src_strides[d] /= per_vector;
+  }
+  copy.units = src.numel() * element_bytes / copy.unit_bytes;
+  return copy;
 }
 
 }  // namespace jax_flashmla

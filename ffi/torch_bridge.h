@@ -12,6 +12,7 @@
 #include <ATen/core/ivalue.h>
 #include <ATen/core/Tensor.h>
 
+#include "result_copy.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_flashmla {
@@ -52,6 +53,10 @@ at::Tensor WrapBuffer(void* data, xla::ffi::Span<const int64_t> dims,
 // Copies `src` (any strides) into the XLA buffer `dst` on the current stream, after checking
 // that the op returned the shape that JAX was told at trace time.
 void CopyToResult(const at::Tensor& src, const at::Tensor& dst, const char* what);
+
+// The same check, and the copy as one half of LaunchStridedCopies (16-byte units where the
+// innermost dimension is contiguous and aligned, elements otherwise).
+StridedCopy PlanResultCopy(const at::Tensor& src, const at::Tensor& dst, const char* what);
 
 }  // namespace jax_flashmla
 

@@ -14,8 +14,10 @@ CPU_IMPLS = {"flashmla", "reference", "flashmla_step"}
 
 
 def _run(out_dir, *flags):
+    # The CPU mode on every machine: on the GPU machine the script would run the whole grid.
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, SCRIPT, "--out-dir", str(out_dir), "--name", "grid",
-                           *flags], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                           *flags], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(out_dir / "grid.json") as f:
         return json.load(f), proc.stdout

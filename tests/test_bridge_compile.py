@@ -1,5 +1,6 @@
-"""Compiles the CUDA bridge to object files against torch's and CUDA's headers, so that a
-compile error shows in CI, on a machine without a GPU (torch's CPU wheel carries the headers)."""
+"""Compiles the CUDA bridge to object files against torch's and CUDA's headers, and its one
+kernel with nvcc, so that a compile error shows in CI, on a machine without a GPU (torch's CPU
+wheel carries the headers)."""
 import os
 import shutil
 import subprocess
@@ -57,3 +58,17 @@ def test_cuda_bridge_compiles(source, tmp_path):
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-4000:]
     assert (tmp_path / "out.o").stat().st_size > 0
+
+
+def test_result_copy_kernel_compiles(tmp_path):
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI must compile the CUDA bridge's kernel, but nvcc is not on PATH")
+        pytest.skip("nvcc is not on PATH")
+    command = [nvcc, "-std=c++17", "-O3", "-arch=sm_90", "-Xcompiler", "-fPIC,-Wall,-Werror",
+               "-Werror", "all-warnings", "-I", str(FFI_DIR), "-c", str(FFI_DIR / "result_copy.cu"),
+               "-o", str(tmp_path / "result_copy.o")]
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert (tmp_path / "result_copy.o").stat().st_size > 0
