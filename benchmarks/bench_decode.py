@@ -143,17 +143,6 @@ def bench_host_overhead(torch, ops, chain, calls):
                               lambda r=None: jax.block_until_ready(r), calls)
     torch_call = _torch_side(torch, ops, q, kv, bt, sl, h_q, s_q)
     torch_s = _time_per_call(torch_call, lambda r=None: torch.cuda.synchronize(), calls)
-    # The step's torch counterpart runs the same queries: the kernel's time depends on the data
-    # (on the H200 the 8 scaled queries took 5% longer than q alone at h_q=16).
-    torch_layer_calls = [_torch_side(torch, ops, ql, kv, bt, sl, h_q, s_q) for ql in q_layers]
-
-    def torch_step():
-        for call in torch_layer_calls:
-            result = call()
-        return result
-
-    torch_step_s = _time_per_call(torch_step, lambda r=None: torch.cuda.synchronize(),
-                                  calls // layers) / layers
     return dict(jax_in_jit_chain_us=chain_s * 1e6, jax_one_jit_call_us=single_s * 1e6,
                 torch_loop_us=torch_s * 1e6, chain=chain)
 

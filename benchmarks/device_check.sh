@@ -43,7 +43,13 @@ for mode in "${modes[@]}"; do
       -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$out/pytest_flash_mla.txt" | tail -3 ;;
   fp8)
     timeout 200 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_gpu_fp8.py \
-      tests/test_fp8.py 2>&1 | tee "$out/pytest_fp8.txt" | tail -30 ;;
+      tests/test_fp8.py 2>&1 | tee "$out/pytest_fp8.txt" | tail -30
+    # The sgl-flash-mla package's FP8 ops; -x reports a failure before anything can crash.
+    site=/tmp/flash_mla_site
+    python3 -m pip install -q --no-index --no-deps --target "$site" $kernels/sgl_flash_mla-*.whl
+    env -u JAX_FLASHMLA_KERNEL_LIBRARY PYTHONPATH=$site timeout 120 python3 -m pytest -q -x \
+      --tb=short -p no:cacheprovider tests/test_gpu_fp8.py 2>&1 \
+      | tee "$out/pytest_fp8_flash_mla.txt" | tail -40 ;;
   probe_fp8)
     timeout 300 python3 benchmarks/probe_fp8.py --out "$out/probe_fp8.json" 2>&1 | tail -8 ;;
   profile)
