@@ -43,8 +43,8 @@ exec(open(sys.argv[1]).read(), found)
 for note in found["NOTES"]:
     print("   ", note, file=sys.stderr)
 targets = []
-if found["TORCH_FOUND"] and found["CUDA_HEADERS_FOUND"]:
-    targets += ["//:cuda_handlers", "//:cuda_module"]  # compile against the headers
+if found["TORCH_FOUND"] and found["CUDA_HEADERS_FOUND"] and found["NVCC"]:
+    targets += ["//:result_copy", "//:cuda_handlers", "//:cuda_module"]  # compile only
     if found["TORCH_CUDA"]:
         targets += ["//:_cuda", "//:jax_flashmla"]  # link against torch's CUDA libraries
 print(" ".join(targets))
@@ -54,7 +54,7 @@ PY
 if [ "${JAX_FLASHMLA_BAZEL_CUDA:-1}" = 0 ]; then
   echo "== CUDA bridge: left out (JAX_FLASHMLA_BAZEL_CUDA=0)"
 elif [ -z "$CUDA_TARGETS" ]; then
-  echo "== CUDA bridge: left out (needs torch and the CUDA toolkit's headers; see above)"
+  echo "== CUDA bridge: left out (needs torch, the CUDA toolkit's headers and nvcc; see above)"
 else
   echo "== bazel build --config=cuda $CUDA_TARGETS"
   # shellcheck disable=SC2086

@@ -14,9 +14,11 @@ BUILD file with these targets:
   :torch_headers    torch's C++ headers (torch.utils.cpp_extension.include_paths())
   :torch_libs       torch_cpu, c10 and c10_cuda (a CUDA build of torch only)
   :cuda_headers     the CUDA toolkit's headers ($CUDA_HOME, $CUDA_PATH, nvcc's or /usr/local/cuda)
+  :cuda_runtime     the CUDA runtime's shared library from the same place
 
-and defs.bzl with what was found. A target whose inputs are missing is kept but marked
-incompatible, so that `bazel build //...` skips what depends on it.
+and defs.bzl with what was found (NVCC: the compiler's path, for the bridge's one kernel). A
+target whose inputs are missing is kept but marked incompatible, so that `bazel build //...`
+skips what depends on it.
 """
 import argparse
 import glob
@@ -91,16 +93,37 @@ def find_torch():
     }, None
 
 
-def find_cuda_include():
+def _cuda_roots():
     candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
     nvcc = shutil.which("nvcc")
     if nvcc:
         candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
     candidates.append("/usr/local/cuda")
-    for root in filter(None, candidates):
+    return [root for root in candidates if root]
+
+
+def find_cuda_include():
+    for root in _cuda_roots():
         include = os.path.join(root, "include")
         if os.path.isfile(os.path.join(include, "cuda_runtime_api.h")):
             return include
+    return None
+
+
+def find_nvcc():
+    for root in _cuda_roots():
+        if os.access(os.path.join(root, "bin", "nvcc"), os.X_OK):
+            return os.path.join(root, "bin", "nvcc")
+    return shutil.which("nvcc")
+
+
+def find_cudart():
+    """The CUDA runtime's shared library (the bridge's kernel shares torch's runtime)."""
+    for root in _cuda_roots():
+        for lib in ("lib64", "lib", os.path.join("targets", "x86_64-linux", "lib")):
+            path = os.path.join(root, lib, "libcudart.so")
+            if os.path.isfile(path):
+                return path
     return None
 
 
@@ -191,6 +214,16 @@ def configure(out):
     else:
         notes.append("no CUDA toolkit headers found")
         build.append(_cc_library("cuda_headers", compatible=False))
+    nvcc, cudart = find_nvcc(), find_cudart()
+    notes.append(f"nvcc: {nvcc}" if nvcc else "no nvcc found")
+    if cudart:
+        notes.append(f"CUDA runtime: {cudart}")
+        build.append(f'cc_import(\n    name = "libcudart",\n'
+                     f'    shared_library = "{_link(out, "cuda/lib/libcudart.so", cudart)}",\n)\n')
+    else:
+        notes.append("no libcudart.so found: :cuda_runtime is incompatible")
+    build.append(_cc_library("cuda_runtime", compatible=cudart is not None,
+                             deps=[":libcudart"] if cudart else []))
 
     with open(os.path.join(out, "BUILD.bazel"), "w") as f:
         f.write("\n".join(build))
@@ -205,6 +238,7 @@ def configure(out):
             ("TORCH_CUDA", torch_cuda),
             ("TORCH_CXX11_ABI", torch["cxx11_abi"] if torch else 1),
             ("CUDA_HEADERS_FOUND", cuda_include is not None),
+            ("NVCC", nvcc or ""),
             ("NOTES", notes),
         ]:
             f.write(f"{key} = {_starlark(value)}\n")
