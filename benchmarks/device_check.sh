@@ -3,7 +3,8 @@
 # two-GPU parts too). Expects the kernels that ../shared/tools/fetch-flashmla-ops puts in
 # .device/kernels (carried with the call). Logs and JSON go under $OUT (or ./device-out).
 #   bash benchmarks/device_check.sh MODE...  # build once, then each mode in turn:
-#     tests      every GPU-relevant test but FP8's, skips failing
+#     tests      every GPU-relevant test but FP8's, skips failing (= gpu_tests + more_tests,
+#                ~8 min on one H200; run the two halves in separate calls when short of time)
 #     fp8        the FP8 tests            probe_fp8  which inputs FlashMLA's FP8 kernel takes
 #     decode     bench_decode.py          profile    the GPU timeline of one decode, jax vs torch
 #     bench      multi-GPU, FP8, write_kv benchmarks and the served example
@@ -27,26 +28,39 @@ JAX_FLASHMLA_CUDA=ON python3 -m pip install -q --no-build-isolation --no-deps -e
 for mode in "${modes[@]}"; do
   echo "==== $mode"
   case "$mode" in
-  tests)
-    # The CPU-only suites (HF comparisons, Bazel, the bridge's compile check) run in CI; here
-    # the Flax file runs its GPU test only, and the FP8 file runs on its own (below).
-    timeout 400 python3 -m pytest -q -rfEs -p no:cacheprovider tests \
-      --ignore=tests/test_flax_mla.py --ignore=tests/test_flax_weights.py \
-      --ignore=tests/test_bazel_extension.py --ignore=tests/test_bridge_compile.py \
-      --ignore=tests/test_gpu_fp8.py 2>&1 | tee "$out/pytest.txt" | tail -30
+  tests|gpu_tests)
+    # The files whose tests run FlashMLA on the GPU, then the Flax example's GPU test and the
+    # third discovery route: the sgl-flash-mla package (flash_mla_legacy ops).
+    timeout 300 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_gpu.py \
+      tests/test_decode.py tests/test_cache.py tests/test_serving.py tests/test_speculative.py \
+      tests/test_transforms.py tests/test_gpu_multi.py 2>&1 | tee "$out/pytest_gpu.txt" | tail -15
     timeout 150 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/test_flax_mla.py \
       2>&1 | tee "$out/pytest_flax.txt" | tail -5
-    # The third discovery route: the sgl-flash-mla package (flash_mla_legacy ops).
     site=/tmp/flash_mla_site
-    python3 -m pip install -q --no-index --no-deps --target "$site" $kernels/sgl_flash_mla-*.whl
+    python3 -m pip install -q --no-index --no-deps --upgrade --target "$site" \
+      $kernels/sgl_flash_mla-*.whl
     env -u JAX_FLASHMLA_KERNEL_LIBRARY PYTHONPATH=$site timeout 120 python3 -m pytest -q \
-      -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$out/pytest_flash_mla.txt" | tail -3 ;;
+      -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$out/pytest_flash_mla.txt" | tail -3
+    ;;&
+  tests|more_tests)
+    # Everything else on the GPU backend but what CI alone runs (HF comparisons, Bazel, the
+    # bridge's compile check, the benchmark grid's CPU mode) and FP8 (its own mode).
+    timeout 300 python3 -m pytest -q -rfEs -p no:cacheprovider tests \
+      --ignore=tests/test_gpu.py --ignore=tests/test_decode.py --ignore=tests/test_cache.py \
+      --ignore=tests/test_serving.py --ignore=tests/test_speculative.py \
+      --ignore=tests/test_transforms.py --ignore=tests/test_gpu_multi.py \
+      --ignore=tests/test_flax_mla.py --ignore=tests/test_flax_weights.py \
+      --ignore=tests/test_bazel_extension.py --ignore=tests/test_bridge_compile.py \
+      --ignore=tests/test_bench_grid.py --ignore=tests/test_gpu_fp8.py \
+      2>&1 | tee "$out/pytest_more.txt" | tail -15 ;;
+  gpu_tests) ;;  # done above (;;& went on looking for a second match)
   fp8)
     timeout 200 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_gpu_fp8.py \
       tests/test_fp8.py 2>&1 | tee "$out/pytest_fp8.txt" | tail -30
     # The sgl-flash-mla package's FP8 ops; -x reports a failure before anything can crash.
     site=/tmp/flash_mla_site
-    python3 -m pip install -q --no-index --no-deps --target "$site" $kernels/sgl_flash_mla-*.whl
+    python3 -m pip install -q --no-index --no-deps --upgrade --target "$site" \
+      $kernels/sgl_flash_mla-*.whl
     env -u JAX_FLASHMLA_KERNEL_LIBRARY PYTHONPATH=$site timeout 120 python3 -m pytest -q -x \
       --tb=short -p no:cacheprovider tests/test_gpu_fp8.py 2>&1 \
       | tee "$out/pytest_fp8_flash_mla.txt" | tail -40 ;;
