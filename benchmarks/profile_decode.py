@@ -5,8 +5,9 @@ For each variant (the torch op in a loop, the torch op plus two copies of its re
 jitted mla_decode per call, a jitted step of 8 decodes with 8 different queries and the torch
 loop over the same queries) it reports per decode: the span
 from the first GPU activity to the last, the time the GPU was busy, the idle rest, and each
-kernel or copy with its count and mean duration; plus how long each GPU activity waited after
-its launch call returned (near zero: the GPU was starved by the host).
+kernel or copy with its count and mean duration; how long each GPU activity waited after its
+launch call returned (near zero: the GPU was starved by the host); and the host's pace, the
+median time between the launches of successive decodes.
 
     python benchmarks/profile_decode.py --out benchmarks/results/profile_h200.json
 """
@@ -26,6 +27,7 @@ from bench_decode import _inputs, _torch_side
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
+DECODE_KERNEL = "flash_fwd_splitkv_mla_kernel"  # FlashMLA's main kernel, once per decode
 
 
 def summarize_trace(trace, decodes):
@@ -44,15 +46,20 @@ def summarize_trace(trace, decodes):
     by_name = {}
     for e in gpu:
         by_name.setdefault(e["name"][:90], []).append(e["dur"])
-    launch_end = {e["args"]["correlation"]: e["ts"] + e["dur"] for e in events
-                  if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
-    waits = [e["ts"] - launch_end[e["args"]["correlation"]] for e in gpu
-             if e.get("args", {}).get("correlation") in launch_end]
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
+    launched = [(e, launches[e["args"]["correlation"]]) for e in gpu
+                if e.get("args", {}).get("correlation") in launches]
+    waits = [e["ts"] - (launch["ts"] + launch["dur"]) for e, launch in launched]
+    # The host's pace: time between the launches of successive decodes' first kernel.
+    decode_launches = sorted(launch["ts"] for e, launch in launched if DECODE_KERNEL in e["name"])
+    intervals = [b - a for a, b in zip(decode_launches, decode_launches[1:])]
     return dict(
         span_us=span / decodes, busy_us=busy / decodes, idle_us=(span - busy) / decodes,
         activities={name: dict(per_decode=len(durs) / decodes, mean_us=statistics.mean(durs))
                     for name, durs in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))},
-        launch_to_start_us=dict(median=statistics.median(waits), min=min(waits)) if waits else None)
+        launch_to_start_us=dict(median=statistics.median(waits), min=min(waits)) if waits else None,
+        host_us_between_decodes=statistics.median(intervals) if intervals else None)
 
 
 def profile(torch, run, sync, decodes):
@@ -132,8 +139,9 @@ def main():
         for variant in ("torch", "torch_with_copies", "jax_one_call", "torch_step", "jax_step"):
             s = point[variant]
             print(f"h_q={h_q:3d} {variant:18s} span {s['span_us']:7.1f} us/decode, busy "
-                  f"{s['busy_us']:7.1f}, idle {s['idle_us']:6.1f}, launch->start "
-                  f"{s['launch_to_start_us']}", flush=True)
+                  f"{s['busy_us']:7.1f}, idle {s['idle_us']:6.1f}, host between decodes "
+                  f"{s['host_us_between_decodes']} us, launch->start {s['launch_to_start_us']}",
+                  flush=True)
             for name, a in s["activities"].items():
                 print(f"    {a['per_decode']:4.1f} x {a['mean_us']:7.2f} us  {name}")
     if args.out:
