@@ -6,8 +6,9 @@ jitted mla_decode per call, a jitted step of 8 decodes with 8 different queries 
 loop over the same queries) it reports per decode: the span
 from the first GPU activity to the last, the time the GPU was busy, the idle rest, and each
 kernel or copy with its count and mean duration; how long each GPU activity waited after its
-launch call returned (near zero: the GPU was starved by the host); and the host's pace, the
-median time between the launches of successive decodes.
+launch call returned (near zero: the GPU was starved by the host); the host's pace, the
+median time between the launches of successive decodes; and the costliest host-side torch ops
+and CUDA API calls per decode.
 
     python benchmarks/profile_decode.py --out benchmarks/results/profile_h200.json
 """
@@ -28,6 +29,8 @@ from bench_decode import _inputs, _torch_side
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
 DECODE_KERNEL = "flash_fwd_splitkv_mla_kernel"  # FlashMLA's main kernel, once per decode
+HOST_CATEGORIES = ("cpu_op", "cuda_runtime", "cuda_driver")
+HOST_ROWS = 12
 
 
 def summarize_trace(trace, decodes):
@@ -54,10 +57,19 @@ def summarize_trace(trace, decodes):
     # The host's pace: time between the launches of successive decodes' first kernel.
     decode_launches = sorted(launch["ts"] for e, launch in launched if DECODE_KERNEL in e["name"])
     intervals = [b - a for a, b in zip(decode_launches, decode_launches[1:])]
+    # The host side: torch ops and CUDA API calls (from any thread: XLA's too), the costliest.
+    host = {}
+    for e in events:
+        if e.get("cat") in HOST_CATEGORIES:
+            host.setdefault(e["name"][:60], []).append(e["dur"])
+    top_host = sorted(host.items(), key=lambda kv: -sum(kv[1]))[:HOST_ROWS]
+    per_decode = lambda groups: {name: dict(per_decode=len(durs) / decodes,
+                                            mean_us=statistics.mean(durs))
+                                 for name, durs in groups}
     return dict(
         span_us=span / decodes, busy_us=busy / decodes, idle_us=(span - busy) / decodes,
-        activities={name: dict(per_decode=len(durs) / decodes, mean_us=statistics.mean(durs))
-                    for name, durs in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))},
+        activities=per_decode(sorted(by_name.items(), key=lambda kv: -sum(kv[1]))),
+        host_activities=per_decode(top_host),
         launch_to_start_us=dict(median=statistics.median(waits), min=min(waits)) if waits else None,
         host_us_between_decodes=statistics.median(intervals) if intervals else None)
 
@@ -144,6 +156,8 @@ def main():
                   flush=True)
             for name, a in s["activities"].items():
                 print(f"    {a['per_decode']:4.1f} x {a['mean_us']:7.2f} us  {name}")
+            for name, a in s["host_activities"].items():
+                print(f"    host {a['per_decode']:4.1f} x {a['mean_us']:7.2f} us  {name}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

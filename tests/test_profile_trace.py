@@ -34,6 +34,8 @@ def test_two_decodes_with_a_copy_and_an_overlap():
     assert s["activities"]["Memcpy DtoD"] == dict(per_decode=0.5, mean_us=4)
     assert s["launch_to_start_us"] == dict(median=78, min=8)
     assert s["host_us_between_decodes"] == 40
+    assert s["host_activities"] == {"cudaLaunchKernel": dict(per_decode=1.5, mean_us=2),
+                                    "aten::empty": dict(per_decode=0.5, mean_us=1)}
 
 
 def test_a_trace_without_gpu_activity_is_an_error():
