@@ -8,7 +8,8 @@
 #     fp8        the FP8 tests            probe_fp8  which inputs FlashMLA's FP8 kernel takes
 #     decode     bench_decode.py          profile    the GPU timeline of one decode, jax vs torch
 #     bench      multi-GPU, FP8, write_kv benchmarks and the served example
-#     grid       FlashMLA's grid (bench_grid.py), ~7 min; GRID_DEADLINE_S, GRID_FLAGS
+#     grid       FlashMLA's grid (bench_grid.py), ~7 min; GRID_DEADLINE_S (default 420)
+#     grid_resume  the points benchmarks/results/grid_h200.json lacks
 set -uo pipefail
 modes=("${@:-tests}")
 out=${OUT:-device-out}
@@ -72,10 +73,15 @@ for mode in "${modes[@]}"; do
   decode)
     timeout 200 python3 benchmarks/bench_decode.py --out "$out/bench_decode.json" 2>&1 \
       | tee "$out/bench.txt" ;;
-  grid)
-    # Writes its JSON and markdown after every point; --resume finishes a partial run.
+  grid|grid_resume)
+    # Writes its JSON and markdown after every point. grid_resume runs only the points that
+    # the committed benchmarks/results/grid_h200.json lacks.
+    resume=()
+    if [ "$mode" = grid_resume ]; then
+      cp benchmarks/results/grid_h200.json "$out/" && resume=(--resume)
+    fi
     timeout 500 python3 benchmarks/bench_grid.py --deadline-s "${GRID_DEADLINE_S:-420}" \
-      --out-dir "$out" ${GRID_FLAGS:-} > "$out/grid_log.txt" 2>&1
+      --out-dir "$out" "${resume[@]}" > "$out/grid_log.txt" 2>&1
     tail -c 4000 "$out/grid_log.txt" ;;
   bench)
     [ "$ngpu" -ge 2 ] && timeout 90 python3 benchmarks/bench_multi_gpu.py \
