@@ -12,16 +12,7 @@ constexpr int64_t kMaxBlocks = 8192;
 
 template <typename Unit>
 __device__ void CopyUnit(const StridedCopy& copy, int64_t i) {
-  int64_t offset = i;
-  if (!copy.src_contiguous) {
-    offset = 0;
-    int64_t rest = i;
-    for (int d = kMaxCopyRank - 1; d >= 0; --d) {
-      offset += (rest % copy.sizes[d]) * copy.src_strides[d];
-      rest /= copy.sizes[d];
-    }
-  }
-  static_cast<Unit*>(copy.dst)[i] = static_cast<const Unit*>(copy.src)[offset];
+  static_cast<Unit*>(copy.dst)[i] = static_cast<const Unit*>(copy.src)[SourceUnit(copy, i)];
 }
 
 __device__ void CopyUnitOf(const StridedCopy& copy, int64_t i) {

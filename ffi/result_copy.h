@@ -1,7 +1,8 @@
 // One kernel launch that copies what a FlashMLA decode returns (out and lse, as the op laid
-// them out) into XLA's result buffers. Two cudaMemcpyAsync calls cost two operations on the
-// stream, each with the GPU's gap between dependent operations: at b=128, h_q=16 on the H200
-// that was ~6 us, 4% of the decode (benchmarks/NOTES.md). Plain C++: the handlers include it.
+// them out) into XLA's result buffers, where two torch copy_ calls would be two TensorIterator
+// dispatches on the host and two dependent operations on the stream. On the H200 its GPU time
+// about equals the two copies' (benchmarks/NOTES.md, 2026-11-30 session 2). Plain C++ but for
+// SourceUnit's annotation: the handlers include it.
 #ifndef JAX_FLASHMLA_FFI_RESULT_COPY_H_
 #define JAX_FLASHMLA_FFI_RESULT_COPY_H_
 
@@ -24,6 +25,24 @@ struct StridedCopy {
   int32_t unit_bytes;
   bool src_contiguous;  // then unit i of dst is unit i of src, without index arithmetic
 };
+
+#if defined(__CUDACC__)
+#define JAX_FLASHMLA_HOST_DEVICE __host__ __device__
+#else
+#define JAX_FLASHMLA_HOST_DEVICE
+#endif
+
+// Where unit i of the destination is in the source, in units. The kernel's index arithmetic,
+// here so that the layout planning can be tested on a machine without a GPU.
+inline JAX_FLASHMLA_HOST_DEVICE int64_t SourceUnit(const StridedCopy& copy, int64_t i) {
+  if (copy.src_contiguous) return i;
+  int64_t offset = 0;
+  for (int d = kMaxCopyRank - 1; d >= 0; --d) {
+    offset += (i % copy.sizes[d]) * copy.src_strides[d];
+    i /= copy.sizes[d];
+  }
+  return offset;
+}
 
 // Enqueues both copies on `stream` as one kernel; returns the launch's error.
 cudaError_t LaunchStridedCopies(const StridedCopy& first, const StridedCopy& second,

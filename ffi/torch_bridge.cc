@@ -181,19 +181,29 @@ StridedCopy PlanResultCopy(const at::Tensor& src, const at::Tensor& dst, const c
   StridedCopy copy{};
   copy.src = src.data_ptr();
   copy.dst = dst.data_ptr();
-  // Leading dimensions of size 1 pad the rank; a size-1 dimension's stride never matters.
-  const int64_t pad = kMaxCopyRank - src.dim();
-  for (int64_t d = 0; d < kMaxCopyRank; ++d) {
-    copy.sizes[d] = d < pad ? 1 : src.size(d - pad);
-    copy.src_strides[d] = copy.sizes[d] == 1 ? 0 : src.stride(d - pad);
-  }
+  // Outermost first, padded with size-1 dimensions (a size-1 dimension's stride never
+  // matters); a contiguous source is one flat run.
   copy.src_contiguous = src.is_contiguous();
+  for (int d = 0; d < kMaxCopyRank; ++d) {
+    copy.sizes[d] = 1;
+    copy.src_strides[d] = 0;
+  }
+  if (copy.src_contiguous) {
+    copy.sizes[kMaxCopyRank - 1] = src.numel();
+    copy.src_strides[kMaxCopyRank - 1] = 1;
+  } else {
+    const int64_t pad = kMaxCopyRank - src.dim();
+    for (int64_t d = 0; d < src.dim(); ++d) {
+      copy.sizes[pad + d] = src.size(d);
+      copy.src_strides[pad + d] = src.size(d) == 1 ? 0 : src.stride(d);
+    }
+  }
   copy.unit_bytes = static_cast<int32_t>(element_bytes);
   const int64_t per_vector = 16 / element_bytes;
   const int inner = kMaxCopyRank - 1;
-  bool vectorize = (copy.src_strides[inner] == 1 || copy.sizes[inner] == 1) &&
-                   copy.sizes[inner] % per_vector == 0 && Aligned16(copy.src) &&
-                   Aligned16(copy.dst);
+  // 16-byte units where the innermost dimension is contiguous and everything stays aligned.
+  bool vectorize = copy.src_strides[inner] == 1 && copy.sizes[inner] % per_vector == 0 &&
+                   Aligned16(copy.src) && Aligned16(copy.dst);
   for (int d = 0; d < inner; ++d) vectorize = vectorize && copy.src_strides[d] % per_vector == 0;
   if (vectorize) {
     copy.unit_bytes = 16;

@@ -11,6 +11,7 @@ import jax
 import pytest
 
 FFI_DIR = Path(__file__).resolve().parents[1] / "ffi"
+TESTS_CPP = Path(__file__).resolve().parent / "cpp"
 CUDA_SOURCES = ["torch_bridge.cc", "cuda_handlers.cc", "cuda_module.cc"]
 
 
@@ -36,8 +37,8 @@ def _missing():
     return None
 
 
-@pytest.mark.parametrize("source", CUDA_SOURCES)
-def test_cuda_bridge_compiles(source, tmp_path):
+def _bridge_compile_flags():
+    """c++ flags for the bridge's sources, or a skip (a failure in CI) naming what is missing."""
     missing = _missing()
     if missing:
         if os.environ.get("CI"):
@@ -49,15 +50,46 @@ def test_cuda_bridge_compiles(source, tmp_path):
 
     includes = [*cpp_extension.include_paths(), str(_cuda_include_dir()), jax.ffi.include_dir(),
                 nanobind.include_dir(), sysconfig.get_paths()["include"]]
-    command = ["c++", "-std=c++20", "-fPIC", "-O1", "-Wall", "-Werror",
-               f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-               # The CPU wheel lacks this one generated header; it only sets export macros.
-               "-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE",
-               *[arg for path in includes for arg in ("-isystem", path)],
-               "-I", str(FFI_DIR), "-c", str(FFI_DIR / source), "-o", str(tmp_path / "out.o")]
+    return ["-std=c++20", "-fPIC", "-O1", "-Wall", "-Werror",
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+            # The CPU wheel lacks this one generated header; it only sets export macros.
+            "-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE",
+            *[arg for path in includes for arg in ("-isystem", path)], "-I", str(FFI_DIR)]
+
+
+@pytest.mark.parametrize("source", CUDA_SOURCES)
+def test_cuda_bridge_compiles(source, tmp_path):
+    command = ["c++", *_bridge_compile_flags(), "-c", str(FFI_DIR / source),
+               "-o", str(tmp_path / "out.o")]
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-4000:]
     assert (tmp_path / "out.o").stat().st_size > 0
+
+
+def test_result_copy_plans_reproduce_torch_copies(tmp_path):
+    """tests/cpp/result_copy_plan_test.cc, linked with the bridge and torch's CPU libraries:
+    the layouts the copy kernel is planned for, executed on the host, equal torch's copy."""
+    flags = _bridge_compile_flags()
+    from torch.utils import cpp_extension
+
+    lib_dir = cpp_extension.library_paths()[0]
+    binary = tmp_path / "result_copy_plan_test"
+    command = ["c++", *flags, str(TESTS_CPP / "result_copy_plan_test.cc"),
+               str(FFI_DIR / "torch_bridge.cc"), "-o", str(binary), "-L", lib_dir,
+               f"-Wl,-rpath,{lib_dir}", "-ltorch_cpu", "-lc10"]
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-4000:]
+    run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr[-2000:]
+    lines = run.stdout.splitlines()
+    assert len(lines) == 11 and all(line.startswith("ok ") for line in lines), run.stdout
+    # The common layouts take the fast paths: 16-byte units, no index arithmetic where the
+    # source is contiguous.
+    assert "ok out unit_bytes=16 contiguous=1" in lines
+    assert "ok lse_s_q_2 unit_bytes=4 contiguous=0" in lines
+    assert "ok lse_s_q_1 unit_bytes=16 contiguous=1" in lines
+    assert "ok out_padded_rows unit_bytes=16 contiguous=0" in lines
+    assert "ok out_unaligned unit_bytes=2 contiguous=1" in lines
 
 
 def test_result_copy_kernel_compiles(tmp_path):
