@@ -7,8 +7,10 @@ Reports, as JSON (--out) and a table on stdout:
     torch calls, and the dispatch cost of one jitted call;
   - GPU memory torch's allocator takes during one jax call (FlashMLA's outputs and split-KV
     buffers live outside XLA's pool).
-Both sides are timed the same way: N calls back to back, then a device sync, wall clock,
-median of repeats (torch's events would not see XLA's stream).
+Every variant is timed the same way: N calls back to back, then a device sync, wall clock
+(torch's events would not see XLA's stream); the variants take turns within each repeat, and
+ratios are medians of per-repeat ratios, so that the GPU's clocks drifting under sustained
+load (seen on the H200: 2-3% between runs) hit both sides of a ratio alike.
 
     python benchmarks/bench_decode.py --out benchmarks/results/decode_h200.json
 """
@@ -25,18 +27,33 @@ import jax_flashmla as jf
 from jax_flashmla import kernels
 
 
-def _time_per_call(call, sync, calls, repeats=7, warmup=10):
-    for _ in range(warmup):
-        call()
-    sync()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
+def _timed_batch(call, sync, calls):
+    start = time.perf_counter()
+    for _ in range(calls):
+        result = call()
+    sync(result)
+    return (time.perf_counter() - start) / calls
+
+
+def _interleaved(variants, repeats=7, warmup=10):
+    """variants: name -> (call, sync, calls, decodes per call). Each repeat times every variant
+    in turn (N calls back to back, then a sync), so that a drift of the GPU's clocks under
+    sustained load hits all of them alike. Returns name -> seconds per decode, per repeat."""
+    for call, sync, _, _ in variants.values():
+        for _ in range(warmup):
             result = call()
         sync(result)
-        samples.append((time.perf_counter() - start) / calls)
-    return statistics.median(samples)
+    samples = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, (call, sync, calls, per_call) in variants.items():
+            samples[name].append(_timed_batch(call, sync, calls) / per_call)
+    return samples
+
+
+def _paired_ratios(numerator, denominator):
+    """Per repeat, a / b of two variants timed back to back: (median, min, max)."""
+    ratios = sorted(a / b for a, b in zip(numerator, denominator))
+    return statistics.median(ratios), ratios[0], ratios[-1]
 
 
 def _inputs(batch, s_k, h_q, s_q, seed=0):
@@ -74,14 +91,8 @@ def bench_call_ratio(torch, ops, batch, s_k, h_q, s_q, calls, layers):
     decode = jax.jit(lambda q, kv, bt, sl, md: jf.mla_decode(q, kv, bt, sl, metadata=md))
     step = jax.jit(lambda qs, kv, bt, sl, md: [jf.mla_decode(qs[i], kv, bt, sl, metadata=md)
                                                for i in range(layers)])
-    jax_s = _time_per_call(lambda: decode(q, kv, bt, sl, md),
-                           lambda r=None: jax.block_until_ready(r), calls)
-    jax_step_s = _time_per_call(lambda: step(q_layers, kv, bt, sl, md),
-                                lambda r=None: jax.block_until_ready(r), calls // layers) / layers
     torch_call = _torch_side(torch, ops, q, kv, bt, sl, h_q, s_q)
-    torch_s = _time_per_call(torch_call, lambda r=None: torch.cuda.synchronize(), calls)
-    # The step's torch counterpart runs the same queries: the kernel's time depends on the data
-    # (on the H200 the 8 scaled queries took 5% longer than q alone at h_q=16).
+    # The step's torch counterpart: the same calls on the same queries.
     torch_layer_calls = [_torch_side(torch, ops, ql, kv, bt, sl, h_q, s_q) for ql in q_layers]
 
     def torch_step():
@@ -89,10 +100,8 @@ def bench_call_ratio(torch, ops, batch, s_k, h_q, s_q, calls, layers):
             result = call()
         return result
 
-    torch_step_s = _time_per_call(torch_step, lambda r=None: torch.cuda.synchronize(),
-                                  calls // layers) / layers
-    # The op plus two copies into other buffers, all in torch: what the bridge cost before it
-    # copied both results with one kernel of its own.
+    # The op plus two copy_ calls into other buffers, all in torch: what the bridge cost before
+    # it copied both results with one kernel of its own.
     out_buf = torch.empty((batch, s_q, h_q, 512), dtype=torch.bfloat16, device="cuda")
     lse_buf = torch.empty((batch, h_q, s_q), dtype=torch.float32, device="cuda")
 
@@ -101,8 +110,17 @@ def bench_call_ratio(torch, ops, batch, s_k, h_q, s_q, calls, layers):
         out_buf.copy_(out)
         lse_buf.copy_(lse)
 
-    torch_copies_s = _time_per_call(torch_call_and_copies,
-                                    lambda r=None: torch.cuda.synchronize(), calls)
+    jax_sync = jax.block_until_ready
+    torch_sync = lambda _: torch.cuda.synchronize()
+    samples = _interleaved(dict(
+        jax=(lambda: decode(q, kv, bt, sl, md), jax_sync, calls, 1),
+        torch=(torch_call, torch_sync, calls, 1),
+        torch_with_copies=(torch_call_and_copies, torch_sync, calls, 1),
+        jax_step=(lambda: step(q_layers, kv, bt, sl, md), jax_sync, calls // layers, layers),
+        torch_step=(torch_step, torch_sync, calls // layers, layers)))
+    ms = {name: statistics.median(values) * 1e3 for name, values in samples.items()}
+    ratio = _paired_ratios(samples["jax"], samples["torch"])
+    step_ratio = _paired_ratios(samples["jax_step"], samples["torch_step"])
     # Memory torch's allocator takes during one jax call: FlashMLA's outputs and accumulators.
     jax.block_until_ready(decode(q, kv, bt, sl, md))
     torch.cuda.synchronize()
@@ -114,11 +132,11 @@ def bench_call_ratio(torch, ops, batch, s_k, h_q, s_q, calls, layers):
     kv_bytes = batch * s_k * 576 * 2
     io_bytes = 2 * (batch * s_k * 576 + batch * s_q * h_q * 576 + batch * s_q * h_q * 512)
     flops = 2 * s_q * batch * s_k * h_q * (576 + 512)
-    return dict(batch=batch, s_k=s_k, h_q=h_q, s_q=s_q, jax_ms=jax_s * 1e3, torch_ms=torch_s * 1e3,
-                ratio=jax_s / torch_s, torch_with_copies_ms=torch_copies_s * 1e3, layers=layers,
-                jax_step_ms_per_call=jax_step_s * 1e3, torch_step_ms_per_call=torch_step_s * 1e3,
-                step_ratio=jax_step_s / torch_step_s, jax_gbps=io_bytes / jax_s / 1e9,
-                jax_tflops=flops / jax_s / 1e12, torch_gbps=io_bytes / torch_s / 1e9,
+    jax_s = ms["jax"] / 1e3
+    return dict(batch=batch, s_k=s_k, h_q=h_q, s_q=s_q, layers=layers, ms=ms,
+                ratio=ratio[0], ratio_range=ratio[1:], step_ratio=step_ratio[0],
+                step_ratio_range=step_ratio[1:], jax_gbps=io_bytes / jax_s / 1e9,
+                jax_tflops=flops / jax_s / 1e12, torch_gbps=io_bytes / ms["torch"] * 1e3 / 1e9,
                 kv_cache_mb=kv_bytes / 2**20, torch_alloc_per_call_mb=peak_extra / 2**20)
 
 
@@ -137,12 +155,14 @@ def bench_host_overhead(torch, ops, chain, calls):
         return q
 
     single = jax.jit(lambda q, kv, bt, sl, md: jf.mla_decode(q, kv, bt, sl, metadata=md))
-    chain_s = _time_per_call(lambda: chained(q, kv, bt, sl, md),
-                             lambda r=None: jax.block_until_ready(r), calls // chain + 1) / chain
-    single_s = _time_per_call(lambda: single(q, kv, bt, sl, md),
-                              lambda r=None: jax.block_until_ready(r), calls)
     torch_call = _torch_side(torch, ops, q, kv, bt, sl, h_q, s_q)
-    torch_s = _time_per_call(torch_call, lambda r=None: torch.cuda.synchronize(), calls)
+    samples = _interleaved(dict(
+        chain=(lambda: chained(q, kv, bt, sl, md), jax.block_until_ready, calls // chain + 1,
+               chain),
+        single=(lambda: single(q, kv, bt, sl, md), jax.block_until_ready, calls, 1),
+        torch=(torch_call, lambda _: torch.cuda.synchronize(), calls, 1)))
+    chain_s, single_s, torch_s = (statistics.median(samples[k]) for k in ("chain", "single",
+                                                                          "torch"))
     return dict(jax_in_jit_chain_us=chain_s * 1e6, jax_one_jit_call_us=single_s * 1e6,
                 torch_loop_us=torch_s * 1e6, chain=chain)
 
@@ -161,13 +181,15 @@ def main():
         for _ in range(2):  # twice: the spread between runs is the noise floor
             r = bench_call_ratio(torch, ops, 128, 4096, h_q, 1, args.calls, layers=8)
             results["calls"].append(r)
-            print(f"b=128 s_k=4096 h_q={h_q:3d} s_q=1: jax {r['jax_ms']:.4f} ms  torch "
-                  f"{r['torch_ms']:.4f} ms (with the bridge's copies {r['torch_with_copies_ms']:.4f})"
-                  f"  ratio {r['ratio']:.4f}  in an 8-decode step "
-                  f"{r['jax_step_ms_per_call']:.4f} ms (torch {r['torch_step_ms_per_call']:.4f}) ratio "
-                  f"{r['step_ratio']:.4f}  {r['jax_gbps']:.0f} GB/s "
-                  f"{r['jax_tflops']:.0f} TFLOPS  torch alloc/call {r['torch_alloc_per_call_mb']:.1f} MiB",
-                  flush=True)
+            ms = r["ms"]
+            print(f"b=128 s_k=4096 h_q={h_q:3d} s_q=1 (ms per decode): jax {ms['jax']:.4f}, "
+                  f"torch {ms['torch']:.4f} (+2 copies {ms['torch_with_copies']:.4f}), ratio "
+                  f"{r['ratio']:.4f} [{r['ratio_range'][0]:.4f}, {r['ratio_range'][1]:.4f}]; "
+                  f"8-decode step {ms['jax_step']:.4f} vs torch {ms['torch_step']:.4f}, ratio "
+                  f"{r['step_ratio']:.4f} [{r['step_ratio_range'][0]:.4f}, "
+                  f"{r['step_ratio_range'][1]:.4f}]; {r['jax_gbps']:.0f} GB/s "
+                  f"{r['jax_tflops']:.0f} TFLOPS; torch alloc/call "
+                  f"{r['torch_alloc_per_call_mb']:.1f} MiB", flush=True)
     results["host"] = bench_host_overhead(torch, ops, chain=50, calls=2000)
     print("host overhead per call (b=1, s_k=64, h_q=16):", json.dumps(results["host"]))
     if args.out:
