@@ -11,10 +11,13 @@ Implementations (--impl):
 Timing, the same for all: N calls back to back, then one device sync, wall clock, median of
 --repeats; N is chosen so that a repeat lasts about --target-ms, which keeps the unhidden first
 dispatch under ~0.5% of it. (CUDA events, and do_bench which records them, time torch's
-stream, which does not see XLA's.) Call i takes set i mod --rotations of (q, block_table) over
-one cache, the page order differing between sets, so that the L2 keeps nothing useful from one
-call for the next. FLOPs and bytes follow FlashMLA's test; GB/s is also given as a fraction of
-a device-to-device copy measured in the same run (bytes read + written).
+stream, which does not see XLA's.) The implementations take turns within each repeat, and a
+ratio to torch is the median of the per-repeat ratios, so that clocks drifting under sustained
+load (2-3% between runs on the H200) hit both sides alike. Call i takes set i mod --rotations
+of (q, block_table) over one cache, the page order differing between sets, so that the L2
+keeps nothing useful from one call for the next. FLOPs and bytes follow FlashMLA's test; GB/s
+is also given as a fraction of a device-to-device copy measured in the same run (bytes read +
+written).
 
 Writes under --out-dir after every point, so that a timeout leaves a partial report: NAME.json,
 NAME.md; at the end NAME_gbps.png and NAME_tflops.png (grid_report.py redraws them from the
@@ -51,35 +54,56 @@ GPU_GRID = dict(batch=128, s_k=[1024, 4096, 8192, 16384], h_q=[16, 32, 64, 128],
                 layers=8, target_ms=50.0, repeats=5, copy_mib=1024)
 CPU_GRID = dict(batch=2, s_k=[64, 128], h_q=[16], s_q=[1, 2], layers=2, target_ms=5.0,
                 repeats=3, copy_mib=64)
+# How a point is timed, recorded in the JSON (--resume only completes a report timed alike).
+TIMING = "in turns"  # implementations take turns within each repeat; ratios per repeat
 # At least this many calls per repeat, even where one call outlasts --target-ms.
 MIN_CALLS = 3
 
 
-def time_calls(call, sync, *, target_ms, repeats, max_calls):
-    """Median seconds per call of call(i), i = 0, 1, ... (i picks the rotation set), and the
-    first call's result. The first call compiles; doubling batches then warm up and size N."""
+def size_calls(call, sync, *, target_ms, max_calls):
+    """(N, the first call's result): the first call of call(i) compiles; doubling batches then
+    warm up and size N so that N calls last about target_ms. i picks the rotation set."""
     first = call(0)
     sync(first)
     calls = 1
     while True:
-        start = time.perf_counter()
-        for i in range(calls):
-            result = call(i)
-        sync(result)
-        elapsed = time.perf_counter() - start
-        if elapsed >= target_ms / 4e3 or calls >= max_calls:
+        elapsed = timed_batch(call, sync, calls)
+        if elapsed * calls >= target_ms / 4e3 or calls >= max_calls:
             break
         calls *= 2
-    calls = int(min(max_calls, max(MIN_CALLS, round(calls * target_ms / 1e3 / elapsed))))
-    samples = []
+    return int(min(max_calls, max(MIN_CALLS, round(target_ms / 1e3 / elapsed)))), first
+
+
+def timed_batch(call, sync, calls):
+    """Seconds per call of `calls` calls back to back, then one sync."""
+    start = time.perf_counter()
+    for i in range(calls):
+        result = call(i)
+    sync(result)
+    return (time.perf_counter() - start) / calls
+
+
+def time_in_turns(variants, *, target_ms, repeats, max_calls):
+    """variants: name -> (call, sync). Sizes each, then times them in turns within every
+    repeat, so that the GPU's clocks drifting under sustained load hit all alike (ratios are
+    then taken per repeat). A variant that raises is dropped. Returns (name -> dict(samples,
+    calls, first), name -> the error of a dropped variant)."""
+    timed, failed = {}, {}
+    for name, (call, sync) in variants.items():
+        try:
+            calls, first = size_calls(call, sync, target_ms=target_ms, max_calls=max_calls)
+            timed[name] = dict(samples=[], calls=calls, first=first)
+        except Exception as e:  # one failing implementation should not cost the whole point
+            failed[name] = e
     for _ in range(repeats):
-        start = time.perf_counter()
-        for i in range(calls):
-            result = call(i)
-        sync(result)
-        samples.append((time.perf_counter() - start) / calls)
-    median = statistics.median(samples)
-    return dict(seconds=median, calls=calls, spread=(max(samples) - min(samples)) / median), first
+        for name in list(timed):
+            call, sync = variants[name]
+            try:
+                timed[name]["samples"].append(timed_batch(call, sync, timed[name]["calls"]))
+            except Exception as e:
+                failed[name] = e
+                del timed[name]
+    return timed, failed
 
 
 def flashmla_work(batch, sum_s_k, h_q, s_q):
@@ -186,15 +210,16 @@ def copy_bandwidth(mib, target_ms, repeats, torch_side):
     xs = [jax.random.normal(jax.random.key(i), (mib * 2**19,), jnp.bfloat16) for i in range(2)]
     traffic = 2 * mib * 2**20
     copy = jax.jit(lambda x: x + jnp.zeros((), x.dtype))  # one fused read and write of x
-    timed, _ = time_calls(lambda i: copy(xs[i % 2]), jax.block_until_ready, target_ms=target_ms,
-                          repeats=repeats, max_calls=1000)
-    result = dict(mib=mib, jax_gbps=traffic / timed["seconds"] / 1e9)
+    variants = dict(jax=(lambda i: copy(xs[i % 2]), jax.block_until_ready))
     if torch_side:
         src = [torch_side.torch.from_dlpack(x) for x in xs]
         dst = torch_side.torch.empty_like(src[0])
-        timed, _ = time_calls(lambda i: dst.copy_(src[i % 2]), torch_side.sync,
-                              target_ms=target_ms, repeats=repeats, max_calls=1000)
-        result["torch_gbps"] = traffic / timed["seconds"] / 1e9
+        variants["torch"] = (lambda i: dst.copy_(src[i % 2]), torch_side.sync)
+    timed, failed = time_in_turns(variants, target_ms=target_ms, repeats=repeats, max_calls=1000)
+    if failed:
+        raise RuntimeError(f"the copy benchmark failed: {failed}")
+    result = dict(mib=mib, **{f"{name}_gbps": traffic / statistics.median(t["samples"]) / 1e9
+                              for name, t in timed.items()})
     result["ceiling_gbps"] = max(v for k, v in result.items() if k.endswith("_gbps"))
     return result
 
@@ -209,93 +234,77 @@ def decode_step(qs, kv, block_tables, seq_lens):
 
 
 def bench_point(work, h_q, s_q, impls, args, torch_side, ceiling_gbps):
-    """Times the chosen implementations at one grid point; returns its JSON record."""
+    """Times the chosen implementations at one grid point, in turns; returns its JSON record."""
     rot, layers = args.rotations, args.layers
     qs = work.queries(h_q, s_q, rot)
     flops, nbytes = flashmla_work(work.batch, work.sum_s_k, h_q, s_q)
     point = dict(batch=work.batch, mean_s_k=work.mean_s_k, varlen=work.varlen, h_q=h_q, s_q=s_q,
                  sum_s_k=work.sum_s_k, max_s_k=int(work.seq_lens_np.max()), flops=flops,
                  bytes=nbytes, impls={}, skipped={}, checks={})
-    timing = dict(target_ms=args.target_ms, repeats=args.repeats, max_calls=args.max_calls)
-    jax_sync = jax.block_until_ready
-    firsts = {}
-
-    def record(name, timed, first, per_call=1):
-        seconds = timed["seconds"] / per_call
-        point["impls"][name] = dict(ms=seconds * 1e3, tflops=flops / seconds / 1e12,
-                                    gbps=nbytes / seconds / 1e9,
-                                    of_copy=nbytes / seconds / 1e9 / ceiling_gbps,
-                                    calls=timed["calls"], spread=timed["spread"])
-        if per_call > 1:
-            point["impls"][name].update(layers=per_call, step_ms=timed["seconds"] * 1e3)
-        firsts[name] = first
-
     bts, sl = work.block_tables, work.seq_lens
-    timers = {}
+    jax_sync = jax.block_until_ready
+    variants, per_call = {}, {}
 
-    def timer(fn):
-        timers[fn.__name__] = fn
-        return fn
-
-    @timer
-    def flashmla():
+    if "flashmla" in impls:
         md = jax_sync(jf.get_mla_metadata(sl, num_heads_q=h_q, num_q_tokens=s_q,
                                           implementation="flashmla"))
         decode = jax.jit(functools.partial(jf.mla_decode, implementation="flashmla"))
-        record("flashmla", *time_calls(
-            lambda i: decode(qs[i % rot], work.kv, bts[i % rot], sl, metadata=md), jax_sync,
-            **timing))
-
-    @timer
-    def reference():
+        variants["flashmla"] = (
+            lambda i: decode(qs[i % rot], work.kv, bts[i % rot], sl, metadata=md), jax_sync)
+    if "reference" in impls:
         need = work.reference_bytes(h_q, s_q)
         if need > args.ref_budget_gib * 2**30:
             point["skipped"]["reference"] = (f"needs ~{need / 2**30:.0f} GiB of temporaries, over "
                                              f"--ref-budget-gib {args.ref_budget_gib:g}")
-            return
-        decode = jax.jit(functools.partial(jf.mla_decode, implementation="reference"))
-        record("reference", *time_calls(
-            lambda i: decode(qs[i % rot], work.kv, bts[i % rot], sl), jax_sync, **timing))
-
-    @timer
-    def flashmla_step():
+        else:
+            reference = jax.jit(functools.partial(jf.mla_decode, implementation="reference"))
+            variants["reference"] = (
+                lambda i: reference(qs[i % rot], work.kv, bts[i % rot], sl), jax_sync)
+    if "flashmla_step" in impls:
         step_qs = [qs[j % rot] for j in range(layers)]
         step_bts = [bts[j % rot] for j in range(layers)]
-        record("flashmla_step", *time_calls(
-            lambda i: decode_step(step_qs, work.kv, step_bts, sl), jax_sync, **timing), layers)
-
-    @timer
-    def torch():
-        metadata_args, decode_args = torch_side.prepare(work, qs, h_q, s_q)
-        metadata = torch_side.metadata_op(*metadata_args)[:2]
-        per_call = [torch_side.decode_with(a, metadata) for a in decode_args]
-        record("torch", *time_calls(lambda i: torch_side.decode_op(*per_call[i % rot]),
-                                    torch_side.sync, **timing))
-
-    @timer
-    def torch_step():
+        variants["flashmla_step"] = (lambda i: decode_step(step_qs, work.kv, step_bts, sl),
+                                     jax_sync)
+        per_call["flashmla_step"] = layers
+    if set(impls) & set(TORCH_IMPLS):
         metadata_args, decode_args = torch_side.prepare(work, qs, h_q, s_q)
         md_op, decode_op = torch_side.metadata_op, torch_side.decode_op
-
-        def step(_):
+    if "torch" in impls:
+        metadata = md_op(*metadata_args)[:2]
+        torch_calls = [torch_side.decode_with(list(a), metadata) for a in decode_args]
+        variants["torch"] = (lambda i: decode_op(*torch_calls[i % rot]), torch_side.sync)
+    if "torch_step" in impls:
+        def torch_step(_):
             metadata = md_op(*metadata_args)[:2]
             return [decode_op(*torch_side.decode_with(decode_args[j % rot], metadata))
                     for j in range(layers)]
-        record("torch_step", *time_calls(step, torch_side.sync, **timing), layers)
+        variants["torch_step"] = (torch_step, torch_side.sync)
+        per_call["torch_step"] = layers
 
-    for name in IMPLS:
-        if name in impls:
-            try:
-                timers[name]()
-            except Exception as e:  # one failing implementation should not cost the whole grid
-                point["skipped"][name] = f"failed: {type(e).__name__}: {str(e)[:400]}"
-                print(f"{name} failed at b={work.batch} s_k={work.mean_s_k} h_q={h_q} s_q={s_q}:",
-                      point["skipped"][name], flush=True)
-    for name, r in point["impls"].items():
-        base = point["impls"].get("torch_step" if name.endswith("_step") else "torch")
-        if base and name not in TORCH_IMPLS:
-            r["vs_torch"] = r["ms"] / base["ms"]
-    _check_outputs(point, firsts, torch_side)
+    timed, failed = time_in_turns(variants, target_ms=args.target_ms, repeats=args.repeats,
+                                  max_calls=args.max_calls)
+    for name, e in failed.items():
+        point["skipped"][name] = f"failed: {type(e).__name__}: {str(e)[:400]}"
+        print(f"{name} failed at b={work.batch} s_k={work.mean_s_k} h_q={h_q} s_q={s_q}:",
+              point["skipped"][name], flush=True)
+    for name in IMPLS:  # the JSON's order
+        if name not in timed:
+            continue
+        t, layers_per_call = timed[name], per_call.get(name, 1)
+        samples = t["samples"]
+        seconds = statistics.median(samples) / layers_per_call
+        r = point["impls"][name] = dict(
+            ms=seconds * 1e3, tflops=flops / seconds / 1e12, gbps=nbytes / seconds / 1e9,
+            of_copy=nbytes / seconds / 1e9 / ceiling_gbps, calls=t["calls"],
+            spread=(max(samples) - min(samples)) / statistics.median(samples))
+        if layers_per_call > 1:
+            r.update(layers=layers_per_call, step_ms=seconds * layers_per_call * 1e3)
+        base = "torch_step" if name.endswith("_step") else "torch"
+        if name not in TORCH_IMPLS and base in timed:
+            # Per repeat, the two were timed one after the other: the median of those ratios.
+            r["vs_torch"] = statistics.median(
+                a / b for a, b in zip(samples, timed[base]["samples"]))
+    _check_outputs(point, {name: t["first"] for name, t in timed.items()}, torch_side)
     return point
 
 
@@ -375,6 +384,9 @@ def main():
         # A second call completes a first one's grid, on the first's copy ceiling.
         with open(stem + ".json") as f:
             results = json.load(f)
+        if results["meta"].get("timing") != TIMING:
+            raise SystemExit(f"{stem}.json was timed otherwise ({results['meta'].get('timing')!r}"
+                             f", not {TIMING!r}): run the whole grid instead of --resume")
         results["not_run"] = []
         results["meta"].setdefault("resumed", []).append(_now())
         copy = results["meta"]["copy"]
@@ -385,7 +397,7 @@ def main():
             flashmla_path="FlashMLA's kernels" if on_gpu else "the C++ model (CPU custom call)",
             date=_now(), jax=jax.__version__, dtype="bfloat16", batch=args.batch,
             layers=args.layers, rotations=args.rotations, target_ms=args.target_ms,
-            repeats=args.repeats, impls=args.impl, copy=copy,
+            repeats=args.repeats, timing=TIMING, impls=args.impl, copy=copy,
             **(torch_side.info if torch_side else {})), points=[], not_run=[])
     print(f"device {jax.devices()[0].device_kind}: copy {copy['ceiling_gbps']:.0f} GB/s "
           f"({json.dumps(copy)})", flush=True)

@@ -107,8 +107,10 @@ def write_markdown(results, path):
                                                  if "torch" in meta else "")
         + f"; jax_flashmla runs {meta['flashmla_path']}. {meta['dtype']}, b={meta['batch']}, "
         f"{meta['rotations']} (q, block_table) sets rotated; N calls then a device sync, median of "
-        f"{meta['repeats']} repeats of ~{meta['target_ms']:g} ms. GB/s and TFLOPS by FlashMLA's "
-        "formulas; per-layer figures for the steps.",
+        f"{meta['repeats']} repeats of ~{meta['target_ms']:g} ms"
+        + (", the implementations in turns within each repeat, ratios the median of per-repeat "
+           "ratios" if meta.get("timing") == "in turns" else ", one implementation after another")
+        + ". GB/s and TFLOPS by FlashMLA's formulas; per-layer figures for the steps.",
         "",
         f"Device copy (read + write, {copy['mib']} MiB): {copy_text} GB/s; ceiling "
         f"{copy['ceiling_gbps']:.4g} GB/s.",

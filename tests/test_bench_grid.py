@@ -51,6 +51,7 @@ def test_cpu_grid_writes_its_report(tmp_path):
     markdown = (tmp_path / "grid.md").read_text()
     assert "| fixed | 1 | 16 | 64 |" in markdown and "| varlen | 2 | 16 | 128 |" in markdown
     assert "Pure-JAX reference / jax_flashmla: median" in markdown
+    assert meta["timing"] == "in turns" and "the implementations in turns" in markdown
     for metric in ("gbps", "tflops"):
         png = (tmp_path / f"grid_{metric}.png").read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
@@ -69,3 +70,15 @@ def test_a_deadline_leaves_a_report_that_resume_completes(tmp_path):
     assert [(p["mean_s_k"], p["s_q"]) for p in resumed["points"]] == [(64, 1), (64, 2)]
     assert not resumed["not_run"] and resumed["meta"]["copy"] == results["meta"]["copy"]
     assert "[2/2" in stdout
+
+
+def test_resume_refuses_a_report_timed_otherwise(tmp_path):
+    flags = ["--s-k", "64", "--varlen", "false", "--s-q", "1", "--impl", "reference"]
+    results, _ = _run(tmp_path, "--deadline-s", "0", *flags)
+    results["meta"]["timing"] = "one after another"
+    (tmp_path / "grid.json").write_text(json.dumps(results))
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, SCRIPT, "--out-dir", str(tmp_path), "--name", "grid",
+                           "--resume", *flags], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode != 0 and "run the whole grid instead of --resume" in proc.stderr
