@@ -3,7 +3,7 @@ CUPTI (torch's profiler records every kernel and copy in the process, XLA's incl
 
 For each variant (the torch op in a loop, the torch op plus two copies of its results, one
 jitted mla_decode per call, a jitted step of 8 decodes with 8 different queries and the torch
-loop over the same queries) it reports per decode: the span
+loop over the same queries, jitted steps of 1 and 2 decodes) it reports per decode: the span
 from the first GPU activity to the last, the time the GPU was busy, the idle rest, and each
 kernel or copy with its count and mean duration; how long each GPU activity waited after its
 launch call returned (near zero: the GPU was starved by the host); the host's pace, the
@@ -89,7 +89,7 @@ def profile(torch, run, sync, decodes):
             return summarize_trace(json.load(f), decodes)
 
 
-def profile_point(torch, ops, batch, s_k, h_q, calls, layers):
+def profile_point(torch, ops, batch, s_k, h_q, calls, layers, step_layers=()):
     q, kv, bt, sl = _inputs(batch, s_k, h_q, 1)
     q_layers = [q * (1 + i / layers) for i in range(layers)]
     md = jax.block_until_ready(jf.get_mla_metadata(sl, num_heads_q=h_q))
@@ -128,27 +128,46 @@ def profile_point(torch, ops, batch, s_k, h_q, calls, layers):
         jax.block_until_ready(result)
 
     sync = torch.cuda.synchronize
-    return dict(batch=batch, s_k=s_k, h_q=h_q, calls=calls,
-                torch=profile(torch, torch_loop, sync, calls),
-                torch_with_copies=profile(torch, torch_copies_loop, sync, calls),
-                jax_one_call=profile(torch, jax_loop, sync, calls),
-                torch_step=profile(torch, torch_step_loop, sync, calls // layers * layers),
-                jax_step=profile(torch, jax_step_loop, sync, calls // layers * layers))
+    point = dict(batch=batch, s_k=s_k, h_q=h_q, calls=calls, layers=layers,
+                 torch=profile(torch, torch_loop, sync, calls),
+                 torch_with_copies=profile(torch, torch_copies_loop, sync, calls),
+                 jax_one_call=profile(torch, jax_loop, sync, calls),
+                 torch_step=profile(torch, torch_step_loop, sync, calls // layers * layers),
+                 jax_step=profile(torch, jax_step_loop, sync, calls // layers * layers))
+    # Steps of fewer layers: does FlashMLA's kernel slow down with decodes back to back?
+    for fewer in step_layers:
+        fewer_step = jax.jit(lambda qs, kv, bt, sl, md: [
+            jf.mla_decode(qs[i], kv, bt, sl, metadata=md) for i in range(fewer)])
+
+        def fewer_step_loop():
+            for _ in range(calls // fewer):
+                result = fewer_step(q_layers[:fewer], kv, bt, sl, md)
+            jax.block_until_ready(result)
+
+        point[f"jax_step_{fewer}"] = profile(torch, fewer_step_loop, sync,
+                                             calls // fewer * fewer)
+    return point
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--calls", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=8, help="decodes in the jitted step")
+    parser.add_argument("--step-layers", type=int, nargs="*", default=[1, 2],
+                        help="also profile jitted steps of these many decodes")
     args = parser.parse_args()
     ops = kernels.ensure_cuda_targets()
     import torch
 
     results = []
     for h_q in (16, 128):
-        point = profile_point(torch, ops, 128, 4096, h_q, args.calls, layers=8)
+        point = profile_point(torch, ops, 128, 4096, h_q, args.calls, args.layers,
+                              args.step_layers)
         results.append(point)
-        for variant in ("torch", "torch_with_copies", "jax_one_call", "torch_step", "jax_step"):
+        variants = ["torch", "torch_with_copies", "jax_one_call", "torch_step", "jax_step",
+                    *(f"jax_step_{n}" for n in args.step_layers)]
+        for variant in variants:
             s = point[variant]
             print(f"h_q={h_q:3d} {variant:18s} span {s['span_us']:7.1f} us/decode, busy "
                   f"{s['busy_us']:7.1f}, idle {s['idle_us']:6.1f}, host between decodes "
