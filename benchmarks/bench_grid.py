@@ -1,6 +1,10 @@
 """FlashMLA's decode grid (issue 7): jax_flashmla against the same FlashMLA op called from
 torch, against the pure-JAX reference, and as a decode step of N layers.
 
+Each point is one cache dtype (--dtype): bfloat16, or float8_e4m3fn with one per-tensor k scale
+(FlashMLA's dense FP8 decode; jax_flashmla quantizes q inside the timed call, the torch op is
+given q already quantized, as SGLang quantizes it in a kernel of its own).
+
 Implementations (--impl):
   flashmla       jf.mla_decode under jax.jit; metadata computed once, outside the timed region
   torch          FlashMLA's torch op on the same buffers (dlpack), arguments by schema name (GPU)
@@ -41,9 +45,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_flashmla as jf
-from jax_flashmla import kernels
+from jax_flashmla import fp8
 
 import grid_report
+from torch_side import FP8, TorchSide
 
 IMPLS = ("flashmla", "torch", "reference", "flashmla_step", "torch_step")
 TORCH_IMPLS = ("torch", "torch_step")
@@ -106,16 +111,19 @@ def time_in_turns(variants, *, target_ms, repeats, max_calls):
     return timed, failed
 
 
-def flashmla_work(batch, sum_s_k, h_q, s_q):
-    """FlashMLA's FLOPs and bytes of one decode (tests/test_flash_mla_decoding.py)."""
+def flashmla_work(batch, sum_s_k, h_q, s_q, dtype):
+    """FlashMLA's FLOPs and bytes of one decode (its tests' formulas): the cache and q in the
+    cache's dtype (1 byte in FP8), out in bf16."""
     flops = 2 * s_q * sum_s_k * h_q * (D_QK + D_V)
-    nbytes = 2 * (sum_s_k * D_QK + batch * s_q * h_q * D_QK + batch * s_q * h_q * D_V)
+    element = 1 if dtype == FP8 else 2
+    nbytes = element * (sum_s_k * D_QK + batch * s_q * h_q * D_QK) + 2 * batch * s_q * h_q * D_V
     return flops, nbytes
 
 
 class Workload:
     """One cache of bf16 pages for (batch, mean s_k, varlen), shared by every (h_q, s_q), and
-    `rotations` block tables over it, each a different random page order."""
+    `rotations` block tables over it, each a different random page order; the same cache in
+    FP8 when asked for, with one per-tensor scale (amax / 448, as a static k scale)."""
 
     def __init__(self, batch, mean_s_k, varlen, min_len, rotations, seed):
         rng = np.random.default_rng(seed)
@@ -137,9 +145,18 @@ class Workload:
         self.key = jax.random.key(seed)
         kv = jax.random.normal(self.key, (num_pages, PAGE, 1, D_QK), jnp.bfloat16) / 10
         self.kv = jax.block_until_ready(jnp.clip(kv, -1, 1))
+        self.k_scale = (jnp.max(jnp.abs(self.kv)).astype(jnp.float32) / fp8.FP8_MAX)
+        self._kv_fp8 = None
         self.seq_lens = jnp.asarray(self.seq_lens_np)
         self.batch, self.mean_s_k, self.varlen = batch, mean_s_k, varlen
         self.sum_s_k = int(self.seq_lens_np.sum())
+
+    def cache(self, dtype):
+        if dtype != FP8:
+            return self.kv
+        if self._kv_fp8 is None:
+            self._kv_fp8 = jax.block_until_ready(jax.jit(fp8.quantize)(self.kv, self.k_scale))
+        return self._kv_fp8
 
     def queries(self, h_q, s_q, rotations):
         keys = jax.random.split(jax.random.fold_in(self.key, h_q * 8 + s_q), rotations)
@@ -150,58 +167,7 @@ class Workload:
         """A rough peak of the reference's temporaries: gathered and masked keys (bf16), float32
         values, and ~4 float32 score-sized arrays (scores, mask, exp, weights)."""
         tokens = self.batch * self.block_tables[0].shape[1] * PAGE
-        return tokens * (2 * D_QK * 2 + D_V * 4 + 4 * h_q * s_q * 4)
-
-
-class TorchSide:
-    """FlashMLA's torch ops called directly on JAX's buffers, as a torch model would."""
-
-    def __init__(self):
-        ops = kernels.ensure_cuda_targets()
-        import torch
-
-        self.torch = torch
-        resolve = lambda name: getattr(getattr(torch.ops, name.split("::")[0]), name.split("::")[1])
-        self.decode_op, self.metadata_op = resolve(ops.decode), resolve(ops.metadata)
-        names = [a.name for a in self.decode_op.default._schema.arguments]
-        self.metadata_slots = names.index("tile_scheduler_metadata"), names.index("num_splits")
-        self.info = dict(torch=torch.__version__, kernel_library=ops.library.path,
-                         decode_op=ops.decode, metadata_op=ops.metadata)
-
-    @staticmethod
-    def by_name(op, values):
-        """The op's positional arguments, filled by name from its schema (as the bridge does)."""
-        out = []
-        for arg in op.default._schema.arguments:
-            if arg.name in values:
-                out.append(values[arg.name])
-            elif arg.default_value is not None or arg.type.kind() == "OptionalType":
-                out.append(arg.default_value)
-            else:
-                raise KeyError(f"{op}: no value for {arg.name}")
-        return out
-
-    def sync(self, _=None):
-        self.torch.cuda.synchronize()
-
-    def prepare(self, work, qs, h_q, s_q):
-        """Argument lists: the metadata op's, and the decode op's per rotation set (with the
-        metadata slots to fill). Built once, so the timed loops do no more than a model's."""
-        t = self.torch.from_dlpack
-        tsl = t(work.seq_lens)
-        metadata_args = self.by_name(self.metadata_op, dict(
-            seqlens_k=tsl, num_q_tokens_per_head_k=s_q * h_q, num_heads_per_head_k=s_q * h_q,
-            h_k=1, num_heads_k=1, h_q=h_q, is_fp8_kvcache=False))
-        tkv = t(work.kv)
-        decode_args = [self.by_name(self.decode_op, dict(
-            q=t(q), kv_cache=tkv, kcache=tkv, head_size_v=D_V, seqlens_k=tsl, block_table=t(bt),
-            softmax_scale=D_QK ** -0.5, is_causal=True, tile_scheduler_metadata=None,
-            num_splits=None, is_fp8=False)) for q, bt in zip(qs, work.block_tables)]
-        return metadata_args, decode_args
-
-    def decode_with(self, args, metadata):
-        args[self.metadata_slots[0]], args[self.metadata_slots[1]] = metadata
-        return args
+        return tokens * (2 * D_QK * 2 + D_QK * 4 + D_V * 4 + 4 * h_q * s_q * 4)
 
 
 def copy_bandwidth(mib, target_ms, repeats, torch_side):
@@ -225,32 +191,36 @@ def copy_bandwidth(mib, target_ms, repeats, torch_side):
 
 
 @jax.jit
-def decode_step(qs, kv, block_tables, seq_lens):
-    """A model's decode step: the metadata once, then one decode per layer sharing it."""
+def decode_step(qs, kv, block_tables, seq_lens, k_scale):
+    """A model's decode step: the metadata once, then one decode per layer sharing it (an FP8
+    cache when k_scale is not None)."""
     md = jf.get_mla_metadata(seq_lens, num_heads_q=qs[0].shape[2], num_q_tokens=qs[0].shape[1],
-                             implementation="flashmla")
-    return [jf.mla_decode(q, kv, bt, seq_lens, metadata=md, implementation="flashmla")[0]
+                             fp8=k_scale is not None, implementation="flashmla")
+    return [jf.mla_decode(q, kv, bt, seq_lens, metadata=md, k_scale=k_scale,
+                          implementation="flashmla")[0]
             for q, bt in zip(qs, block_tables)]
 
 
-def bench_point(work, h_q, s_q, impls, args, torch_side, ceiling_gbps):
+def bench_point(work, dtype, h_q, s_q, impls, args, torch_side, ceiling_gbps):
     """Times the chosen implementations at one grid point, in turns; returns its JSON record."""
     rot, layers = args.rotations, args.layers
     qs = work.queries(h_q, s_q, rot)
-    flops, nbytes = flashmla_work(work.batch, work.sum_s_k, h_q, s_q)
-    point = dict(batch=work.batch, mean_s_k=work.mean_s_k, varlen=work.varlen, h_q=h_q, s_q=s_q,
-                 sum_s_k=work.sum_s_k, max_s_k=int(work.seq_lens_np.max()), flops=flops,
-                 bytes=nbytes, impls={}, skipped={}, checks={})
-    bts, sl = work.block_tables, work.seq_lens
+    flops, nbytes = flashmla_work(work.batch, work.sum_s_k, h_q, s_q, dtype)
+    point = dict(batch=work.batch, mean_s_k=work.mean_s_k, varlen=work.varlen, dtype=dtype,
+                 h_q=h_q, s_q=s_q, sum_s_k=work.sum_s_k, max_s_k=int(work.seq_lens_np.max()),
+                 flops=flops, bytes=nbytes, impls={}, skipped={}, checks={})
+    bts, sl, kv = work.block_tables, work.seq_lens, work.cache(dtype)
+    k_scale = work.k_scale if dtype == FP8 else None
     jax_sync = jax.block_until_ready
     variants, per_call = {}, {}
 
     if "flashmla" in impls:
         md = jax_sync(jf.get_mla_metadata(sl, num_heads_q=h_q, num_q_tokens=s_q,
-                                          implementation="flashmla"))
+                                          fp8=k_scale is not None, implementation="flashmla"))
         decode = jax.jit(functools.partial(jf.mla_decode, implementation="flashmla"))
         variants["flashmla"] = (
-            lambda i: decode(qs[i % rot], work.kv, bts[i % rot], sl, metadata=md), jax_sync)
+            lambda i: decode(qs[i % rot], kv, bts[i % rot], sl, metadata=md, k_scale=k_scale),
+            jax_sync)
     if "reference" in impls:
         need = work.reference_bytes(h_q, s_q)
         if need > args.ref_budget_gib * 2**30:
@@ -259,24 +229,29 @@ def bench_point(work, h_q, s_q, impls, args, torch_side, ceiling_gbps):
         else:
             reference = jax.jit(functools.partial(jf.mla_decode, implementation="reference"))
             variants["reference"] = (
-                lambda i: reference(qs[i % rot], work.kv, bts[i % rot], sl), jax_sync)
+                lambda i: reference(qs[i % rot], kv, bts[i % rot], sl, k_scale=k_scale), jax_sync)
     if "flashmla_step" in impls:
         step_qs = [qs[j % rot] for j in range(layers)]
         step_bts = [bts[j % rot] for j in range(layers)]
-        variants["flashmla_step"] = (lambda i: decode_step(step_qs, work.kv, step_bts, sl),
+        variants["flashmla_step"] = (lambda i: decode_step(step_qs, kv, step_bts, sl, k_scale),
                                      jax_sync)
         per_call["flashmla_step"] = layers
     if set(impls) & set(TORCH_IMPLS):
-        metadata_args, decode_args = torch_side.prepare(work, qs, h_q, s_q)
-        md_op, decode_op = torch_side.metadata_op, torch_side.decode_op
+        try:
+            md_op, metadata_args, decode_op, decode_args = torch_side.prepare(
+                kv, k_scale, sl, qs, bts, h_q, s_q, D_V)
+        except RuntimeError as e:  # e.g. a kernel library without the FP8 decode
+            for name in set(impls) & set(TORCH_IMPLS):
+                point["skipped"][name] = str(e)
+            impls = [name for name in impls if name not in TORCH_IMPLS]
     if "torch" in impls:
         metadata = md_op(*metadata_args)[:2]
-        torch_calls = [torch_side.decode_with(list(a), metadata) for a in decode_args]
+        torch_calls = [torch_side.decode_with(decode_op, list(a), metadata) for a in decode_args]
         variants["torch"] = (lambda i: decode_op(*torch_calls[i % rot]), torch_side.sync)
     if "torch_step" in impls:
         def torch_step(_):
             metadata = md_op(*metadata_args)[:2]
-            return [decode_op(*torch_side.decode_with(decode_args[j % rot], metadata))
+            return [decode_op(*torch_side.decode_with(decode_op, decode_args[j % rot], metadata))
                     for j in range(layers)]
         variants["torch_step"] = (torch_step, torch_side.sync)
         per_call["torch_step"] = layers
@@ -332,7 +307,8 @@ def _now():
 
 
 def _key(point):
-    return point["mean_s_k"], point["varlen"], point["h_q"], point["s_q"]
+    return (point["mean_s_k"], point["varlen"], point.get("dtype", "bfloat16"), point["h_q"],
+            point["s_q"])
 
 
 def parse_args(on_gpu):
@@ -342,6 +318,8 @@ def parse_args(on_gpu):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=grid["batch"])
     p.add_argument("--s-k", type=int, nargs="+", default=grid["s_k"], help="mean KV lengths")
+    p.add_argument("--dtype", nargs="+", choices=("bfloat16", FP8), default=["bfloat16", FP8],
+                   help=f"the cache's dtype ({FP8}: one per-tensor scale, q quantized with it)")
     p.add_argument("--h-q", type=int, nargs="+", default=grid["h_q"])
     p.add_argument("--s-q", type=int, nargs="+", default=grid["s_q"])
     p.add_argument("--varlen", type=bool_arg, nargs="+", default=[False, True],
@@ -395,7 +373,7 @@ def main():
         results = dict(meta=dict(
             device=jax.devices()[0].device_kind, backend=jax.default_backend(),
             flashmla_path="FlashMLA's kernels" if on_gpu else "the C++ model (CPU custom call)",
-            date=_now(), jax=jax.__version__, dtype="bfloat16", batch=args.batch,
+            date=_now(), jax=jax.__version__, dtypes=args.dtype, batch=args.batch,
             layers=args.layers, rotations=args.rotations, target_ms=args.target_ms,
             repeats=args.repeats, timing=TIMING, impls=args.impl, copy=copy,
             **(torch_side.info if torch_side else {})), points=[], not_run=[])
@@ -404,21 +382,25 @@ def main():
     done_before = {_key(p) for p in results["points"]}
 
     grid = list(itertools.product(args.s_k, args.varlen))
-    total = len(done_before | set(itertools.product(args.s_k, args.varlen, args.h_q, args.s_q)))
+    total = len(done_before | set(itertools.product(args.s_k, args.varlen, args.dtype, args.h_q,
+                                                    args.s_q)))
     for mean_s_k, varlen in grid:
         work = None
-        for h_q, s_q in itertools.product(args.h_q, args.s_q):
-            label = f"{'varlen' if varlen else 'fixed'} s_k={mean_s_k} h_q={h_q} s_q={s_q}"
-            if (mean_s_k, varlen, h_q, s_q) in done_before:
+        for dtype, h_q, s_q in itertools.product(args.dtype, args.h_q, args.s_q):
+            label = (f"{'varlen' if varlen else 'fixed'} {dtype} s_k={mean_s_k} h_q={h_q} "
+                     f"s_q={s_q}")
+            if (mean_s_k, varlen, dtype, h_q, s_q) in done_before:
                 continue
             if args.deadline_s is not None and time.perf_counter() - started > args.deadline_s:
-                results["not_run"].append(dict(mean_s_k=mean_s_k, varlen=varlen, h_q=h_q, s_q=s_q))
+                results["not_run"].append(dict(mean_s_k=mean_s_k, varlen=varlen, dtype=dtype,
+                                               h_q=h_q, s_q=s_q))
                 print(f"not run (deadline): {label}", flush=True)
                 continue
             if work is None:
                 work = Workload(args.batch, mean_s_k, varlen, max(args.s_q), args.rotations,
                                 seed=2 * mean_s_k + varlen)
-            point = bench_point(work, h_q, s_q, args.impl, args, torch_side, copy["ceiling_gbps"])
+            point = bench_point(work, dtype, h_q, s_q, args.impl, args, torch_side,
+                                copy["ceiling_gbps"])
             results["points"].append(point)
             elapsed = time.perf_counter() - started
             print(f"[{len(results['points'])}/{total} {elapsed:.0f}s] {label}: "

@@ -8,7 +8,8 @@
 #     fp8        the FP8 tests            probe_fp8  which inputs FlashMLA's FP8 kernel takes
 #     decode     bench_decode.py          profile    the GPU timeline of one decode, jax vs torch
 #     bench      multi-GPU, FP8, write_kv benchmarks and the served example
-#     grid       FlashMLA's grid (bench_grid.py), ~7 min; GRID_DEADLINE_S (default 420)
+#     grid       FlashMLA's grid (bench_grid.py); GRID_DEADLINE_S (default 420), GRID_ARGS
+#                (e.g. "--dtype bfloat16": ~8 min a cache dtype)
 #     grid_resume  the points benchmarks/results/grid_h200.json lacks
 set -uo pipefail
 modes=("${@:-tests}")
@@ -81,7 +82,7 @@ for mode in "${modes[@]}"; do
       cp benchmarks/results/grid_h200.json "$out/" && resume=(--resume)
     fi
     timeout 500 python3 benchmarks/bench_grid.py --deadline-s "${GRID_DEADLINE_S:-420}" \
-      --out-dir "$out" "${resume[@]}" > "$out/grid_log.txt" 2>&1
+      --out-dir "$out" "${resume[@]}" ${GRID_ARGS:-} > "$out/grid_log.txt" 2>&1
     tail -c 4000 "$out/grid_log.txt" ;;
   bench)
     [ "$ngpu" -ge 2 ] && timeout 90 python3 benchmarks/bench_multi_gpu.py \

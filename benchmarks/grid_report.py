@@ -1,6 +1,6 @@
-"""bench_grid.py's report: the JSON, the markdown table and the two PNG plots. Run alone it
-redraws the markdown and the plots from a (possibly partial) JSON, e.g. on a machine with
-matplotlib when the GPU machine has none:
+"""bench_grid.py's report: the JSON, the markdown table and the PNG plots (GB/s and TFLOPS, for
+each cache dtype). Run alone it redraws the markdown and the plots from a (possibly partial)
+JSON, e.g. on a machine with matplotlib when the GPU machine has none:
 
     python benchmarks/grid_report.py benchmarks/results/grid_h200.json
 """
@@ -29,12 +29,23 @@ def write_json(results, path):
 
 
 def ratio(point, impl, base="torch"):
-    """impl's time over base's at one point (per step for the step implementations), or None."""
+    """impl's time over base's at one point (per step for the step implementations), or None:
+    against torch the median of per-repeat ratios where the two were timed in turns."""
     impls = point["impls"]
     if impl not in impls or base not in impls:
         return None
+    if base in ("torch", "torch_step") and "vs_torch" in impls[impl]:
+        return impls[impl]["vs_torch"]
     key = "step_ms" if "step_ms" in impls[impl] and "step_ms" in impls[base] else "ms"
     return impls[impl][key] / impls[base][key]
+
+
+def dtype_of(point):
+    return point.get("dtype", "bfloat16")  # reports written before FP8 hold bf16 points only
+
+
+def dtypes_of(results):
+    return sorted({dtype_of(p) for p in results["points"]}, key=lambda d: d != "bfloat16")
 
 
 def point_summary(point):
@@ -67,8 +78,21 @@ def _cell(point, impl, field, fmt):
 
 
 def summary_lines(results):
-    """The run's findings, one markdown bullet each."""
-    meta, points = results["meta"], results["points"]
+    """The run's findings, one markdown bullet each (per cache dtype when there are several)."""
+    dtypes = dtypes_of(results)
+    lines = []
+    for dtype in dtypes:
+        points = [p for p in results["points"] if dtype_of(p) == dtype]
+        if len(dtypes) > 1:
+            lines.append(f"- {dtype} cache:")
+        lines += [("  " if len(dtypes) > 1 else "") + line
+                  for line in _summary_of(results["meta"], points)]
+    if results["not_run"]:
+        lines.append(f"- Not run (deadline): {len(results['not_run'])} points.")
+    return lines
+
+
+def _summary_of(meta, points):
     checks = [p["checks"] for p in points]
     equal = [c["equals_torch"] for c in checks if "equals_torch" in c]
     diffs = [c["max_abs_diff_vs_reference"] for c in checks if "max_abs_diff_vs_reference" in c]
@@ -90,14 +114,13 @@ def summary_lines(results):
                      f"{len(equal)} points.")
     if diffs:
         lines.append(f"- Largest |jax_flashmla - reference| in out: {max(diffs):.3g}.")
-    if results["not_run"]:
-        lines.append(f"- Not run (deadline): {len(results['not_run'])} points.")
     return lines
 
 
 def write_markdown(results, path):
     meta, points = results["meta"], results["points"]
     copy = meta["copy"]
+    dtypes = meta.get("dtypes", [meta.get("dtype")])
     copy_text = ", ".join(f"{k[:-len('_gbps')]} {v:.4g}" for k, v in copy.items()
                           if k.endswith("_gbps") and k != "ceiling_gbps")
     lines = [
@@ -105,7 +128,10 @@ def write_markdown(results, path):
         "",
         f"{meta['date']}; jax {meta['jax']}" + (f", torch {meta['torch']}, `{meta['decode_op']}`"
                                                  if "torch" in meta else "")
-        + f"; jax_flashmla runs {meta['flashmla_path']}. {meta['dtype']}, b={meta['batch']}, "
+        + f"; jax_flashmla runs {meta['flashmla_path']}. Cache {', '.join(dtypes)}"
+        + (" (FP8: one per-tensor k scale; jax_flashmla quantizes q inside the call, torch gets "
+           "it quantized)" if len(dtypes) > 1 or dtypes != ["bfloat16"] else "")
+        + f", b={meta['batch']}, "
         f"{meta['rotations']} (q, block_table) sets rotated; N calls then a device sync, median of "
         f"{meta['repeats']} repeats of ~{meta['target_ms']:g} ms"
         + (", the implementations in turns within each repeat, ratios the median of per-repeat "
@@ -124,15 +150,18 @@ def write_markdown(results, path):
         "ms per call (per layer for the steps); ratios are times over torch-direct's (the step's "
         "over the torch loop's).",
         "",
-        "| lengths | s_q | h_q | mean s_k | jax_flashmla ms | torch ms | ratio | GB/s | of copy "
-        "| TFLOPS | reference ms | step ms/layer (jax / torch) | step ratio |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| cache | lengths | s_q | h_q | mean s_k | jax_flashmla ms | torch ms | ratio | GB/s "
+        "| of copy | TFLOPS | reference ms | step ms/layer (jax / torch) | step ratio |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| ---: |",
     ]
-    key = lambda p: (p["varlen"], p["s_q"], p["h_q"], p["mean_s_k"])
+    order = dtypes_of(results)
+    key = lambda p: (order.index(dtype_of(p)), p["varlen"], p["s_q"], p["h_q"], p["mean_s_k"])
     for p in sorted(points, key=key):
         r, step_r = ratio(p, "flashmla"), ratio(p, "flashmla_step", "torch_step")
         lines.append(" | ".join([
-            "| varlen" if p["varlen"] else "| fixed", str(p["s_q"]), str(p["h_q"]),
+            "| fp8" if dtype_of(p) != "bfloat16" else "| bf16",
+            "varlen" if p["varlen"] else "fixed", str(p["s_q"]), str(p["h_q"]),
             str(p["mean_s_k"]),
             _cell(p, "flashmla", "ms", ".4f"), _cell(p, "torch", "ms", ".4f"),
             "–" if r is None else f"{r:.3f}", _cell(p, "flashmla", "gbps", ".4g"),
@@ -163,8 +192,9 @@ def _panel(ax, here, metric, ceiling, layers):
 
 
 def write_plots(results, stem):
-    """stem_gbps.png and stem_tflops.png: a panel per (lengths, s_q) row and h_q column.
-    Returns the paths written; none where matplotlib is missing."""
+    """stem_gbps.png and stem_tflops.png (bf16 cache), stem_fp8_gbps.png and
+    stem_fp8_tflops.png: a panel per (lengths, s_q) row and h_q column. Returns the paths
+    written; none where matplotlib is missing."""
     try:
         import matplotlib
     except ImportError:
@@ -173,9 +203,15 @@ def write_plots(results, stem):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    meta, points = results["meta"], results["points"]
-    if not points:
-        return []
+    written = []
+    for dtype in dtypes_of(results):
+        points = [p for p in results["points"] if dtype_of(p) == dtype]
+        suffix = "" if dtype == "bfloat16" else "_fp8"
+        written += _plots(plt, results["meta"], points, dtype, stem + suffix)
+    return written
+
+
+def _plots(plt, meta, points, dtype, stem):
     rows = sorted({(p["varlen"], p["s_q"]) for p in points})
     cols = sorted({p["h_q"] for p in points})
     s_ks = sorted({p["mean_s_k"] for p in points})
@@ -198,7 +234,7 @@ def write_plots(results, stem):
         handles, labels = axes[0][0].get_legend_handles_labels()
         fig.legend(handles, labels, loc="outside lower center", fontsize=8,
                    ncol=min(len(labels), 3 * len(cols)))
-        fig.suptitle(f"FlashMLA decode, {meta['device']}, b={meta['batch']}, {meta['dtype']}: "
+        fig.suptitle(f"FlashMLA decode, {meta['device']}, b={meta['batch']}, {dtype} cache: "
                      f"{unit}")
         path = f"{stem}_{metric}.png"
         fig.savefig(path, dpi=110, bbox_inches="tight")

@@ -28,15 +28,21 @@ def test_cpu_grid_writes_its_report(tmp_path):
     meta, points = results["meta"], results["points"]
     assert meta["backend"] == "cpu" and set(meta["impls"]) == CPU_IMPLS
     assert meta["copy"]["ceiling_gbps"] > 0
-    # The tiny grid: s_k {64, 128} x h_q {16} x s_q {1, 2} x fixed / varlen, every point run.
-    assert len(points) == 8 and not results["not_run"]
-    assert {(p["mean_s_k"], p["s_q"], p["varlen"]) for p in points} == {
-        (s_k, s_q, v) for s_k in (64, 128) for s_q in (1, 2) for v in (False, True)}
+    # The tiny grid: s_k {64, 128} x h_q {16} x s_q {1, 2} x fixed / varlen x bf16 / FP8 cache,
+    # every point run.
+    assert meta["dtypes"] == ["bfloat16", "float8_e4m3fn"]
+    assert len(points) == 16 and not results["not_run"]
+    assert {(p["mean_s_k"], p["s_q"], p["varlen"], p["dtype"]) for p in points} == {
+        (s_k, s_q, v, d) for s_k in (64, 128) for s_q in (1, 2) for v in (False, True)
+        for d in meta["dtypes"]}
     for p in points:
         assert set(p["impls"]) == CPU_IMPLS, p
         # FlashMLA's formulas, and the rates derived from them.
         assert p["flops"] == 2 * p["s_q"] * p["sum_s_k"] * p["h_q"] * 1088
-        assert p["bytes"] == 2 * (p["sum_s_k"] * 576 + p["batch"] * p["s_q"] * p["h_q"] * 1088)
+        # The cache and q at 2 bytes (bf16) or 1 (FP8), out at 2.
+        element = 1 if p["dtype"] == "float8_e4m3fn" else 2
+        rows = p["batch"] * p["s_q"] * p["h_q"]
+        assert p["bytes"] == element * (p["sum_s_k"] + rows) * 576 + 2 * rows * 512
         for r in p["impls"].values():
             assert math.isfinite(r["ms"]) and r["ms"] > 0
             assert r["gbps"] == pytest.approx(p["bytes"] / r["ms"] / 1e6)
@@ -49,19 +55,21 @@ def test_cpu_grid_writes_its_report(tmp_path):
         if p["varlen"]:
             assert p["sum_s_k"] != p["batch"] * p["mean_s_k"]
     markdown = (tmp_path / "grid.md").read_text()
-    assert "| fixed | 1 | 16 | 64 |" in markdown and "| varlen | 2 | 16 | 128 |" in markdown
+    assert "| bf16 | fixed | 1 | 16 | 64 |" in markdown
+    assert "| fp8 | varlen | 2 | 16 | 128 |" in markdown
+    assert "- float8_e4m3fn cache:" in markdown
     assert "Pure-JAX reference / jax_flashmla: median" in markdown
     assert meta["timing"] == "in turns" and "the implementations in turns" in markdown
-    for metric in ("gbps", "tflops"):
-        png = (tmp_path / f"grid_{metric}.png").read_bytes()
+    for name in ("grid_gbps", "grid_tflops", "grid_fp8_gbps", "grid_fp8_tflops"):
+        png = (tmp_path / f"{name}.png").read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
-    assert "[8/8" in stdout
+    assert "[16/16" in stdout
 
 
 def test_a_deadline_leaves_a_report_that_resume_completes(tmp_path):
     """Past --deadline-s no point starts, and the report says which were not run; --resume
     then runs only those, keeping the first run's copy ceiling."""
-    flags = ["--s-k", "64", "--varlen", "false", "--impl", "reference"]
+    flags = ["--s-k", "64", "--varlen", "false", "--dtype", "bfloat16", "--impl", "reference"]
     results, _ = _run(tmp_path, "--deadline-s", "0", *flags)
     assert results["points"] == []
     assert [(p["mean_s_k"], p["s_q"]) for p in results["not_run"]] == [(64, 1), (64, 2)]
@@ -73,7 +81,8 @@ def test_a_deadline_leaves_a_report_that_resume_completes(tmp_path):
 
 
 def test_resume_refuses_a_report_timed_otherwise(tmp_path):
-    flags = ["--s-k", "64", "--varlen", "false", "--s-q", "1", "--impl", "reference"]
+    flags = ["--s-k", "64", "--varlen", "false", "--s-q", "1", "--dtype", "bfloat16",
+             "--impl", "reference"]
     results, _ = _run(tmp_path, "--deadline-s", "0", *flags)
     results["meta"]["timing"] = "one after another"
     (tmp_path / "grid.json").write_text(json.dumps(results))

@@ -1,0 +1,86 @@
+"""FlashMLA's torch ops called directly on JAX's buffers, as a torch model would: the
+comparison point of bench_grid.py. Arguments are filled by name from each op's schema, as
+the bridge does, since the schemas differ between kernel releases."""
+import jax
+import jax.numpy as jnp
+
+from jax_flashmla import fp8, kernels
+
+FP8 = "float8_e4m3fn"
+
+
+class TorchSide:
+    def __init__(self):
+        ops = kernels.ensure_cuda_targets()
+        import torch
+
+        self.torch = torch
+        resolve = lambda name: getattr(getattr(torch.ops, name.split("::")[0]), name.split("::")[1])
+        # dtype of the cache -> (metadata op, decode op)
+        self.ops = dict(bfloat16=(resolve(ops.metadata), resolve(ops.decode)))
+        if ops.decode_fp8 and ops.metadata_fp8:
+            self.ops[FP8] = (resolve(ops.metadata_fp8), resolve(ops.decode_fp8))
+        # decode op -> where its schema takes (tile_scheduler_metadata, num_splits)
+        self.metadata_slots = {}
+        for _, decode_op in self.ops.values():
+            names = [a.name for a in decode_op.default._schema.arguments]
+            self.metadata_slots[decode_op] = (names.index("tile_scheduler_metadata"),
+                                              names.index("num_splits"))
+        self.info = dict(torch=torch.__version__, kernel_library=ops.library.path,
+                         decode_op=ops.decode, metadata_op=ops.metadata,
+                         decode_op_fp8=ops.decode_fp8, metadata_op_fp8=ops.metadata_fp8)
+
+    @staticmethod
+    def by_name(op, values):
+        """The op's positional arguments, filled by name from its schema."""
+        out = []
+        for arg in op.default._schema.arguments:
+            if arg.name in values:
+                out.append(values[arg.name])
+            elif arg.default_value is not None or arg.type.kind() == "OptionalType":
+                out.append(arg.default_value)
+            else:
+                raise KeyError(f"{op}: no value for {arg.name}")
+        return out
+
+    def sync(self, _=None):
+        self.torch.cuda.synchronize()
+
+    def view(self, x):
+        """A torch tensor over a JAX array's buffer; FP8 through uint8, which DLPack carries."""
+        if x.dtype == jnp.float8_e4m3fn:
+            return self.torch.from_dlpack(jax.lax.bitcast_convert_type(x, jnp.uint8)).view(
+                self.torch.float8_e4m3fn)
+        return self.torch.from_dlpack(x)
+
+    def prepare(self, cache, k_scale, seq_lens, qs, block_tables, h_q, s_q, d_v):
+        """(metadata op, its arguments, decode op, its arguments per (q, block_table) with the
+        metadata slots to fill). For an FP8 cache, q is quantized here with k_scale, outside
+        anything timed, and k_scale is both descales. Built once, so that the timed loops do
+        no more than a model's."""
+        dtype = jnp.dtype(cache.dtype).name
+        if dtype not in self.ops:
+            raise RuntimeError(f"the kernel library has no decode for a {dtype} cache")
+        metadata_op, decode_op = self.ops[dtype]
+        t = self.view
+        tsl = t(seq_lens)
+        metadata_args = self.by_name(metadata_op, dict(
+            seqlens_k=tsl, num_q_tokens_per_head_k=s_q * h_q, num_heads_per_head_k=s_q * h_q,
+            h_k=1, num_heads_k=1, h_q=h_q, is_fp8_kvcache=False))
+        descale = None
+        if dtype == FP8:
+            qs = [jax.block_until_ready(fp8.quantize(q, k_scale)) for q in qs]
+            descale = t(k_scale.reshape(1))
+        tkv = t(cache)
+        decode_args = [self.by_name(decode_op, dict(
+            q=t(q), kv_cache=tkv, kcache=tkv, head_size_v=d_v, seqlens_k=tsl, block_table=t(bt),
+            softmax_scale=q.shape[-1] ** -0.5, is_causal=True, tile_scheduler_metadata=None,
+            num_splits=None, is_fp8=False, descale_q=descale, descale_k=descale))
+            for q, bt in zip(qs, block_tables)]
+        return metadata_op, metadata_args, decode_op, decode_args
+
+    def decode_with(self, decode_op, args, metadata):
+        """args, in place, with the metadata op's (tile_scheduler_metadata, num_splits)."""
+        slot_metadata, slot_splits = self.metadata_slots[decode_op]
+        args[slot_metadata], args[slot_splits] = metadata
+        return args
