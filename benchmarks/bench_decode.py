@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_flashmla as jf
-from jax_flashmla import kernels
+
+from torch_side import TorchSide
 
 
 def _timed_batch(call, sync, calls):
@@ -67,23 +68,10 @@ def _inputs(batch, s_k, h_q, s_q, seed=0):
     return q, kv, bt, sl
 
 
-def _torch_side(torch, ops, q, kv, bt, sl, h_q, s_q):
-    """The torch op on the same memory (dlpack views), arguments by schema name."""
-    name_space, decode_name = ops.decode.split("::")
-    decode_op = getattr(getattr(torch.ops, name_space), decode_name)
-    md_op = getattr(getattr(torch.ops, name_space), ops.metadata.split("::")[1])
-    tq, tkv, tbt, tsl = (torch.from_dlpack(x) for x in (q, kv, bt, sl))
-    md, splits = md_op(tsl, s_q * h_q, 1, h_q, False, None)[:2]
-    named = dict(q=tq, kv_cache=tkv, kcache=tkv, head_size_v=512, seqlens_k=tsl, block_table=tbt,
-                 softmax_scale=576 ** -0.5, is_causal=True, tile_scheduler_metadata=md,
-                 num_splits=splits, is_fp8=False)
-    args = [named.get(a.name, a.default_value) for a in decode_op.default._schema.arguments]
-    return lambda: decode_op(*args)
-
-
-def bench_call_ratio(torch, ops, batch, s_k, h_q, s_q, calls, layers):
+def bench_call_ratio(side, batch, s_k, h_q, s_q, calls, layers):
     """One jitted decode per call, and a jitted step of `layers` decodes (a model's layers,
     sharing one metadata), against the same number of torch calls."""
+    torch = side.torch
     q, kv, bt, sl = _inputs(batch, s_k, h_q, s_q)
     # One array per layer: slicing a stacked array inside the step would add copies.
     q_layers = [q * (1 + i / layers) for i in range(layers)]
@@ -91,9 +79,9 @@ def bench_call_ratio(torch, ops, batch, s_k, h_q, s_q, calls, layers):
     decode = jax.jit(lambda q, kv, bt, sl, md: jf.mla_decode(q, kv, bt, sl, metadata=md))
     step = jax.jit(lambda qs, kv, bt, sl, md: [jf.mla_decode(qs[i], kv, bt, sl, metadata=md)
                                                for i in range(layers)])
-    torch_call = _torch_side(torch, ops, q, kv, bt, sl, h_q, s_q)
+    torch_call = side.decode_call(kv, sl, q, bt, h_q, s_q)
     # The step's torch counterpart: the same calls on the same queries.
-    torch_layer_calls = [_torch_side(torch, ops, ql, kv, bt, sl, h_q, s_q) for ql in q_layers]
+    torch_layer_calls = [side.decode_call(kv, sl, ql, bt, h_q, s_q) for ql in q_layers]
 
     def torch_step():
         for call in torch_layer_calls:
@@ -111,7 +99,7 @@ def bench_call_ratio(torch, ops, batch, s_k, h_q, s_q, calls, layers):
         lse_buf.copy_(lse)
 
     jax_sync = jax.block_until_ready
-    torch_sync = lambda _: torch.cuda.synchronize()
+    torch_sync = side.sync
     samples = _interleaved(dict(
         jax=(lambda: decode(q, kv, bt, sl, md), jax_sync, calls, 1),
         torch=(torch_call, torch_sync, calls, 1),
@@ -140,7 +128,7 @@ def bench_call_ratio(torch, ops, batch, s_k, h_q, s_q, calls, layers):
                 kv_cache_mb=kv_bytes / 2**20, torch_alloc_per_call_mb=peak_extra / 2**20)
 
 
-def bench_host_overhead(torch, ops, chain, calls):
+def bench_host_overhead(side, chain, calls):
     """A tiny decode (b=1, s_k=64, h_q=16) where host work, not the GPU, sets the pace."""
     h_q, s_q = 16, 1
     q, kv, bt, sl = _inputs(1, 64, h_q, s_q)
@@ -155,12 +143,12 @@ def bench_host_overhead(torch, ops, chain, calls):
         return q
 
     single = jax.jit(lambda q, kv, bt, sl, md: jf.mla_decode(q, kv, bt, sl, metadata=md))
-    torch_call = _torch_side(torch, ops, q, kv, bt, sl, h_q, s_q)
+    torch_call = side.decode_call(kv, sl, q, bt, h_q, s_q)
     samples = _interleaved(dict(
         chain=(lambda: chained(q, kv, bt, sl, md), jax.block_until_ready, calls // chain + 1,
                chain),
         single=(lambda: single(q, kv, bt, sl, md), jax.block_until_ready, calls, 1),
-        torch=(torch_call, lambda _: torch.cuda.synchronize(), calls, 1)))
+        torch=(torch_call, side.sync, calls, 1)))
     chain_s, single_s, torch_s = (statistics.median(samples[k]) for k in ("chain", "single",
                                                                           "torch"))
     return dict(jax_in_jit_chain_us=chain_s * 1e6, jax_one_jit_call_us=single_s * 1e6,
@@ -172,14 +160,12 @@ def main():
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--calls", type=int, default=200)
     args = parser.parse_args()
-    ops = kernels.ensure_cuda_targets()
-    import torch
-
-    results = dict(device=jax.devices()[0].device_kind, kernel_library=ops.library.path,
-                   decode_op=ops.decode, calls=[], host=None)
+    side = TorchSide()
+    results = dict(device=jax.devices()[0].device_kind, kernel_library=side.info["kernel_library"],
+                   decode_op=side.info["decode_op"], calls=[], host=None)
     for h_q in (16, 128):
         for _ in range(2):  # twice: the spread between runs is the noise floor
-            r = bench_call_ratio(torch, ops, 128, 4096, h_q, 1, args.calls, layers=8)
+            r = bench_call_ratio(side, 128, 4096, h_q, 1, args.calls, layers=8)
             results["calls"].append(r)
             ms = r["ms"]
             print(f"b=128 s_k=4096 h_q={h_q:3d} s_q=1 (ms per decode): jax {ms['jax']:.4f}, "
@@ -190,7 +176,7 @@ def main():
                   f"{r['step_ratio_range'][1]:.4f}]; {r['jax_gbps']:.0f} GB/s "
                   f"{r['jax_tflops']:.0f} TFLOPS; torch alloc/call "
                   f"{r['torch_alloc_per_call_mb']:.1f} MiB", flush=True)
-    results["host"] = bench_host_overhead(torch, ops, chain=50, calls=2000)
+    results["host"] = bench_host_overhead(side, chain=50, calls=2000)
     print("host overhead per call (b=1, s_k=64, h_q=16):", json.dumps(results["host"]))
     if args.out:
         with open(args.out, "w") as f:

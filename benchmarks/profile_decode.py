@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 
 import jax_flashmla as jf
-from jax_flashmla import kernels
 
-from bench_decode import _inputs, _torch_side
+from bench_decode import _inputs
+from torch_side import TorchSide
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
@@ -89,14 +89,15 @@ def profile(torch, run, sync, decodes):
             return summarize_trace(json.load(f), decodes)
 
 
-def profile_point(torch, ops, batch, s_k, h_q, calls, layers, step_layers=()):
+def profile_point(side, batch, s_k, h_q, calls, layers, step_layers=()):
+    torch = side.torch
     q, kv, bt, sl = _inputs(batch, s_k, h_q, 1)
     q_layers = [q * (1 + i / layers) for i in range(layers)]
     md = jax.block_until_ready(jf.get_mla_metadata(sl, num_heads_q=h_q))
     decode = jax.jit(lambda q, kv, bt, sl, md: jf.mla_decode(q, kv, bt, sl, metadata=md))
     step = jax.jit(lambda qs, kv, bt, sl, md: [jf.mla_decode(qs[i], kv, bt, sl, metadata=md)
                                                for i in range(layers)])
-    torch_call = _torch_side(torch, ops, q, kv, bt, sl, h_q, 1)
+    torch_call = side.decode_call(kv, sl, q, bt, h_q, 1)
     out_buf = torch.empty((batch, 1, h_q, 512), dtype=torch.bfloat16, device="cuda")
     lse_buf = torch.empty((batch, h_q, 1), dtype=torch.float32, device="cuda")
 
@@ -110,7 +111,7 @@ def profile_point(torch, ops, batch, s_k, h_q, calls, layers, step_layers=()):
             out_buf.copy_(out)
             lse_buf.copy_(lse)
 
-    torch_layer_calls = [_torch_side(torch, ops, ql, kv, bt, sl, h_q, 1) for ql in q_layers]
+    torch_layer_calls = [side.decode_call(kv, sl, ql, bt, h_q, 1) for ql in q_layers]
 
     def torch_step_loop():
         for _ in range(calls // layers):
@@ -157,12 +158,10 @@ def main():
     parser.add_argument("--step-layers", type=int, nargs="*", default=[1, 2],
                         help="also profile jitted steps of these many decodes")
     args = parser.parse_args()
-    ops = kernels.ensure_cuda_targets()
-    import torch
-
+    side = TorchSide()
     results = []
     for h_q in (16, 128):
-        point = profile_point(torch, ops, 128, 4096, h_q, args.calls, args.layers,
+        point = profile_point(side, 128, 4096, h_q, args.calls, args.layers,
                               args.step_layers)
         results.append(point)
         variants = ["torch", "torch_with_copies", "jax_one_call", "torch_step", "jax_step",

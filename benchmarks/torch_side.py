@@ -10,8 +10,9 @@ FP8 = "float8_e4m3fn"
 
 
 class TorchSide:
-    def __init__(self):
-        ops = kernels.ensure_cuda_targets()
+    def __init__(self, ops=None):
+        """ops: the op names (kernels.ensure_cuda_targets(), which loads them, by default)."""
+        ops = ops or kernels.ensure_cuda_targets()
         import torch
 
         self.torch = torch
@@ -84,3 +85,11 @@ class TorchSide:
         slot_metadata, slot_splits = self.metadata_slots[decode_op]
         args[slot_metadata], args[slot_splits] = metadata
         return args
+
+    def decode_call(self, cache, seq_lens, q, block_table, h_q, s_q, d_v=512, k_scale=None):
+        """A call of the decode op on these buffers, without arguments; its metadata is
+        computed here, once, outside anything timed."""
+        metadata_op, metadata_args, decode_op, (args,) = self.prepare(
+            cache, k_scale, seq_lens, [q], [block_table], h_q, s_q, d_v)
+        args = self.decode_with(decode_op, args, metadata_op(*metadata_args)[:2])
+        return lambda: decode_op(*args)
