@@ -1,6 +1,6 @@
 """benchmarks/torch_side.py fills FlashMLA's torch ops by schema name: here against stand-in
-ops registered (for any device) with the schemas of sglang-kernel 0.4.6 (bf16 and FP8 decode, both
-schedulers), which record what they were given."""
+ops registered (for any device) with the schemas of sglang-kernel 0.4.6 (bf16 and FP8 decode,
+both schedulers), which record what they were given."""
 import os
 import sys
 import types
