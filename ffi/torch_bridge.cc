@@ -1,6 +1,7 @@
 #include "torch_bridge.h"
 
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -86,12 +87,18 @@ CallPlan MakePlan(std::string_view qualified_name) {
   return plan;
 }
 
+// Looks plans up by the attribute's string_view, without making a std::string per call.
+struct NameHash {
+  using is_transparent = void;
+  size_t operator()(std::string_view name) const { return std::hash<std::string_view>{}(name); }
+};
+
 // Plans are made once per op name: reading the schema is not per-call work.
 const CallPlan& PlanFor(std::string_view qualified_name) {
   static std::mutex mutex;
-  static std::unordered_map<std::string, CallPlan> plans;
+  static std::unordered_map<std::string, CallPlan, NameHash, std::equal_to<>> plans;
   std::lock_guard<std::mutex> lock(mutex);
-  auto it = plans.find(std::string(qualified_name));
+  auto it = plans.find(qualified_name);
   if (it == plans.end())
     it = plans.emplace(std::string(qualified_name), MakePlan(qualified_name)).first;
   return it->second;
@@ -144,11 +151,13 @@ std::vector<at::Tensor> CallTorchOp(std::string_view qualified_name, const OpArg
 
 at::Tensor WrapBuffer(void* data, ffi::Span<const int64_t> dims, ffi::DataType dtype,
                       int device) {
-  std::vector<int64_t> sizes(dims.begin(), dims.end());
-  return at::from_blob(data, sizes,
-                       at::TensorOptions()
-                           .dtype(ToScalarType(dtype))
-                           .device(at::kCUDA, static_cast<c10::DeviceIndex>(device)));
+  const c10::Device cuda(at::kCUDA, static_cast<c10::DeviceIndex>(device));
+  // The target device is given: without it from_blob asks the driver where the pointer lives
+  // (cudaPointerGetAttributes), for every buffer of every call.
+  return at::for_blob(data, at::IntArrayRef(dims.begin(), dims.size()))
+      .options(at::TensorOptions().dtype(ToScalarType(dtype)).device(cuda))
+      .target_device(cuda)
+      .make_tensor();
 }
 
 namespace {

@@ -68,7 +68,8 @@ def test_cuda_bridge_compiles(source, tmp_path):
 
 def test_result_copy_plans_reproduce_torch_copies(tmp_path):
     """tests/cpp/result_copy_plan_test.cc, linked with the bridge and torch's CPU libraries:
-    the layouts the copy kernel is planned for, executed on the host, equal torch's copy."""
+    the layouts the copy kernel is planned for, executed on the host, equal torch's copy; and
+    WrapBuffer's tensors."""
     flags = _bridge_compile_flags()
     from torch.utils import cpp_extension
 
@@ -82,7 +83,7 @@ def test_result_copy_plans_reproduce_torch_copies(tmp_path):
     run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr[-2000:]
     lines = run.stdout.splitlines()
-    assert len(lines) == 11 and all(line.startswith("ok ") for line in lines), run.stdout
+    assert len(lines) == 12 and all(line.startswith("ok ") for line in lines), run.stdout
     # The common layouts take the fast paths: 16-byte units, no index arithmetic where the
     # source is contiguous.
     assert "ok out unit_bytes=16 contiguous=1" in lines
@@ -90,6 +91,7 @@ def test_result_copy_plans_reproduce_torch_copies(tmp_path):
     assert "ok lse_s_q_1 unit_bytes=16 contiguous=1" in lines
     assert "ok out_padded_rows unit_bytes=16 contiguous=0" in lines
     assert "ok out_unaligned unit_bytes=2 contiguous=1" in lines
+    assert "ok wrap device=cuda:1 sizes=[2, 3, 4]" in lines
 
 
 def test_result_copy_kernel_compiles(tmp_path):

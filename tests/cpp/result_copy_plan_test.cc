@@ -1,6 +1,7 @@
 // The bridge's copy planning (PlanResultCopy) and the kernel's index arithmetic (SourceUnit),
 // run on the host over CPU tensors of the layouts FlashMLA returns and some it could: each
-// plan, executed unit by unit, must reproduce torch's own copy. Prints one line per layout.
+// plan, executed unit by unit, must reproduce torch's own copy. And WrapBuffer's tensors.
+// Prints one line per check.
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -40,6 +41,20 @@ bool Rejects(const char* name, const at::Tensor& src, const at::Tensor& dst) {
   return false;
 }
 
+// WrapBuffer's tensor over an XLA buffer: the device given (no driver query, which on this
+// machine, without CUDA, would fail), the buffer's shape and dtype, and its memory.
+bool CheckWrap() {
+  alignas(16) static float buffer[2 * 3 * 4];
+  const int64_t dims[] = {2, 3, 4};
+  const at::Tensor t = jax_flashmla::WrapBuffer(
+      buffer, xla::ffi::Span<const int64_t>(dims, 3), xla::ffi::DataType::F32, /*device=*/1);
+  const bool ok = t.device() == c10::Device(at::kCUDA, 1) && t.sizes() == at::IntArrayRef(dims) &&
+                  t.scalar_type() == at::kFloat && t.data_ptr() == buffer && t.is_contiguous();
+  std::printf("%s wrap device=%s sizes=%s\n", ok ? "ok" : "MISMATCH", t.device().str().c_str(),
+              c10::str(t.sizes()).c_str());
+  return ok;
+}
+
 }  // namespace
 
 int main() {
@@ -64,5 +79,6 @@ int main() {
   ok &= Rejects("wrong_dtype", at::zeros({2, 3}, f32), at::zeros({2, 3}, bf16));
   ok &= Rejects("rank_5", at::zeros({1, 2, 1, 2, 1}, f32), at::zeros({1, 2, 1, 2, 1}, f32));
   ok &= Rejects("8_byte_elements", at::zeros({4}, at::kDouble), at::zeros({4}, at::kDouble));
+  ok &= CheckWrap();
   return ok ? 0 : 1;
 }
