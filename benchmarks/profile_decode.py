@@ -3,12 +3,12 @@ CUPTI (torch's profiler records every kernel and copy in the process, XLA's incl
 
 For each variant (the torch op in a loop, the torch op plus two copies of its results, one
 jitted mla_decode per call, a jitted step of 8 decodes with 8 different queries and the torch
-loop over the same queries, jitted steps of 1 and 2 decodes) it reports per decode: the span
-from the first GPU activity to the last, the time the GPU was busy, the idle rest, and each
-kernel or copy with its count and mean duration; how long each GPU activity waited after its
-launch call returned (near zero: the GPU was starved by the host); the host's pace, the
-median time between the launches of successive decodes; and the costliest host-side torch ops
-and CUDA API calls per decode.
+loop over the same queries (on the default stream, and on a created one as XLA's is), jitted
+steps of 1 and 2 decodes) it reports per decode: the span from the first GPU activity to the
+last, the time the GPU was busy, the idle rest, and each kernel or copy with its count and
+mean duration; how long each GPU activity waited after its launch call returned (near zero:
+the GPU was starved by the host); the host's pace, the median time between the launches of
+successive decodes; and the costliest host-side torch ops and CUDA API calls per decode.
 
     python benchmarks/profile_decode.py --out benchmarks/results/profile_h200.json
 """
@@ -118,6 +118,14 @@ def profile_point(side, batch, s_k, h_q, calls, layers, step_layers=()):
             for call in torch_layer_calls:
                 call()
 
+    # XLA runs on a stream it created; torch's calls above run on the legacy default stream,
+    # which may treat FlashMLA's programmatic dependent launches differently.
+    created_stream = torch.cuda.Stream()
+
+    def torch_step_on_a_created_stream_loop():
+        with torch.cuda.stream(created_stream):
+            torch_step_loop()
+
     def jax_loop():
         for _ in range(calls):
             result = decode(q, kv, bt, sl, md)
@@ -134,6 +142,8 @@ def profile_point(side, batch, s_k, h_q, calls, layers, step_layers=()):
                  torch_with_copies=profile(torch, torch_copies_loop, sync, calls),
                  jax_one_call=profile(torch, jax_loop, sync, calls),
                  torch_step=profile(torch, torch_step_loop, sync, calls // layers * layers),
+                 torch_step_created_stream=profile(torch, torch_step_on_a_created_stream_loop,
+                                                   sync, calls // layers * layers),
                  jax_step=profile(torch, jax_step_loop, sync, calls // layers * layers))
     # Steps of fewer layers: does FlashMLA's kernel slow down with decodes back to back?
     for fewer in step_layers:
@@ -164,7 +174,8 @@ def main():
         point = profile_point(side, 128, 4096, h_q, args.calls, args.layers,
                               args.step_layers)
         results.append(point)
-        variants = ["torch", "torch_with_copies", "jax_one_call", "torch_step", "jax_step",
+        variants = ["torch", "torch_with_copies", "jax_one_call", "torch_step",
+                    "torch_step_created_stream", "jax_step",
                     *(f"jax_step_{n}" for n in args.step_layers)]
         for variant in variants:
             s = point[variant]
