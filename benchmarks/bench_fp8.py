@@ -5,7 +5,8 @@ For b=128, s_q=1, s_k in {4096, 8192}, h_q in {16, 128}: time per jitted call of
 bandwidth each reaches counting its own cache's bytes (576 per token in FP8, 1152 in bf16),
 the speed-up, and the FP8 output's difference from the bf16 output on the same data (the
 cache quantized with a per-tensor scale amax / 448). Timing as in bench_decode.py: N calls
-back to back, then a device sync, wall clock, median of repeats.
+back to back, then a device sync, wall clock, the two paths in turns within each repeat; the
+speed-up is the median of per-repeat ratios.
 
     python benchmarks/bench_fp8.py --out benchmarks/results/fp8_h200.json
     python benchmarks/bench_fp8.py --tiny   # a small shape, for CPU (the custom call's C++ model)
@@ -13,7 +14,6 @@ back to back, then a device sync, wall clock, median of repeats.
 import argparse
 import json
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -22,18 +22,7 @@ import numpy as np
 import jax_flashmla as jf
 from jax_flashmla import fp8
 
-
-def _time_per_call(call, calls, repeats, warmup=3):
-    for _ in range(warmup):
-        jax.block_until_ready(call())
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            result = call()
-        jax.block_until_ready(result)
-        samples.append((time.perf_counter() - start) / calls)
-    return statistics.median(samples)
+from bench_decode import _interleaved, _paired_ratios
 
 
 def _inputs(batch, s_k, h_q, seed=0):
@@ -60,14 +49,19 @@ def bench_one(batch, s_k, h_q, calls, repeats):
                                                              implementation="flashmla"))
     decode8 = jax.jit(lambda q, kv, bt, sl, md, s: jf.mla_decode(
         q, kv, bt, sl, metadata=md, k_scale=s, implementation="flashmla"))
-    bf16_s = _time_per_call(lambda: decode(q, kv, bt, sl, md), calls, repeats)
-    fp8_s = _time_per_call(lambda: decode8(q, kv8, bt, sl, md8, scale), calls, repeats)
+    samples = _interleaved(dict(
+        bf16=(lambda: decode(q, kv, bt, sl, md), jax.block_until_ready, calls, 1),
+        fp8=(lambda: decode8(q, kv8, bt, sl, md8, scale), jax.block_until_ready, calls, 1)),
+        repeats=repeats, warmup=3)
+    bf16_s, fp8_s = (statistics.median(samples[k]) for k in ("bf16", "fp8"))
+    speedup = _paired_ratios(samples["bf16"], samples["fp8"])
     out = np.asarray(decode(q, kv, bt, sl, md)[0], np.float64)
     out8 = np.asarray(decode8(q, kv8, bt, sl, md8, scale)[0], np.float64)
     cos_diff = 1 - 2 * (out * out8).sum() / max((out * out).sum() + (out8 * out8).sum(), 1e-30)
     tokens = batch * s_k
     return dict(batch=batch, s_k=s_k, h_q=h_q, s_q=1, k_scale=float(scale),
-                bf16_ms=bf16_s * 1e3, fp8_ms=fp8_s * 1e3, speedup=bf16_s / fp8_s,
+                bf16_ms=bf16_s * 1e3, fp8_ms=fp8_s * 1e3, speedup=speedup[0],
+                speedup_range=speedup[1:],
                 bf16_cache_gbps=tokens * 576 * 2 / bf16_s / 1e9,
                 fp8_cache_gbps=tokens * 576 / fp8_s / 1e9,
                 fp8_vs_bf16_max_abs=float(np.abs(out8 - out).max()),
