@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_flashmla as jf
-from jax_flashmla import fp8
+from jax_flashmla import fp8, ops
 from oracle import LSE_TOL, OUT_TOL, assert_flashmla_close, dense_attention_f64, make_decode_inputs
 
 IMPLEMENTATIONS = ["flashmla", "reference"]
@@ -134,6 +134,43 @@ def test_decode_matches_dequantized_float64_attention(implementation, s_q, causa
     ref_out, ref_lse = _dequantized_oracle(q, kv8, bt, sl, K_SCALE, causal)
     assert_flashmla_close("out", out, ref_out, **OUT_TOL)
     assert_flashmla_close("lse", lse, ref_lse, **LSE_TOL)
+
+
+def test_the_fp8_kernel_never_sees_a_length_of_zero():
+    """FlashMLA's FP8 decode reads block_table[i, -1] for an empty request (a fault on the
+    H200): it gets length 1 over page 0 instead, in the schedule as in the decode, and only
+    the first slot of empty rows changes."""
+    sentinel = 2**31 - 64
+    bt = jnp.asarray([[sentinel, sentinel], [5, 6], [7, sentinel]], jnp.int32)
+    sl = jnp.asarray([0, 100, 10], jnp.int32)
+    guarded_bt, guarded_sl, empty = ops._fp8_guard_empty_requests(bt, sl)
+    np.testing.assert_array_equal(guarded_bt, [[0, sentinel], [5, 6], [7, sentinel]])
+    np.testing.assert_array_equal(guarded_sl, [1, 100, 10])
+    np.testing.assert_array_equal(empty, [True, False, False])
+    for field in ("tile_scheduler_metadata", "num_splits"):
+        np.testing.assert_array_equal(
+            getattr(jf.get_mla_metadata(sl, num_heads_q=16, fp8=True, implementation="flashmla"),
+                    field),
+            getattr(jf.get_mla_metadata(guarded_sl, num_heads_q=16, fp8=True,
+                                        implementation="flashmla"), field))
+
+
+@pytest.mark.usefixtures("on_cpu")
+def test_empty_requests_keep_flashmlas_convention_in_fp8():
+    """Row 0 and another row empty, their block-table rows all sentinels: out 0, lse +inf, and
+    the other rows as the reference computes them."""
+    q, kv8, bt, sl = _fp8_inputs(11, batch=5, zero_lengths=0)
+    sl = sl.at[jnp.asarray([0, 3])].set(0)
+    bt = bt.at[jnp.asarray([0, 3])].set(2**31 - 64)
+    scale = jnp.float32(K_SCALE)
+    out, lse = jax.jit(lambda *a: jf.mla_decode(*a[:4], k_scale=a[4], implementation="flashmla"))(
+        q, kv8, bt, sl, scale)
+    ref_out, ref_lse = jf.mla_decode(q, kv8, bt, sl, k_scale=scale, implementation="reference")
+    np.testing.assert_array_equal(np.asarray(out[jnp.asarray([0, 3])], np.float32), 0)
+    assert np.isposinf(np.asarray(lse[jnp.asarray([0, 3])])).all()
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32),
+                               atol=2e-2)
+    np.testing.assert_array_equal(np.isinf(np.asarray(lse)), np.isinf(np.asarray(ref_lse)))
 
 
 @pytest.mark.usefixtures("on_cpu")

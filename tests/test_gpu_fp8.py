@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jax_flashmla as jf
-from jax_flashmla import fp8, kernels, validation
+from jax_flashmla import fp8, kernels, ops, validation
 from oracle import dense_attention_f64, make_decode_inputs
 from test_cache import _cache_shaped_buffers
 from test_gpu import _torch_call
@@ -74,14 +74,22 @@ def test_bit_identical_to_the_torch_fp8_op(s_q, h_q, varlen):
         return md, out, lse, fp8.quantize(q, scale)  # the q the kernel was given
 
     md, out, lse, q8 = step(q, kv8, bt, sl, scale)
+    # The torch op gets what jax_flashmla gives the kernel: empty requests as length 1 over
+    # page 0 (FlashMLA's FP8 kernel faults on a length of 0), their results then set to out 0,
+    # lse +inf.
+    guarded_bt, guarded_sl, empty = ops._fp8_guard_empty_requests(bt, sl)
     descale = _to_torch(torch, scale.reshape(1))
     t_md, t_splits = _torch_call(metadata_op, dict(
-        seqlens_k=_to_torch(torch, sl), num_heads_per_head_k=s_q * h_q, num_heads_k=1))[:2]
+        seqlens_k=_to_torch(torch, guarded_sl), num_heads_per_head_k=s_q * h_q,
+        num_heads_k=1))[:2]
     t_out, t_lse = _torch_call(decode_op, dict(
         q=_to_torch(torch, q8), kcache=_to_torch(torch, kv8), head_size_v=512,
-        seqlens_k=_to_torch(torch, sl), block_table=_to_torch(torch, bt),
+        seqlens_k=_to_torch(torch, guarded_sl), block_table=_to_torch(torch, guarded_bt),
         softmax_scale=576 ** -0.5, is_causal=True, tile_scheduler_metadata=t_md,
         num_splits=t_splits, descale_q=descale, descale_k=descale))[:2]
+    t_empty = _to_torch(torch, empty)
+    t_out[t_empty] = 0
+    t_lse[t_empty] = float("inf")
     torch.cuda.synchronize()
     # The FP8 scheduler's row count: jax_flashmla assumes the bf16 formula.
     expected_parts = validation.num_sm_parts(kernels.gpu_sm_count(), h_q, s_q, 1)
