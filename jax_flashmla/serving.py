@@ -6,8 +6,11 @@ Conventions shared with jax_flashmla/speculative.py:
   - Multi-step functions take prefix_lens, the lengths before their first new token.
   - Length 0 marks a padded request (bucket padding): its writes land on negative positions,
     which write_kv drops, and mla_decode returns out 0 and lse +inf for it. FlashMLA's
-    scheduler gives it no KV blocks, so it costs next to nothing. A padded request stays at
-    length 0 across steps.
+    scheduler gives it no KV blocks, so it costs next to nothing (with an FP8 cache, one block:
+    mla_decode gives FlashMLA's FP8 kernel empty requests as length 1). A padded request stays
+    at length 0 across steps.
+  - k_scale, where given, is an FP8 cache's scale: rows are written quantized with it and the
+    decode is FlashMLA's FP8 one.
 """
 import bisect
 
@@ -71,7 +74,7 @@ def pad_batch(bucket, seq_lens, block_table, *arrays):
 
 
 def decode_step(kv_cache, block_table, seq_lens, q, kv, *, metadata=None, softmax_scale=None,
-                implementation=None):
+                implementation=None, k_scale=None):
     """Writes s_q new tokens per request, then attends their queries over the cache.
 
     Args:
@@ -80,10 +83,12 @@ def decode_step(kv_cache, block_table, seq_lens, q, kv, *, metadata=None, softma
       seq_lens: (batch,) int32 lengths counting the new tokens; 0 for a padded request.
       q: (batch, s_q, h_q, 576) bfloat16/float16, the new tokens' queries.
       kv: (batch, s_q, 576) the new tokens' cache rows, cast to the cache's dtype.
-      metadata: get_mla_metadata(seq_lens, num_heads_q=h_q, num_q_tokens=s_q); computed here
-        when None. Share one across the layers of a step.
+      metadata: get_mla_metadata(seq_lens, num_heads_q=h_q, num_q_tokens=s_q, fp8=<an FP8
+        cache>); computed here when None. Share one across the layers of a step.
       softmax_scale, implementation: as in mla_decode. Attention is causal: new token i sees
         the first seq_lens - s_q + i + 1 keys, itself included.
+      k_scale: with a float8_e4m3fn cache (and only then), its float32 scale: the new rows are
+        quantized with it (write_kv's scale) and the decode is FlashMLA's FP8 one (mla_decode).
 
     Returns:
       (kv_cache updated, of kv_cache's kind; out (batch, s_q, h_q, 512); lse (batch, h_q, s_q)).
@@ -95,14 +100,14 @@ def decode_step(kv_cache, block_table, seq_lens, q, kv, *, metadata=None, softma
                          f"{validation.HEAD_DIM}) for q's batch and s_q; got {tuple(kv.shape)}")
     validation.check_rank("decode_step", "seq_lens", seq_lens, 1, "(batch,)")
     positions = seq_lens[:, None] - s_q + jnp.arange(s_q, dtype=seq_lens.dtype)[None, :]
-    kv_cache = write_kv(kv_cache, token_slots(block_table, positions), kv=kv)
+    kv_cache = write_kv(kv_cache, token_slots(block_table, positions), kv=kv, scale=k_scale)
     out, lse = mla_decode(q, cache_array(kv_cache, "decode_step"), block_table, seq_lens,
                           metadata=metadata, softmax_scale=softmax_scale, causal=True,
-                          implementation=implementation)
+                          implementation=implementation, k_scale=k_scale)
     return kv_cache, out, lse
 
 
-def write_prompt(kv_cache, block_table, prompt_lens, prompt_kv):
+def write_prompt(kv_cache, block_table, prompt_lens, prompt_kv, *, scale=None):
     """Stores each request's prompt rows at positions 0 .. prompt_lens - 1.
 
     Args:
@@ -110,6 +115,7 @@ def write_prompt(kv_cache, block_table, prompt_lens, prompt_kv):
       block_table: (batch, max_pages) int32.
       prompt_lens: (batch,) int32; rows of prompt_kv past a request's length are not written.
       prompt_kv: (batch, max_prompt, 576) rows of the prompt tokens.
+      scale: with a float8_e4m3fn cache (and only then), its float32 scale (write_kv's).
 
     Returns:
       The updated cache, of kv_cache's kind.
@@ -117,7 +123,7 @@ def write_prompt(kv_cache, block_table, prompt_lens, prompt_kv):
     validation.check_rank("write_prompt", "prompt_kv", prompt_kv, 3, "(batch, max_prompt, 576)")
     positions = jnp.arange(prompt_kv.shape[1], dtype=jnp.int32)[None, :]
     positions = jnp.where(positions < prompt_lens[:, None], positions, -1)
-    return write_kv(kv_cache, token_slots(block_table, positions), kv=prompt_kv)
+    return write_kv(kv_cache, token_slots(block_table, positions), kv=prompt_kv, scale=scale)
 
 
 def step_seq_lens(prefix_lens, num_steps):
@@ -128,7 +134,7 @@ def step_seq_lens(prefix_lens, num_steps):
 
 
 def run_steps(kv_cache, block_table, lens, metadata, q, kv, step_fn, carry, *,
-              softmax_scale=None, implementation=None):
+              softmax_scale=None, implementation=None, k_scale=None):
     """Scans decode_step over lens (num_steps, batch), feeding each step's out to step_fn.
 
     metadata: None (each step computes its own), or MLAMetadata stacked over the steps.
@@ -138,7 +144,8 @@ def run_steps(kv_cache, block_table, lens, metadata, q, kv, step_fn, carry, *,
         cache, q_t, kv_t, carry = state
         lens_t, metadata_t = step
         cache, out, lse = decode_step(cache, block_table, lens_t, q_t, kv_t, metadata=metadata_t,
-                                      softmax_scale=softmax_scale, implementation=implementation)
+                                      softmax_scale=softmax_scale, implementation=implementation,
+                                      k_scale=k_scale)
         carry, q_next, kv_next = step_fn(carry, out)
         return (cache, q_next.astype(q_t.dtype), kv_next.astype(kv_t.dtype), carry), (out, lse)
 
@@ -148,7 +155,7 @@ def run_steps(kv_cache, block_table, lens, metadata, q, kv, step_fn, carry, *,
 
 
 def decode_loop(kv_cache, block_table, prefix_lens, q, kv, step_fn, carry, *, num_steps,
-                softmax_scale=None, implementation=None):
+                softmax_scale=None, implementation=None, k_scale=None):
     """num_steps decode steps over one cache, in one jax.lax.scan.
 
     Step t writes its token's row kv_t at position prefix_lens + t, attends q_t over the
@@ -165,6 +172,7 @@ def decode_loop(kv_cache, block_table, prefix_lens, q, kv, step_fn, carry, *, nu
       carry: any pytree step_fn threads through the steps.
       num_steps: static number of steps.
       softmax_scale, implementation: as in mla_decode.
+      k_scale: with a float8_e4m3fn cache, its float32 scale (decode_step's).
 
     Returns:
       (kv_cache, out (num_steps, batch, 1, h_q, 512), lse (num_steps, batch, h_q, 1), carry).
@@ -176,4 +184,4 @@ def decode_loop(kv_cache, block_table, prefix_lens, q, kv, step_fn, carry, *, nu
                          f"{tuple(q.shape)} (use speculative.target_verify for several)")
     lens = step_seq_lens(prefix_lens, num_steps)
     return run_steps(kv_cache, block_table, lens, None, q, kv, step_fn, carry,
-                     softmax_scale=softmax_scale, implementation=implementation)
+                     softmax_scale=softmax_scale, implementation=implementation, k_scale=k_scale)

@@ -30,16 +30,17 @@ def verify_seq_lens(prefix_lens, num_draft_tokens):
 
 
 def target_verify_metadata(prefix_lens, num_draft_tokens, *, num_heads_q, num_sms=None,
-                           implementation=None):
-    """FlashMLA metadata for target_verify (None for the reference implementation)."""
+                           implementation=None, fp8=False):
+    """FlashMLA metadata for target_verify (None for the reference implementation); fp8 for
+    an FP8 cache (get_mla_metadata's)."""
     _check_count("target_verify_metadata", "num_draft_tokens", num_draft_tokens)
     return get_mla_metadata(verify_seq_lens(prefix_lens, num_draft_tokens),
                             num_heads_q=num_heads_q, num_q_tokens=num_draft_tokens,
-                            num_sms=num_sms, implementation=implementation)
+                            num_sms=num_sms, implementation=implementation, fp8=fp8)
 
 
 def target_verify(kv_cache, block_table, prefix_lens, q, draft_kv, *, metadata=None,
-                  softmax_scale=None, implementation=None):
+                  softmax_scale=None, implementation=None, k_scale=None):
     """Writes the draft tokens and scores them with the target model's attention.
 
     Args:
@@ -52,6 +53,7 @@ def target_verify(kv_cache, block_table, prefix_lens, q, draft_kv, *, metadata=N
       metadata: target_verify_metadata(prefix_lens, num_draft_tokens, num_heads_q=h_q); computed
         here when None.
       softmax_scale, implementation: as in mla_decode.
+      k_scale: with a float8_e4m3fn cache, its float32 scale (serving.decode_step's).
 
     Returns:
       (kv_cache, out (batch, num_draft_tokens, h_q, 512), lse (batch, h_q, num_draft_tokens)),
@@ -61,23 +63,27 @@ def target_verify(kv_cache, block_table, prefix_lens, q, draft_kv, *, metadata=N
     validation.check_rank("target_verify", "q", q, 4, "(batch, num_draft_tokens, h_q, 576)")
     seq_lens = verify_seq_lens(prefix_lens, q.shape[1])
     return decode_step(kv_cache, block_table, seq_lens, q, draft_kv, metadata=metadata,
-                       softmax_scale=softmax_scale, implementation=implementation)
+                       softmax_scale=softmax_scale, implementation=implementation,
+                       k_scale=k_scale)
 
 
 def multi_step_draft_metadata(prefix_lens, num_steps, *, num_heads_q, num_sms=None,
-                              implementation=None):
-    """One metadata per draft step, stacked on a leading num_steps axis (None for reference)."""
+                              implementation=None, fp8=False):
+    """One metadata per draft step, stacked on a leading num_steps axis (None for reference);
+    fp8 for an FP8 cache (get_mla_metadata's)."""
     _check_count("multi_step_draft_metadata", "num_steps", num_steps)
     lens = step_seq_lens(prefix_lens, num_steps)
     per_step = [get_mla_metadata(lens[i], num_heads_q=num_heads_q, num_sms=num_sms,
-                                 implementation=implementation) for i in range(num_steps)]
+                                 implementation=implementation, fp8=fp8)
+                for i in range(num_steps)]
     if per_step[0] is None:
         return None
     return jax.tree.map(lambda *leaves: jnp.stack(leaves), *per_step)
 
 
 def multi_step_draft(kv_cache, block_table, prefix_lens, q, kv, draft_fn, carry, *, num_steps,
-                     topk=1, metadata=None, softmax_scale=None, implementation=None):
+                     topk=1, metadata=None, softmax_scale=None, implementation=None,
+                     k_scale=None):
     """num_steps draft decode steps over one cache (EAGLE-style chain, topk 1).
 
     Step i writes its draft token's row at position prefix_lens + i and attends over the
@@ -95,6 +101,7 @@ def multi_step_draft(kv_cache, block_table, prefix_lens, q, kv, draft_fn, carry,
       metadata: multi_step_draft_metadata(prefix_lens, num_steps, num_heads_q=h_q); computed
         here when None.
       softmax_scale, implementation: as in mla_decode.
+      k_scale: with a float8_e4m3fn cache, its float32 scale (serving.decode_step's).
 
     Returns:
       (kv_cache, out (num_steps, batch, 1, h_q, 512), lse (num_steps, batch, h_q, 1), carry).
@@ -108,7 +115,8 @@ def multi_step_draft(kv_cache, block_table, prefix_lens, q, kv, draft_fn, carry,
         raise ValueError(f"multi_step_draft: q must have s_q = 1; got shape {tuple(q.shape)}")
     if metadata is None:
         metadata = multi_step_draft_metadata(prefix_lens, num_steps, num_heads_q=q.shape[2],
-                                             implementation=implementation)
+                                             implementation=implementation,
+                                             fp8=k_scale is not None)
     return run_steps(kv_cache, block_table, step_seq_lens(prefix_lens, num_steps), metadata, q,
                      kv, draft_fn, carry, softmax_scale=softmax_scale,
-                     implementation=implementation)
+                     implementation=implementation, k_scale=k_scale)

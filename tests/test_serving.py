@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jax_flashmla.fp8
 from jax_flashmla.allocator import PageAllocator
 from jax_flashmla.cache import PagedKVCache
 from jax_flashmla.serving import (bucket_for, decode_loop, decode_step, pad_batch,
@@ -93,9 +94,10 @@ def _toy_model(base_q, base_kv, dtype):
 
 
 def run_decode_loop(implementation, dtype=jnp.bfloat16, prompt_lens=(1, 63, 126, 0), h=4,
-                    num_steps=4, seed=0):
+                    num_steps=4, seed=0, k_scale=None):
     """Admits the requests through a PageAllocator (pages out of order), writes the prompts and
-    runs the loop jitted with the cache donated. Returns everything the checks need."""
+    runs the loop jitted with the cache donated (an FP8 cache with k_scale). Returns
+    everything the checks need."""
     rng = np.random.default_rng(seed)
     batch = len(prompt_lens)
     pages_needed = [-(-(n + num_steps) // 64) if n else 0 for n in prompt_lens]
@@ -120,14 +122,16 @@ def run_decode_loop(implementation, dtype=jnp.bfloat16, prompt_lens=(1, 63, 126,
              jnp.zeros(base_kv.shape, dtype).at[0].set(kv0))
 
     @functools.partial(jax.jit, donate_argnums=0)
-    def run(cache, table, prefix, prompt_kv, q0, kv0, carry):
-        cache = write_prompt(cache, table, prefix, prompt_kv)
+    def run(cache, table, prefix, prompt_kv, q0, kv0, carry, k_scale):
+        cache = write_prompt(cache, table, prefix, prompt_kv, scale=k_scale)
         return decode_loop(cache, table, prefix, q0, kv0, _toy_model(base_q, base_kv, dtype),
-                           carry, num_steps=num_steps, implementation=implementation)
+                           carry, num_steps=num_steps, implementation=implementation,
+                           k_scale=k_scale)
 
+    cache_dtype = dtype if k_scale is None else jnp.float8_e4m3fn
     cache, out, lse, (_, q_hist, kv_hist) = run(
-        PagedKVCache.create(num_pages, dtype), jnp.asarray(table), jnp.asarray(prefix),
-        jnp.asarray(prompt_kv), q0, kv0, carry)
+        PagedKVCache.create(num_pages, cache_dtype), jnp.asarray(table), jnp.asarray(prefix),
+        jnp.asarray(prompt_kv), q0, kv0, carry, k_scale)
     return dict(cache=cache, out=out, lse=lse, q_hist=q_hist, kv_hist=kv_hist, table=table,
                 prefix=prefix, prompt_kv=prompt_kv, num_steps=num_steps)
 
@@ -181,3 +185,61 @@ def test_decode_loop_flashmla_on_gpu_equals_reference():
     np.testing.assert_array_equal(np.asarray(got["kv_hist"][0], np.float32),
                                   np.asarray(want["kv_hist"][0], np.float32))
     check_against_f64(got, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_padded_requests_in_an_fp8_cache(implementation):
+    """Bucket padding (length 0, block-table rows of PAD_PAGE) is what FlashMLA's FP8 kernel
+    faults on unguarded: out 0, lse +inf, and the real requests as unpadded."""
+    rng = np.random.default_rng(1)
+    k_scale = jnp.float32(1 / 64)
+    cache = jnp.zeros((6, 64, 1, 576), jnp.float8_e4m3fn)
+    lens, table = np.array([5, 70], np.int32), np.array([[3, -1], [0, 4]], np.int32)
+    q = jnp.asarray(rng.standard_normal((2, 1, 4, 576)), jnp.bfloat16)
+    kv = jnp.asarray(rng.standard_normal((2, 1, 576)), jnp.bfloat16)
+    step = jax.jit(lambda *a: decode_step(*a, implementation=implementation, k_scale=k_scale))
+    _, plain_out, plain_lse = step(cache, jnp.asarray(table), jnp.asarray(lens), q, kv)
+    padded = pad_batch(4, lens, table, q, kv)
+    _, out, lse = step(cache, *map(jnp.asarray, (padded[1], padded[0], padded[2], padded[3])))
+    np.testing.assert_array_equal(np.asarray(out[:2], np.float32),
+                                  np.asarray(plain_out, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse[:2]), np.asarray(plain_lse))
+    np.testing.assert_array_equal(np.asarray(out[2:], np.float32), 0)
+    assert np.isposinf(np.asarray(lse[2:])).all()
+
+
+def _fp8_loops(**kwargs):
+    k_scale = jnp.float32(1 / 64)
+    return (run_decode_loop("flashmla", k_scale=k_scale, **kwargs),
+            run_decode_loop("reference", k_scale=k_scale, **kwargs))
+
+
+def _check_fp8_loops(got, want):
+    """The custom call's loop against the reference's, both over an FP8 cache: the same rows
+    stored (the prompts quantized, then each step's), outputs within FP8's precision, the
+    padded request untouched."""
+    np.testing.assert_array_equal(np.asarray(got["kv_hist"][0], np.float32),
+                                  np.asarray(want["kv_hist"][0], np.float32))
+    written = [i for i, n in enumerate(got["prefix"]) if n]
+    np.testing.assert_allclose(np.asarray(got["out"][:, written], np.float32),
+                               np.asarray(want["out"][:, written], np.float32), atol=5e-2)
+    np.testing.assert_allclose(np.asarray(got["lse"][:, written]),
+                               np.asarray(want["lse"][:, written]), rtol=2e-2)
+    padded = [i for i, n in enumerate(got["prefix"]) if not n]
+    for r in (got, want):
+        np.testing.assert_array_equal(np.asarray(r["out"][:, padded], np.float32), 0)
+        assert np.isinf(np.asarray(r["lse"][:, padded])).all()
+    prompt_rows = jnp.asarray(got["prompt_kv"][0, :got["prefix"][0]])
+    first_page = np.asarray(got["cache"].data[got["table"][0][0], :got["prefix"][0], 0])
+    np.testing.assert_array_equal(first_page.view(np.uint8), np.asarray(
+        jax_flashmla.fp8.quantize(prompt_rows, jnp.float32(1 / 64))).view(np.uint8))
+
+
+def test_fp8_decode_loop_custom_call_equals_reference():
+    _check_fp8_loops(*_fp8_loops())
+
+
+@pytest.mark.gpu
+def test_fp8_decode_loop_flashmla_on_gpu_equals_reference():
+    _check_fp8_loops(*_fp8_loops(prompt_lens=(1, 64, 300, 0, 1000, 129), h=16, num_steps=6,
+                                 seed=3))

@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax_flashmla import fp8
 from jax_flashmla.serving import decode_loop, decode_step
 from jax_flashmla.speculative import (multi_step_draft, multi_step_draft_metadata,
                                       target_verify, target_verify_metadata, verify_seq_lens)
@@ -110,6 +111,61 @@ def test_multi_step_draft_equals_decode_loop(implementation):
         keys = flat[(np.asarray(table[b])[:, None] * 64 + np.arange(64)).reshape(-1)]
         out, _ = attention_f64(q0[b], keys, int(prefix[b]) + 1)
         np.testing.assert_allclose(np.asarray(out_d[0, b], np.float64), out, atol=TOL, rtol=TOL)
+
+
+K_SCALE = 1 / 16  # unit-normal data: |x| / scale stays well inside e4m3's +-448
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_fp8_target_verify_equals_single_token_steps(implementation):
+    cache, table, prefix, q, kv = _setup()
+    k_scale = jnp.float32(K_SCALE)
+    cache = fp8.quantize(cache, k_scale)
+    d = q.shape[1]
+    metadata = target_verify_metadata(prefix, d, num_heads_q=q.shape[2], fp8=True,
+                                      implementation=implementation)
+    cache_v, out_v, lse_v = jax.jit(lambda c: target_verify(
+        c, table, prefix, q, kv, metadata=metadata, implementation=implementation,
+        k_scale=k_scale))(cache)
+    assert out_v.dtype == jnp.bfloat16
+    cache_s = cache
+    for i in range(d):
+        lens = jnp.where(prefix > 0, prefix + i + 1, 0)
+        cache_s, out, lse = decode_step(cache_s, table, lens, q[:, i:i + 1], kv[:, i:i + 1],
+                                        implementation=implementation, k_scale=k_scale)
+        np.testing.assert_allclose(np.asarray(out_v[:, i], np.float32),
+                                   np.asarray(out[:, 0], np.float32), atol=TOL, rtol=TOL)
+        np.testing.assert_allclose(np.asarray(lse_v[:, :, i]), np.asarray(lse[:, :, 0]),
+                                   rtol=1e-5)
+    as_bytes = lambda c: np.asarray(c).view(np.uint8)
+    np.testing.assert_array_equal(as_bytes(cache_v), as_bytes(cache_s))
+    np.testing.assert_array_equal(np.asarray(out_v[3], np.float32), 0)  # padded request
+    assert np.isposinf(np.asarray(lse_v[3])).all()
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_fp8_multi_step_draft_equals_decode_loop(implementation):
+    cache, table, prefix, _, _ = _setup()
+    k_scale = jnp.float32(K_SCALE)
+    cache = fp8.quantize(cache, k_scale)
+    num_steps, h = 3, 4
+    rng = np.random.default_rng(1)
+    base_q = jnp.asarray(rng.standard_normal((num_steps + 1, 4, 1, h, 576)), jnp.float32)
+    base_kv = jnp.asarray(rng.standard_normal((num_steps + 1, 4, 1, 576)), jnp.float32)
+    q0, kv0 = base_q[0].astype(jnp.bfloat16), base_kv[0].astype(jnp.bfloat16)
+    draft = jax.jit(lambda c: multi_step_draft(
+        c, table, prefix, q0, kv0, _draft_fn(base_q, base_kv), jnp.int32(0),
+        num_steps=num_steps, implementation=implementation, k_scale=k_scale))
+    loop = jax.jit(lambda c: decode_loop(
+        c, table, prefix, q0, kv0, _draft_fn(base_q, base_kv), jnp.int32(0),
+        num_steps=num_steps, implementation=implementation, k_scale=k_scale))
+    cache_d, out_d, lse_d, _ = draft(cache)
+    cache_l, out_l, lse_l, _ = loop(cache)
+    np.testing.assert_array_equal(np.asarray(out_d, np.float32), np.asarray(out_l, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse_d), np.asarray(lse_l))
+    np.testing.assert_array_equal(np.asarray(cache_d).view(np.uint8),
+                                  np.asarray(cache_l).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(out_d[:, 3], np.float32), 0)  # padded request
 
 
 def test_input_errors():
