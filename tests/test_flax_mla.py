@@ -130,24 +130,29 @@ def test_softmax_scale_matches_hf():
         MLAConfig.from_hf(hf_config(48)).softmax_scale)
 
 
-def run_prefill_then_decode(layer, lengths, inputs, steps, implementation, num_pages=8):
-    """Prefills inputs[:, :length] into a paged bf16 cache, then decodes `steps` tokens one at a
-    time (inputs[:, length + t]); returns (prefill outputs, list of (b, hidden) decode outputs)."""
+def run_prefill_then_decode(layer, lengths, inputs, steps, implementation, num_pages=8,
+                            k_scale=None):
+    """Prefills inputs[:, :length] into a paged bf16 cache (FP8 with k_scale), then decodes
+    `steps` tokens one at a time (inputs[:, length + t]); returns (prefill outputs, list of
+    (b, hidden) decode outputs)."""
     b = len(lengths)
     max_pages = 3
     table = block_tables([n + steps for n in lengths], max_pages, num_pages)
-    kv = cache.PagedKVCache.create(num_pages)
+    kv = cache.PagedKVCache.create(num_pages, jnp.bfloat16 if k_scale is None
+                                   else jnp.float8_e4m3fn)
     s = max(lengths)
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     valid = positions < jnp.asarray(lengths, jnp.int32)[:, None]
     slots = jnp.where(valid, cache.token_slots(table, positions), cache.INVALID_SLOT)
     prefill = jax.jit(lambda x, kv: layer.prefill(x, positions, kv, slots,
-                                                  lengths=jnp.asarray(lengths, jnp.int32)))
+                                                  lengths=jnp.asarray(lengths, jnp.int32),
+                                                  k_scale=k_scale))
     out, kv = prefill(jnp.asarray(inputs[:, :s]), kv)
 
     @jax.jit
     def decode(x, pos, kv):
-        return layer.decode(x, pos[:, None], kv, table, pos + 1, implementation=implementation)
+        return layer.decode(x, pos[:, None], kv, table, pos + 1, implementation=implementation,
+                            k_scale=k_scale)
 
     outs = []
     for t in range(steps):
@@ -177,6 +182,25 @@ def test_paged_decode_matches_hf(case, implementation):
         for t in range(steps):
             err = rel_err(decode_outs[t][i], want[n + t])
             assert err < 2e-2, (i, t, err)
+
+
+@pytest.mark.parametrize("implementation", ["flashmla", "reference"])
+def test_fp8_cache_decode_matches_hf_within_fp8_precision(implementation):
+    """An FP8 cache (scale 0.05: these rows stay well inside e4m3's +-448 * scale) keeps e4m3's
+    3 mantissa bits: ~6% of the output here, against 0.4% with the bf16 cache."""
+    config = hf_config(**CASES["q_lora"])
+    attn = hf_attention(config, seed=2)
+    layer = flax_layer(config, attn)
+    lengths, steps = [3, 30, 62], 4
+    inputs = np.random.default_rng(3).standard_normal(
+        (len(lengths), max(lengths) + steps, config.hidden_size)).astype(np.float32)
+    _, decode_outs = run_prefill_then_decode(layer, lengths, inputs, steps, implementation,
+                                             k_scale=jnp.float32(0.05))
+    for i, n in enumerate(lengths):
+        want = hf_forward(config, attn, inputs[i:i + 1, :n + steps])[0]
+        for t in range(steps):
+            err = rel_err(decode_outs[t][i], want[n + t])
+            assert err < 0.1, (i, t, err)
 
 
 def test_decode_bf16_layer_matches_hf():

@@ -201,17 +201,20 @@ class MultiHeadLatentAttention(nnx.Module):
         return self.o_proj(attn.reshape(b, s, -1).astype(self.dtype))
 
     # -- prefill ------------------------------------------------------------------------------
-    def prefill(self, hidden_states, positions, kv_cache=None, slots=None, *, lengths=None):
+    def prefill(self, hidden_states, positions, kv_cache=None, slots=None, *, lengths=None,
+                k_scale=None):
         """Causal attention over whole prompts; writes their compressed rows into the cache.
 
         Args:
           hidden_states: (b, s, hidden_size), prompts right-padded to s.
           positions: (b, s) int32 positions of the tokens (0.. for a fresh prompt).
-          kv_cache: None, or (num_pages, 64, 1, kv_lora_rank + qk_rope_head_dim) bf16 / fp16
-            (an array or a PagedKVCache) to write the prompt rows into.
+          kv_cache: None, or (num_pages, 64, 1, kv_lora_rank + qk_rope_head_dim) bf16 / fp16 /
+            float8_e4m3fn (an array or a PagedKVCache) to write the prompt rows into.
           slots: (b, s) int32 cache slots (page * 64 + offset) of the tokens; out-of-range
             slots (padding) are not written. Required with kv_cache.
           lengths: optional (b,) int32 prompt lengths; keys past them are masked out.
+          k_scale: with a float8_e4m3fn cache (and only then), its float32 scale: rows are
+            stored quantized with it (jax_flashmla.write_kv's scale).
 
         Returns:
           (out (b, s, hidden_size) in the compute dtype, the updated kv_cache or None).
@@ -239,7 +242,7 @@ class MultiHeadLatentAttention(nnx.Module):
         if kv_cache is not None:
             if slots is None:
                 raise ValueError("slots is required when kv_cache is given")
-            kv_cache = _write(kv_cache, slots, latent, k_pe)
+            kv_cache = _write(kv_cache, slots, latent, k_pe, k_scale)
         return out, kv_cache
 
     # -- decode -------------------------------------------------------------------------------
@@ -250,19 +253,23 @@ class MultiHeadLatentAttention(nnx.Module):
         return jnp.concatenate([q_latent.astype(q_pe.dtype), q_pe], axis=-1)
 
     def decode(self, hidden_states, positions, kv_cache, block_table, seq_lens, slots=None, *,
-               metadata=None, implementation=None):
+               metadata=None, implementation=None, k_scale=None):
         """Writes the new tokens' rows into the paged cache, then attends through mla_decode.
 
         Args:
           hidden_states: (b, s_q, hidden_size) new tokens (s_q = 1 for plain decode).
           positions: (b, s_q) int32 positions of the new tokens.
-          kv_cache: (num_pages, 64, 1, 576) bfloat16 / float16 array, or a PagedKVCache.
+          kv_cache: (num_pages, 64, 1, 576) bfloat16 / float16 / float8_e4m3fn array, or a
+            PagedKVCache.
           block_table: (b, max_pages) int32.
           seq_lens: (b,) int32 KV lengths including the new tokens (0 for an idle row).
           slots: (b, s_q) int32 cache slots of the new tokens; by default
             jax_flashmla.cache.token_slots(block_table, positions).
           metadata: MLAMetadata from get_mla_metadata, shared by the layers of one step.
           implementation: as in jax_flashmla.mla_decode.
+          k_scale: with a float8_e4m3fn cache (and only then), its float32 scale: the new rows
+            are quantized with it and the decode is FlashMLA's FP8 one (get_mla_metadata's
+            fp8=True for a shared metadata).
 
         Returns:
           (out (b, s_q, hidden_size) in the compute dtype, the updated kv_cache).
@@ -271,17 +278,19 @@ class MultiHeadLatentAttention(nnx.Module):
         q_nope, q_pe, latent, k_pe = self.project(hidden_states, positions)
         if slots is None:
             slots = cache.token_slots(block_table, positions)
-        kv_cache = _write(kv_cache, slots, latent, k_pe)
+        kv_cache = _write(kv_cache, slots, latent, k_pe, k_scale)
         cache_data = getattr(kv_cache, "data", kv_cache)
-        q = self.absorbed_query(q_nope, q_pe).astype(cache_data.dtype)
+        # The FP8 decode takes q in bf16 and quantizes it with the cache's scale itself.
+        q_dtype = cache_data.dtype if k_scale is None else jnp.bfloat16
+        q = self.absorbed_query(q_nope, q_pe).astype(q_dtype)
         out_latent, _ = ops.mla_decode(q, cache_data, block_table, seq_lens, metadata=metadata,
                                        softmax_scale=self.config.softmax_scale, causal=True,
-                                       implementation=implementation)
+                                       implementation=implementation, k_scale=k_scale)
         _, w_uv = self._kv_b_split()
         attn = jnp.einsum("bshc,chd->bshd", out_latent.astype(self.dtype), w_uv)
         return self._output(attn), kv_cache
 
 
-def _write(kv_cache, slots, latent, k_pe):
+def _write(kv_cache, slots, latent, k_pe, scale=None):
     """Writes rows [latent | k_pe] at slots into an array cache or a PagedKVCache."""
-    return cache.write_kv(kv_cache, slots, latent=latent, rope=k_pe)
+    return cache.write_kv(kv_cache, slots, latent=latent, rope=k_pe, scale=scale)
