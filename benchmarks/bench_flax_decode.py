@@ -36,7 +36,7 @@ def load_example():
 def bench_one(ex, cfg, implementation, batch, context, iters, warmup):
     pages_per_request = -(-(context + 1) // 64)
     num_pages = batch * pages_per_request
-    graphdef, state, _ = ex.build(cfg, num_pages)
+    graphdef, state, _, _ = ex.build(cfg, num_pages)
     _, decode = ex.make_steps(graphdef, implementation)
     key = jax.random.key(1)
     caches = tuple(PagedKVCache((0.5 * jax.random.normal(k, (num_pages, 64, 1, 576))).astype(jnp.bfloat16))
@@ -46,14 +46,14 @@ def bench_one(ex, cfg, implementation, batch, context, iters, warmup):
     seq_lens = jnp.full((batch,), context + 1, jnp.int32)
     positions = seq_lens - 1
     tokens = jnp.zeros((batch,), jnp.int32)
-    hlo = decode.lower(state, tokens, positions, table, seq_lens, caches).compile().as_text()
+    hlo = decode.lower(state, tokens, positions, table, seq_lens, caches, None).compile().as_text()
     for _ in range(warmup):
-        tokens, _, caches = decode(state, tokens, positions, table, seq_lens, caches)
+        tokens, _, caches = decode(state, tokens, positions, table, seq_lens, caches, None)
     jax.block_until_ready(tokens)
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
-        tokens, _, caches = decode(state, tokens, positions, table, seq_lens, caches)
+        tokens, _, caches = decode(state, tokens, positions, table, seq_lens, caches, None)
         jax.block_until_ready(tokens)
         times.append(time.perf_counter() - t0)
     ms = 1e3 * float(np.median(times))

@@ -91,7 +91,9 @@ for mode in "${modes[@]}"; do
       | tee "$out/bench_fp8.txt"
     timeout 90 python3 benchmarks/bench_write_kv.py 2>&1 | tee "$out/write_kv.txt" | tail -8
     timeout 90 python3 examples/serve_deepseek_mla.py --quiet 2>&1 | tee "$out/serve.txt" \
-      | tail -4 ;;
+      | tail -4
+    timeout 90 python3 examples/serve_deepseek_mla.py --quiet --kv-cache-dtype fp8 2>&1 \
+      | tee "$out/serve_fp8.txt" | tail -4 ;;
   *)
     echo "unknown mode $mode"; exit 2 ;;
   esac

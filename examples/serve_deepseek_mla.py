@@ -2,6 +2,7 @@
 
     python examples/serve_deepseek_mla.py                      # CPU: the pure-JAX reference
     python examples/serve_deepseek_mla.py --implementation flashmla   # FlashMLA (C++ model on CPU)
+    python examples/serve_deepseek_mla.py --kv-cache-dtype fp8         # an FP8 (e4m3) cache
 
 A few decoder layers (RMSNorm -> jax_flashmla.flax.MultiHeadLatentAttention -> RMSNorm ->
 SwiGLU MLP) with seeded random weights serve requests of different prompt lengths. Each
@@ -10,7 +11,8 @@ prefills each new prompt into its pages, runs one decode step over every active 
 (one mla_decode per layer, one shared FlashMLA schedule per step), grows requests a page at a
 time, and finishes those done, whose pages the next admissions reuse. Greedy sampling.
 Prints a progress line and the tokens per second. On a Hopper GPU the default implementation
-is FlashMLA's kernels.
+is FlashMLA's kernels. With an FP8 cache each layer has a k scale (here a constant; a real
+checkpoint carries calibrated ones), and the decode is FlashMLA's FP8 one.
 """
 import argparse
 import dataclasses
@@ -30,6 +32,10 @@ from jax_flashmla.cache import INVALID_SLOT, PagedKVCache, token_slots
 from jax_flashmla.flax import MLAConfig, MultiHeadLatentAttention, RMSNorm
 
 PREFILL_BUCKET = 64  # prompts are padded to a multiple of this, so prefill compiles few shapes
+# The FP8 cache's per-layer k scale: this model's rows (RMS-normed latents, rope keys) stay
+# well inside +-448 * K_SCALE.
+K_SCALE = 0.05
+KV_CACHE_DTYPES = {"bfloat16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,49 +81,56 @@ class TinyDeepSeek(nnx.Module):
         self.lm_head = nnx.Linear(hidden, cfg.vocab_size, use_bias=False, dtype=dtype,
                                   param_dtype=dtype, rngs=rngs)
 
-    def _run(self, tokens, attend, caches):
+    def _run(self, tokens, attend, caches, k_scales):
         x = self.embed_tokens(tokens)
         new_caches = []
-        for layer, kv in zip(self.layers, caches):
-            h, kv = attend(layer.self_attn, layer.input_layernorm(x), kv)
+        for layer, kv, k_scale in zip(self.layers, caches, k_scales or (None,) * len(caches)):
+            h, kv = attend(layer.self_attn, layer.input_layernorm(x), kv, k_scale)
             x = x + h
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             new_caches.append(kv)
         return self.lm_head(self.norm(x)).astype(jnp.float32), tuple(new_caches)
 
-    def prefill(self, tokens, positions, slots, lengths, caches):
-        """tokens, positions, slots (b, s) int32; lengths (b,) -> (logits (b, s, vocab) f32, caches)."""
-        return self._run(tokens, lambda attn, x, kv: attn.prefill(x, positions, kv, slots,
-                                                                  lengths=lengths), caches)
+    def prefill(self, tokens, positions, slots, lengths, caches, k_scales=None):
+        """tokens, positions, slots (b, s) int32; lengths (b,) -> (logits (b, s, vocab) f32,
+        caches). k_scales: per-layer float32 scales of FP8 caches, else None."""
+        return self._run(tokens, lambda attn, x, kv, k_scale: attn.prefill(
+            x, positions, kv, slots, lengths=lengths, k_scale=k_scale), caches, k_scales)
 
-    def decode(self, tokens, positions, block_table, seq_lens, caches, *, implementation=None):
+    def decode(self, tokens, positions, block_table, seq_lens, caches, k_scales=None, *,
+               implementation=None):
         """tokens, positions (b, 1) int32; one FlashMLA schedule shared by all layers."""
         metadata = jf.get_mla_metadata(seq_lens, num_heads_q=self.cfg.attention.num_heads,
-                                       implementation=implementation)
-        return self._run(tokens, lambda attn, x, kv: attn.decode(
+                                       implementation=implementation, fp8=k_scales is not None)
+        return self._run(tokens, lambda attn, x, kv, k_scale: attn.decode(
             x, positions, kv, block_table, seq_lens, metadata=metadata,
-            implementation=implementation), caches)
+            implementation=implementation, k_scale=k_scale), caches, k_scales)
 
 
-def build(cfg, num_pages, seed=0, dtype=jnp.bfloat16):
-    """(graphdef, state, caches) of a seeded model and its empty per-layer paged caches."""
+def build(cfg, num_pages, seed=0, dtype=jnp.bfloat16, kv_cache_dtype=jnp.bfloat16):
+    """(graphdef, state, caches, k_scales) of a seeded model, its empty per-layer paged caches
+    and, for FP8 caches, their per-layer k scales (else None)."""
     model = TinyDeepSeek(cfg, rngs=nnx.Rngs(seed), dtype=dtype)
     graphdef, state = nnx.split(model)
-    caches = tuple(PagedKVCache.create(num_pages) for _ in range(cfg.num_layers))
-    return graphdef, state, caches
+    caches = tuple(PagedKVCache.create(num_pages, kv_cache_dtype) for _ in range(cfg.num_layers))
+    k_scales = None
+    if kv_cache_dtype == jnp.float8_e4m3fn:
+        k_scales = tuple(jnp.float32(K_SCALE) for _ in range(cfg.num_layers))
+    return graphdef, state, caches, k_scales
 
 
 def make_steps(graphdef, implementation=None):
     """Jitted (prefill, decode) over (state, ...) with the caches donated."""
 
-    def prefill(state, tokens, positions, slots, lengths, caches):
-        logits, caches = nnx.merge(graphdef, state).prefill(tokens, positions, slots, lengths, caches)
+    def prefill(state, tokens, positions, slots, lengths, caches, k_scales):
+        logits, caches = nnx.merge(graphdef, state).prefill(tokens, positions, slots, lengths,
+                                                            caches, k_scales)
         last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
         return jnp.argmax(last, axis=-1).astype(jnp.int32), caches
 
-    def decode(state, tokens, positions, block_table, seq_lens, caches):
+    def decode(state, tokens, positions, block_table, seq_lens, caches, k_scales):
         logits, caches = nnx.merge(graphdef, state).decode(
-            tokens[:, None], positions[:, None], block_table, seq_lens, caches,
+            tokens[:, None], positions[:, None], block_table, seq_lens, caches, k_scales,
             implementation=implementation)
         return jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32), logits[:, 0], caches
 
@@ -168,7 +181,8 @@ def serve(args):
     num_pages = args.num_pages or max(max_pages, max_pages * args.batch * 3 // 4)  # tight: reuse
     if num_pages < max_pages:
         raise ValueError(f"--num-pages {num_pages} cannot hold the longest request ({max_pages} pages)")
-    graphdef, state, caches = build(cfg, num_pages, args.seed)
+    graphdef, state, caches, k_scales = build(cfg, num_pages, args.seed,
+                                              kv_cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype])
     prefill, decode = make_steps(graphdef, args.implementation)
     allocator = PageAllocator(num_pages)
 
@@ -202,7 +216,8 @@ def serve(args):
             token_slot = np.where(positions < n, token_slots(jnp.asarray(table), jnp.asarray(positions)),
                                   INVALID_SLOT).astype(np.int32)
             first, caches = prefill(state, jnp.asarray(tokens), jnp.asarray(positions),
-                                    jnp.asarray(token_slot), jnp.asarray([n], np.int32), caches)
+                                    jnp.asarray(token_slot), jnp.asarray([n], np.int32), caches,
+                                    k_scales)
             length[r], last[r] = n, int(first[0])
             outputs[r].append(last[r])
             progress.update(1, f"active {sum(x is not None for x in slots)} waiting {len(waiting)}")
@@ -225,7 +240,8 @@ def serve(args):
             table[i] = allocator.block_table([r], max_pages)[0]
         t0 = time.perf_counter()
         next_tokens, _, caches = decode(state, jnp.asarray(tokens), jnp.asarray(positions),
-                                        jnp.asarray(table), jnp.asarray(seq_lens), caches)
+                                        jnp.asarray(table), jnp.asarray(seq_lens), caches,
+                                        k_scales)
         next_tokens = np.asarray(next_tokens)
         if steps > 0:  # the first step includes compilation
             decode_time += time.perf_counter() - t0
@@ -245,7 +261,8 @@ def serve(args):
     total = sum(len(o) for o in outputs.values())
     assert allocator.num_free == num_pages and not allocator.requests, "pages leaked"
     impl = args.implementation or ("flashmla" if kernels.flashmla_available() else "reference")
-    print(f"implementation={impl} layers={cfg.num_layers} requests={args.requests} "
+    print(f"implementation={impl} kv_cache_dtype={args.kv_cache_dtype} layers={cfg.num_layers} "
+          f"requests={args.requests} "
           f"batch={args.batch} pages={num_pages} ({allocations} page allocations: freed pages "
           f"reused {max(0, allocations - num_pages)} times, none leaked)")
     print(f"generated {total} tokens in {elapsed:.2f} s: {total / elapsed:.1f} tok/s overall, "
@@ -259,6 +276,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--implementation", choices=["flashmla", "reference"], default=None,
                    help="mla_decode path (default: FlashMLA on a Hopper GPU, else reference)")
+    p.add_argument("--kv-cache-dtype", choices=sorted(KV_CACHE_DTYPES), default="bfloat16")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--batch", type=int, default=4, help="decode rows (max concurrent requests)")

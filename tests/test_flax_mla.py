@@ -264,21 +264,24 @@ def load_example():
     return sys.modules[name]
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "fp8"])
 @pytest.mark.parametrize("implementation", ["reference", "flashmla"])
-def test_example_serves_to_completion(implementation, capsys):
+def test_example_serves_to_completion(implementation, kv_cache_dtype, capsys):
     ex = load_example()
-    args = ex.parse_args(["--implementation", implementation, "--layers", "1", "--requests", "5",
-                          "--batch", "3", "--max-new", "6", "--max-prompt", "70", "--quiet"])
+    args = ex.parse_args(["--implementation", implementation, "--kv-cache-dtype", kv_cache_dtype,
+                          "--layers", "1", "--requests", "5", "--batch", "3", "--max-new", "6",
+                          "--max-prompt", "70", "--quiet"])
     outputs = ex.serve(args)
     assert len(outputs) == 5 and all(3 <= len(o) <= 6 for o in outputs.values())
     printed = capsys.readouterr().out
-    assert "tok/s" in printed and "none leaked" in printed and f"implementation={implementation}" in printed
+    assert "tok/s" in printed and "none leaked" in printed
+    assert f"implementation={implementation} kv_cache_dtype={kv_cache_dtype}" in printed
 
 
 def decode_inputs(ex, num_pages=6, batch=3, seed=0):
     """A seeded example model, random bf16 caches and a decode step's operands (row 2 idle)."""
     cfg = ex.dataclasses.replace(ex.ModelConfig(), num_layers=2)
-    graphdef, state, _ = ex.build(cfg, num_pages, seed)
+    graphdef, state, _, _ = ex.build(cfg, num_pages, seed)
     keys = jax.random.split(jax.random.key(seed), cfg.num_layers)
     make_caches = lambda: tuple(  # noqa: E731
         cache.PagedKVCache(jax.random.normal(k, (num_pages, 64, 1, 576), jnp.bfloat16))
@@ -292,8 +295,8 @@ def decode_inputs(ex, num_pages=6, batch=3, seed=0):
 def decode_hlo_and_logits(ex, implementation):
     graphdef, state, make_caches, operands = decode_inputs(ex)
     _, decode = ex.make_steps(graphdef, implementation)
-    hlo = decode.lower(state, *operands, make_caches()).compile().as_text()
-    _, logits, _ = decode(state, *operands, make_caches())
+    hlo = decode.lower(state, *operands, make_caches(), None).compile().as_text()
+    _, logits, _ = decode(state, *operands, make_caches(), None)
     return hlo, np.asarray(logits)
 
 
