@@ -79,7 +79,7 @@ def local_lengths(seq_lens, rank, num_devices, *, layout, tokens_per_device=None
 
 
 def dcp_write_kv(kv_cache, block_tables, positions, *, mesh, axis, layout,
-                 tokens_per_device=None, latent=None, rope=None, kv=None):
+                 tokens_per_device=None, latent=None, rope=None, kv=None, scale=None):
     """Writes new tokens into a cache whose tokens are split over mesh axis `axis`.
 
     Args:
@@ -88,6 +88,7 @@ def dcp_write_kv(kv_cache, block_tables, positions, *, mesh, axis, layout,
         block table over its own pages.
       positions: (batch, t) int32 global positions of the new tokens (replicated).
       latent/rope or kv: (batch, t, 512)/(batch, t, 64) or (batch, t, 576), replicated.
+      scale: with a float8_e4m3fn cache (and only then), its float32 scale (write_kv's).
 
     Returns:
       The cache, each token written on the one device that holds its position.
@@ -95,21 +96,21 @@ def dcp_write_kv(kv_cache, block_tables, positions, *, mesh, axis, layout,
     n = mesh.shape[axis]
     rows = dict(latent=latent, rope=rope, kv=kv)
 
-    def write(local_cache, table, positions, rows):
+    def write(local_cache, table, positions, rows, scale):
         rank = jax.lax.axis_index(axis)
         local = local_positions(positions, rank, n, layout=layout,
                                 tokens_per_device=tokens_per_device)
         slots = cache.token_slots(table[0], local)
-        return cache.write_kv(local_cache, slots, **rows)
+        return cache.write_kv(local_cache, slots, **rows, scale=scale)
 
-    replicated = jax.tree.map(lambda _: P(), rows)
-    return jax.shard_map(write, mesh=mesh, in_specs=(P(axis), P(axis), P(), replicated),
-                         out_specs=P(axis))(kv_cache, block_tables, positions, rows)
+    replicated = jax.tree.map(lambda _: P(), (rows, scale))
+    return jax.shard_map(write, mesh=mesh, in_specs=(P(axis), P(axis), P(), *replicated),
+                         out_specs=P(axis))(kv_cache, block_tables, positions, rows, scale)
 
 
 def dcp_mla_decode(q, kv_cache, block_tables, seq_lens, *, mesh, axis, head_axis=None,
                    scatter_heads=False, softmax_scale=None, causal=True,
-                   implementation=None):
+                   implementation=None, k_scale=None):
     """MLA decode with each request's KV tokens split over mesh axis `axis`.
 
     Args:
@@ -122,9 +123,11 @@ def dcp_mla_decode(q, kv_cache, block_tables, seq_lens, *, mesh, axis, head_axis
       scatter_heads: return out with its heads split over `axis` (a reduce-scatter instead
         of an all-reduce), as a following head-parallel projection wants it.
       softmax_scale, causal, implementation: as in mla_decode.
+      k_scale: with a float8_e4m3fn cache, its float32 scale (mla_decode's), replicated.
 
     Returns:
-      (out (batch, 1, h_q, 512), lse (batch, h_q, 1)), merged over all devices of `axis`.
+      (out (batch, 1, h_q, 512), lse (batch, h_q, 1)), merged over all devices of `axis`;
+      out in mla_decode's dtype (q's, or bfloat16 with an FP8 cache).
     """
     if q.ndim != 4 or (q.shape[1] != 1 and causal):
         raise ValueError(f"dcp_mla_decode: q must be (batch, 1, h_q, 576) with causal=True "
@@ -133,21 +136,22 @@ def dcp_mla_decode(q, kv_cache, block_tables, seq_lens, *, mesh, axis, head_axis
     heads_out = (head_axis, axis) if scatter_heads and head_axis else (
         axis if scatter_heads else head_axis)
 
-    def local(q, kv, table, lens):
+    def local(q, kv, table, lens, k_scale):
         out, lse = mla_decode(q, kv, table[0], lens[0], softmax_scale=softmax_scale,
-                              causal=causal, implementation=implementation)
+                              causal=causal, implementation=implementation, k_scale=k_scale)
         # Only the LSEs travel in full (they are small); outputs are summed once, weighted.
         weights, merged_lse = _merge_weights(jax.lax.all_gather(lse, axis))
         rank = jax.lax.axis_index(axis)
         part = out.astype(jnp.float32) * weights[rank].transpose(0, 2, 1)[..., None]
         if not scatter_heads:
-            return jax.lax.psum(part, axis).astype(q.dtype), merged_lse
+            return jax.lax.psum(part, axis).astype(out.dtype), merged_lse
         merged = jax.lax.psum_scatter(part, axis, scatter_dimension=2, tiled=True)
         heads = merged.shape[2]
-        return (merged.astype(q.dtype),
+        return (merged.astype(out.dtype),
                 jax.lax.dynamic_slice_in_dim(merged_lse, rank * heads, heads, axis=1))
 
     return jax.shard_map(local, mesh=mesh,
-                         in_specs=(P(None, None, head_axis, None), P(axis), P(axis), P(axis)),
+                         in_specs=(P(None, None, head_axis, None), P(axis), P(axis), P(axis),
+                                   jax.tree.map(lambda _: P(), k_scale)),
                          out_specs=(P(None, None, heads_out, None), P(None, heads_out, None)),
-                         check_vma=False)(q, kv_cache, block_tables, seq_lens)
+                         check_vma=False)(q, kv_cache, block_tables, seq_lens, k_scale)

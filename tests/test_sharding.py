@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_flashmla as jf
-from jax_flashmla import context_parallel as cp
+from jax_flashmla import context_parallel as cp, fp8
 from oracle import LSE_TOL, OUT_TOL, assert_flashmla_close, dense_attention_f64, make_decode_inputs
 
 IMPLEMENTATIONS = ["flashmla", "reference"]
@@ -163,6 +163,30 @@ def test_dcp_equals_one_device(devices, implementation, layout, n, tokens_per_de
     assert_flashmla_close("lse", lse, ref_lse, **LSE_TOL)
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_fp8_dcp_equals_one_device(devices, implementation):
+    """An FP8 cache split round-robin over 4 devices (some local lengths 0, which the FP8
+    kernel needs guarded), against the one-device FP8 decode of the same cache."""
+    q, kv, bt, sl = _problem(6, batch=4, h_q=16, mean_sk=150)
+    sl = sl.at[jnp.argmax(sl)].set(3)
+    k_scale = jnp.float32(1 / 400)
+    kv8 = fp8.quantize(kv, k_scale)
+    pages, tables, lens = _split_for_dcp(kv8, bt, sl, 4, "round_robin", None)
+    pages = pages.astype(jnp.float8_e4m3fn)  # exact: every e4m3 value is a bfloat16 value
+    mesh = Mesh(np.array(devices[:4]), ("dcp",))
+    decode = jax.jit(lambda *a: cp.dcp_mla_decode(*a[:4], mesh=mesh, axis="dcp",
+                                                  implementation=implementation, k_scale=a[4]))
+    out, lse = decode(_put(mesh, q), _put(mesh, pages, "dcp"), _put(mesh, tables, "dcp"),
+                      _put(mesh, lens, "dcp"), k_scale)
+    assert out.dtype == jnp.bfloat16
+    one_out, one_lse = jf.mla_decode(q, kv8, bt, sl, k_scale=k_scale, implementation="reference")
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(one_out, np.float32),
+                               atol=1e-2)
+    np.testing.assert_array_equal(np.isinf(np.asarray(lse)), np.isinf(np.asarray(one_lse)))
+    finite = np.isfinite(np.asarray(one_lse))
+    np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(one_lse)[finite], rtol=1e-5)
+
+
 @pytest.mark.parametrize("scatter_heads", [False, True])
 def test_dcp_times_tp(devices, scatter_heads):
     q, kv, bt, sl = _problem(5, batch=4, h_q=32, mean_sk=150)
@@ -183,11 +207,14 @@ def test_dcp_times_tp(devices, scatter_heads):
 
 
 @pytest.mark.parametrize("layout,tokens_per_device", [("contiguous", 128), ("round_robin", None)])
-def test_dcp_write_puts_each_token_on_its_device(devices, layout, tokens_per_device):
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", "float8_e4m3fn"])
+def test_dcp_write_puts_each_token_on_its_device(devices, layout, tokens_per_device, cache_dtype):
     n, batch = 4, 2
     mesh = Mesh(np.array(devices[:n]), ("dcp",))
     pages_per_device = 8
-    cache = _put(mesh, jnp.zeros((n * pages_per_device, 64, 1, 576), jnp.bfloat16), "dcp")
+    cache = _put(mesh, jnp.zeros((n * pages_per_device, 64, 1, 576), cache_dtype), "dcp")
+    # FP8: rows 1..8 over a scale of 0.5 are stored as 2..16, all exact in e4m3.
+    scale = jnp.float32(0.5) if cache_dtype == "float8_e4m3fn" else None
     # Device r gives request i its local pages [4 i, 4 i + 4).
     tables = jnp.tile(jnp.arange(batch * 4, dtype=jnp.int32).reshape(1, batch, 4), (n, 1, 1))
     positions = _put(mesh, jnp.array([[0, 1, 130, 300], [5, 64, 127, 511]], jnp.int32))
@@ -195,8 +222,11 @@ def test_dcp_write_puts_each_token_on_its_device(devices, layout, tokens_per_dev
                 * jnp.ones((1, 1, 576)))
     written = cp.dcp_write_kv(cache, _put(mesh, tables, "dcp"), positions, mesh=mesh,
                               axis="dcp", layout=layout, tokens_per_device=tokens_per_device,
-                              kv=rows)
+                              kv=rows, scale=scale)
+    assert written.dtype == cache_dtype
     written = np.asarray(written, np.float32).reshape(n, pages_per_device * 64, 576)
+    if scale is not None:
+        written = written * float(scale)
     for i in range(batch):
         for t in range(4):
             p = int(positions[i, t])
