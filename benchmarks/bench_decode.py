@@ -7,17 +7,14 @@ Reports, as JSON (--out) and a table on stdout:
     torch calls, and the dispatch cost of one jitted call;
   - GPU memory torch's allocator takes during one jax call (FlashMLA's outputs and split-KV
     buffers live outside XLA's pool).
-Every variant is timed the same way: N calls back to back, then a device sync, wall clock
-(torch's events would not see XLA's stream); the variants take turns within each repeat, and
-ratios are medians of per-repeat ratios, so that the GPU's clocks drifting under sustained
-load (seen on the H200: 2-3% between runs) hit both sides of a ratio alike.
+Every variant is timed the same way (benchmarks/timing.py): N calls back to back, then a sync,
+wall clock, the variants in turns within each repeat; ratios are medians of per-repeat ratios.
 
     python benchmarks/bench_decode.py --out benchmarks/results/decode_h200.json
 """
 import argparse
 import json
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -25,36 +22,8 @@ import numpy as np
 
 import jax_flashmla as jf
 
+from timing import in_turns, paired_ratios
 from torch_side import TorchSide
-
-
-def _timed_batch(call, sync, calls):
-    start = time.perf_counter()
-    for _ in range(calls):
-        result = call()
-    sync(result)
-    return (time.perf_counter() - start) / calls
-
-
-def _interleaved(variants, repeats=7, warmup=10):
-    """variants: name -> (call, sync, calls, decodes per call). Each repeat times every variant
-    in turn (N calls back to back, then a sync), so that a drift of the GPU's clocks under
-    sustained load hits all of them alike. Returns name -> seconds per decode, per repeat."""
-    for call, sync, _, _ in variants.values():
-        for _ in range(warmup):
-            result = call()
-        sync(result)
-    samples = {name: [] for name in variants}
-    for _ in range(repeats):
-        for name, (call, sync, calls, per_call) in variants.items():
-            samples[name].append(_timed_batch(call, sync, calls) / per_call)
-    return samples
-
-
-def _paired_ratios(numerator, denominator):
-    """Per repeat, a / b of two variants timed back to back: (median, min, max)."""
-    ratios = sorted(a / b for a, b in zip(numerator, denominator))
-    return statistics.median(ratios), ratios[0], ratios[-1]
 
 
 def _inputs(batch, s_k, h_q, s_q, seed=0):
@@ -100,15 +69,15 @@ def bench_call_ratio(side, batch, s_k, h_q, s_q, calls, layers):
 
     jax_sync = jax.block_until_ready
     torch_sync = side.sync
-    samples = _interleaved(dict(
+    samples = in_turns(dict(
         jax=(lambda: decode(q, kv, bt, sl, md), jax_sync, calls, 1),
         torch=(torch_call, torch_sync, calls, 1),
         torch_with_copies=(torch_call_and_copies, torch_sync, calls, 1),
         jax_step=(lambda: step(q_layers, kv, bt, sl, md), jax_sync, calls // layers, layers),
-        torch_step=(torch_step, torch_sync, calls // layers, layers)))
+        torch_step=(torch_step, torch_sync, calls // layers, layers)), repeats=7, warmup=10)
     ms = {name: statistics.median(values) * 1e3 for name, values in samples.items()}
-    ratio = _paired_ratios(samples["jax"], samples["torch"])
-    step_ratio = _paired_ratios(samples["jax_step"], samples["torch_step"])
+    ratio = paired_ratios(samples["jax"], samples["torch"])
+    step_ratio = paired_ratios(samples["jax_step"], samples["torch_step"])
     # Memory torch's allocator takes during one jax call: FlashMLA's outputs and accumulators.
     jax.block_until_ready(decode(q, kv, bt, sl, md))
     torch.cuda.synchronize()
@@ -144,11 +113,11 @@ def bench_host_overhead(side, chain, calls):
 
     single = jax.jit(lambda q, kv, bt, sl, md: jf.mla_decode(q, kv, bt, sl, metadata=md))
     torch_call = side.decode_call(kv, sl, q, bt, h_q, s_q)
-    samples = _interleaved(dict(
+    samples = in_turns(dict(
         chain=(lambda: chained(q, kv, bt, sl, md), jax.block_until_ready, calls // chain + 1,
                chain),
         single=(lambda: single(q, kv, bt, sl, md), jax.block_until_ready, calls, 1),
-        torch=(torch_call, side.sync, calls, 1)))
+        torch=(torch_call, side.sync, calls, 1)), repeats=7, warmup=10)
     chain_s, single_s, torch_s = (statistics.median(samples[k]) for k in ("chain", "single",
                                                                           "torch"))
     return dict(jax_in_jit_chain_us=chain_s * 1e6, jax_one_jit_call_us=single_s * 1e6,

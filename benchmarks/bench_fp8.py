@@ -22,7 +22,7 @@ import numpy as np
 import jax_flashmla as jf
 from jax_flashmla import fp8
 
-from bench_decode import _interleaved, _paired_ratios
+from timing import in_turns, paired_ratios
 
 
 def _inputs(batch, s_k, h_q, seed=0):
@@ -49,12 +49,12 @@ def bench_one(batch, s_k, h_q, calls, repeats):
                                                              implementation="flashmla"))
     decode8 = jax.jit(lambda q, kv, bt, sl, md, s: jf.mla_decode(
         q, kv, bt, sl, metadata=md, k_scale=s, implementation="flashmla"))
-    samples = _interleaved(dict(
+    samples = in_turns(dict(
         bf16=(lambda: decode(q, kv, bt, sl, md), jax.block_until_ready, calls, 1),
         fp8=(lambda: decode8(q, kv8, bt, sl, md8, scale), jax.block_until_ready, calls, 1)),
         repeats=repeats, warmup=3)
     bf16_s, fp8_s = (statistics.median(samples[k]) for k in ("bf16", "fp8"))
-    speedup = _paired_ratios(samples["bf16"], samples["fp8"])
+    speedup = paired_ratios(samples["bf16"], samples["fp8"])
     out = np.asarray(decode(q, kv, bt, sl, md)[0], np.float64)
     out8 = np.asarray(decode8(q, kv8, bt, sl, md8, scale)[0], np.float64)
     cos_diff = 1 - 2 * (out * out8).sum() / max((out * out).sum() + (out8 * out8).sum(), 1e-30)

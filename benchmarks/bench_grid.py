@@ -12,16 +12,14 @@ Implementations (--impl):
   flashmla_step  one jitted decode step: get_mla_metadata, then --layers decodes sharing it
   torch_step     the torch loop of the same calls: the metadata op, then --layers decodes (GPU)
 
-Timing, the same for all: N calls back to back, then one device sync, wall clock, median of
---repeats; N is chosen so that a repeat lasts about --target-ms, which keeps the unhidden first
-dispatch under ~0.5% of it. (CUDA events, and do_bench which records them, time torch's
-stream, which does not see XLA's.) The implementations take turns within each repeat, and a
-ratio to torch is the median of the per-repeat ratios, so that clocks drifting under sustained
-load (2-3% between runs on the H200) hit both sides alike. Call i takes set i mod --rotations
-of (q, block_table) over one cache, the page order differing between sets, so that the L2
-keeps nothing useful from one call for the next. FLOPs and bytes follow FlashMLA's test; GB/s
-is also given as a fraction of a device-to-device copy measured in the same run (bytes read +
-written).
+Timing, the same for all (benchmarks/timing.py): N calls back to back, then one device sync,
+wall clock, median of --repeats; N is chosen so that a repeat lasts about --target-ms, which
+keeps the unhidden first dispatch under ~0.5% of it. The implementations take turns within
+each repeat, and a ratio to torch is the median of the per-repeat ratios. Call i takes set
+i mod --rotations of (q, block_table) over one cache, the page order differing between sets,
+so that the L2 keeps nothing useful from one call for the next. FLOPs and bytes follow
+FlashMLA's test; GB/s is also given as a fraction of a device-to-device copy measured in the
+same run (bytes read + written).
 
 Writes under --out-dir after every point, so that a timeout leaves a partial report: NAME.json,
 NAME.md; at the end NAME_gbps.png and NAME_tflops.png (grid_report.py redraws them from the
@@ -48,6 +46,7 @@ import jax_flashmla as jf
 from jax_flashmla import fp8
 
 import grid_report
+from timing import size_calls, timed_batch
 from torch_side import FP8, TorchSide
 
 IMPLS = ("flashmla", "torch", "reference", "flashmla_step", "torch_step")
@@ -61,33 +60,6 @@ CPU_GRID = dict(batch=2, s_k=[64, 128], h_q=[16], s_q=[1, 2], layers=2, target_m
                 repeats=3, copy_mib=64)
 # How a point is timed, recorded in the JSON (--resume only completes a report timed alike).
 TIMING = "in turns"  # implementations take turns within each repeat; ratios per repeat
-# At least this many calls per repeat, even where one call outlasts --target-ms.
-MIN_CALLS = 3
-
-
-def size_calls(call, sync, *, target_ms, max_calls):
-    """(N, the first call's result): the first call of call(i) compiles; doubling batches then
-    warm up and size N so that N calls last about target_ms. i picks the rotation set."""
-    first = call(0)
-    sync(first)
-    calls = 1
-    while True:
-        elapsed = timed_batch(call, sync, calls)
-        if elapsed * calls >= target_ms / 4e3 or calls >= max_calls:
-            break
-        calls *= 2
-    return int(min(max_calls, max(MIN_CALLS, round(target_ms / 1e3 / elapsed)))), first
-
-
-def timed_batch(call, sync, calls):
-    """Seconds per call of `calls` calls back to back, then one sync."""
-    start = time.perf_counter()
-    for i in range(calls):
-        result = call(i)
-    sync(result)
-    return (time.perf_counter() - start) / calls
-
-
 def time_in_turns(variants, *, target_ms, repeats, max_calls):
     """variants: name -> (call, sync). Sizes each, then times them in turns within every
     repeat, so that the GPU's clocks drifting under sustained load hit all alike (ratios are

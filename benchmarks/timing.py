@@ -1,0 +1,55 @@
+"""Wall-clock timing shared by the benchmarks: N calls back to back, then one sync (CUDA events
+would not see XLA's stream), with the variants of a comparison taking turns within each
+repeat, so that the GPU's clocks drifting under sustained load (2-3% between runs on the H200)
+hit both sides of a ratio alike; ratios are then taken per repeat."""
+import statistics
+import time
+
+# At least this many calls per repeat, even where one call outlasts the target time.
+MIN_CALLS = 3
+
+
+def timed_batch(call, sync, calls):
+    """Seconds per call of call(0), ..., call(calls - 1) back to back, then one sync."""
+    start = time.perf_counter()
+    for i in range(calls):
+        result = call(i)
+    sync(result)
+    return (time.perf_counter() - start) / calls
+
+
+def size_calls(call, sync, *, target_ms, max_calls):
+    """(N, the first call's result): the first call compiles; doubling batches then warm up
+    and size N so that N calls last about target_ms."""
+    first = call(0)
+    sync(first)
+    calls = 1
+    while True:
+        elapsed = timed_batch(call, sync, calls)
+        if elapsed * calls >= target_ms / 4e3 or calls >= max_calls:
+            break
+        calls *= 2
+    return int(min(max_calls, max(MIN_CALLS, round(target_ms / 1e3 / elapsed)))), first
+
+
+def in_turns(variants, *, repeats, warmup):
+    """variants: name -> (call, sync, calls, decodes per call), call taking no argument.
+    After `warmup` calls of each, every repeat times each variant in turn. Returns name ->
+    seconds per decode, one sample per repeat."""
+    indexed = {name: (lambda _, call=call: call(), sync, calls, per_call)
+               for name, (call, sync, calls, per_call) in variants.items()}
+    for call, sync, _, _ in indexed.values():
+        for i in range(warmup):
+            result = call(i)
+        sync(result)
+    samples = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, (call, sync, calls, per_call) in indexed.items():
+            samples[name].append(timed_batch(call, sync, calls) / per_call)
+    return samples
+
+
+def paired_ratios(numerator, denominator):
+    """Per repeat, a / b of two variants timed back to back: (median, min, max)."""
+    ratios = sorted(a / b for a, b in zip(numerator, denominator))
+    return statistics.median(ratios), ratios[0], ratios[-1]
