@@ -27,45 +27,51 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | 
 JAX_FLASHMLA_CUDA=ON python3 -m pip install -q --no-build-isolation --no-deps -e . \
   > "$out/build.txt" 2>&1 || { tail -40 "$out/build.txt"; exit 1; }
 
+# The files whose tests run FlashMLA on the GPU, then the Flax example's GPU test and the
+# third discovery route: the sgl-flash-mla package (flash_mla_legacy ops).
+gpu_tests() {
+  timeout 300 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_gpu.py \
+    tests/test_decode.py tests/test_cache.py tests/test_serving.py tests/test_speculative.py \
+    tests/test_transforms.py tests/test_gpu_multi.py 2>&1 | tee "$out/pytest_gpu.txt" | tail -15
+  timeout 150 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/test_flax_mla.py \
+    2>&1 | tee "$out/pytest_flax.txt" | tail -5
+  on_flash_mla_package timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+    2>&1 | tee "$out/pytest_flash_mla.txt" | tail -3
+}
+
+# Everything else on the GPU backend but what CI alone runs (HF comparisons, Bazel, the
+# bridge's compile check, the benchmark grid's CPU mode) and FP8 (its own mode).
+more_tests() {
+  timeout 300 python3 -m pytest -q -rfEs -p no:cacheprovider tests \
+    --ignore=tests/test_gpu.py --ignore=tests/test_decode.py --ignore=tests/test_cache.py \
+    --ignore=tests/test_serving.py --ignore=tests/test_speculative.py \
+    --ignore=tests/test_transforms.py --ignore=tests/test_gpu_multi.py \
+    --ignore=tests/test_flax_mla.py --ignore=tests/test_flax_weights.py \
+    --ignore=tests/test_bazel_extension.py --ignore=tests/test_bridge_compile.py \
+    --ignore=tests/test_bench_grid.py --ignore=tests/test_gpu_fp8.py \
+    2>&1 | tee "$out/pytest_more.txt" | tail -15
+}
+
+# Runs a command with the sgl-flash-mla package as the only kernel source.
+on_flash_mla_package() {
+  local site=/tmp/flash_mla_site
+  python3 -m pip install -q --no-index --no-deps --upgrade --target "$site" \
+    $kernels/sgl_flash_mla-*.whl
+  env -u JAX_FLASHMLA_KERNEL_LIBRARY PYTHONPATH=$site "$@"
+}
+
 for mode in "${modes[@]}"; do
   echo "==== $mode"
   case "$mode" in
-  tests|gpu_tests)
-    # The files whose tests run FlashMLA on the GPU, then the Flax example's GPU test and the
-    # third discovery route: the sgl-flash-mla package (flash_mla_legacy ops).
-    timeout 300 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_gpu.py \
-      tests/test_decode.py tests/test_cache.py tests/test_serving.py tests/test_speculative.py \
-      tests/test_transforms.py tests/test_gpu_multi.py 2>&1 | tee "$out/pytest_gpu.txt" | tail -15
-    timeout 150 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/test_flax_mla.py \
-      2>&1 | tee "$out/pytest_flax.txt" | tail -5
-    site=/tmp/flash_mla_site
-    python3 -m pip install -q --no-index --no-deps --upgrade --target "$site" \
-      $kernels/sgl_flash_mla-*.whl
-    env -u JAX_FLASHMLA_KERNEL_LIBRARY PYTHONPATH=$site timeout 120 python3 -m pytest -q \
-      -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$out/pytest_flash_mla.txt" | tail -3
-    ;;&
-  tests|more_tests)
-    # Everything else on the GPU backend but what CI alone runs (HF comparisons, Bazel, the
-    # bridge's compile check, the benchmark grid's CPU mode) and FP8 (its own mode).
-    timeout 300 python3 -m pytest -q -rfEs -p no:cacheprovider tests \
-      --ignore=tests/test_gpu.py --ignore=tests/test_decode.py --ignore=tests/test_cache.py \
-      --ignore=tests/test_serving.py --ignore=tests/test_speculative.py \
-      --ignore=tests/test_transforms.py --ignore=tests/test_gpu_multi.py \
-      --ignore=tests/test_flax_mla.py --ignore=tests/test_flax_weights.py \
-      --ignore=tests/test_bazel_extension.py --ignore=tests/test_bridge_compile.py \
-      --ignore=tests/test_bench_grid.py --ignore=tests/test_gpu_fp8.py \
-      2>&1 | tee "$out/pytest_more.txt" | tail -15 ;;
-  gpu_tests) ;;  # done above (;;& went on looking for a second match)
+  tests) gpu_tests; more_tests ;;
+  gpu_tests) gpu_tests ;;
+  more_tests) more_tests ;;
   fp8)
     timeout 200 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_gpu_fp8.py \
       tests/test_fp8.py 2>&1 | tee "$out/pytest_fp8.txt" | tail -30
     # The sgl-flash-mla package's FP8 ops; -x reports a failure before anything can crash.
-    site=/tmp/flash_mla_site
-    python3 -m pip install -q --no-index --no-deps --upgrade --target "$site" \
-      $kernels/sgl_flash_mla-*.whl
-    env -u JAX_FLASHMLA_KERNEL_LIBRARY PYTHONPATH=$site timeout 120 python3 -m pytest -q -x \
-      --tb=short -p no:cacheprovider tests/test_gpu_fp8.py 2>&1 \
-      | tee "$out/pytest_fp8_flash_mla.txt" | tail -40 ;;
+    on_flash_mla_package timeout 120 python3 -m pytest -q -x --tb=short -p no:cacheprovider \
+      tests/test_gpu_fp8.py 2>&1 | tee "$out/pytest_fp8_flash_mla.txt" | tail -40 ;;
   probe_fp8)
     timeout 300 python3 benchmarks/probe_fp8.py --out "$out/probe_fp8.json" 2>&1 | tail -8 ;;
   profile)
