@@ -95,8 +95,6 @@ def profile_point(side, batch, s_k, h_q, calls, layers, step_layers=()):
     q_layers = [q * (1 + i / layers) for i in range(layers)]
     md = jax.block_until_ready(jf.get_mla_metadata(sl, num_heads_q=h_q))
     decode = jax.jit(lambda q, kv, bt, sl, md: jf.mla_decode(q, kv, bt, sl, metadata=md))
-    step = jax.jit(lambda qs, kv, bt, sl, md: [jf.mla_decode(qs[i], kv, bt, sl, metadata=md)
-                                               for i in range(layers)])
     torch_call = side.decode_call(kv, sl, q, bt, h_q, 1)
     out_buf = torch.empty((batch, 1, h_q, 512), dtype=torch.bfloat16, device="cuda")
     lse_buf = torch.empty((batch, h_q, 1), dtype=torch.float32, device="cuda")
@@ -131,12 +129,19 @@ def profile_point(side, batch, s_k, h_q, calls, layers, step_layers=()):
             result = decode(q, kv, bt, sl, md)
         jax.block_until_ready(result)
 
-    def jax_step_loop():
-        for _ in range(calls // layers):
-            result = step(q_layers, kv, bt, sl, md)
-        jax.block_until_ready(result)
+    def jax_step(n):
+        """(a loop of jitted steps of n decodes, the decodes it runs)."""
+        step = jax.jit(lambda qs, kv, bt, sl, md: [jf.mla_decode(q, kv, bt, sl, metadata=md)
+                                                   for q in qs])
+
+        def loop():
+            for _ in range(calls // n):
+                result = step(q_layers[:n], kv, bt, sl, md)
+            jax.block_until_ready(result)
+        return loop, calls // n * n
 
     sync = torch.cuda.synchronize
+    step_loop, step_decodes = jax_step(layers)
     point = dict(batch=batch, s_k=s_k, h_q=h_q, calls=calls, layers=layers,
                  torch=profile(torch, torch_loop, sync, calls),
                  torch_with_copies=profile(torch, torch_copies_loop, sync, calls),
@@ -144,19 +149,11 @@ def profile_point(side, batch, s_k, h_q, calls, layers, step_layers=()):
                  torch_step=profile(torch, torch_step_loop, sync, calls // layers * layers),
                  torch_step_created_stream=profile(torch, torch_step_on_a_created_stream_loop,
                                                    sync, calls // layers * layers),
-                 jax_step=profile(torch, jax_step_loop, sync, calls // layers * layers))
+                 jax_step=profile(torch, step_loop, sync, step_decodes))
     # Steps of fewer layers: does FlashMLA's kernel slow down with decodes back to back?
-    for fewer in step_layers:
-        fewer_step = jax.jit(lambda qs, kv, bt, sl, md: [
-            jf.mla_decode(qs[i], kv, bt, sl, metadata=md) for i in range(fewer)])
-
-        def fewer_step_loop():
-            for _ in range(calls // fewer):
-                result = fewer_step(q_layers[:fewer], kv, bt, sl, md)
-            jax.block_until_ready(result)
-
-        point[f"jax_step_{fewer}"] = profile(torch, fewer_step_loop, sync,
-                                             calls // fewer * fewer)
+    for n in step_layers:
+        loop, decodes = jax_step(n)
+        point[f"jax_step_{n}"] = profile(torch, loop, sync, decodes)
     return point
 
 
