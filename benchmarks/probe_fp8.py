@@ -46,10 +46,9 @@ def run_case(case, batch=64, mean_sk=2048):
     import numpy as np
 
     import jax_flashmla as jf
-    from jax_flashmla import fp8, kernels, ops
+    from jax_flashmla import fp8, ops
     from oracle import SENTINEL_PAGE, dense_attention_f64, make_decode_inputs
-    from test_gpu import _torch_call
-    from test_gpu_fp8 import _to_torch
+    from torch_side import TorchSide
 
     q, kv, bt, sl = make_decode_inputs(
         np.random.default_rng(0), batch=batch, s_q=s_q, h_q=h_q, mean_sk=mean_sk,
@@ -73,23 +72,13 @@ def run_case(case, batch=64, mean_sk=2048):
                                                                   np.isinf(exact_lse))),
                           max_abs_err=float(np.nanmax(np.abs(out - exact_out))))), flush=True)
 
-    import torch
-
-    names = kernels.ensure_cuda_targets()
-    resolve = lambda name: getattr(getattr(torch.ops, name.split("::")[0]), name.split("::")[1])
-    decode_op, metadata_op = resolve(names.decode_fp8), resolve(names.metadata_fp8)
-    descale = _to_torch(torch, scale.reshape(1))
+    side = TorchSide()
 
     def torch_op(block_table, seq_lens):
-        t_sl = _to_torch(torch, seq_lens)
-        t_md, t_splits = _torch_call(metadata_op, dict(
-            seqlens_k=t_sl, num_heads_per_head_k=s_q * h_q, num_heads_k=1))[:2]
-        t_out, t_lse = _torch_call(decode_op, dict(
-            q=_to_torch(torch, q8), kcache=_to_torch(torch, kv8), head_size_v=512,
-            seqlens_k=t_sl, block_table=_to_torch(torch, block_table), softmax_scale=576 ** -0.5,
-            is_causal=True, tile_scheduler_metadata=t_md, num_splits=t_splits,
-            descale_q=descale, descale_k=descale))[:2]
-        torch.cuda.synchronize()
+        """The FP8 op from torch, q quantized with the same scale, on these lengths."""
+        t_out, t_lse = side.decode_call(kv8, seq_lens, q, block_table, h_q, s_q,
+                                        k_scale=scale)()[:2]
+        side.sync()
         return t_out.float().cpu().numpy(), t_lse.cpu().numpy()
 
     guarded_bt, guarded_sl, empty = ops._fp8_guard_empty_requests(bt, sl)
