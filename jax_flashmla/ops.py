@@ -118,8 +118,7 @@ def _decode(config, q, kv_cache, block_table, seq_lens, metadata, descales):
                                     softmax_scale=kernel.softmax_scale, causal=kernel.causal,
                                     head_dim_v=kernel.head_dim_v, q_scale=q_scale,
                                     k_scale=k_scale)
-    empty = None
-    if descales:
+    if kernel.fp8:
         block_table, seq_lens, empty = _fp8_guard_empty_requests(block_table, seq_lens)
     if metadata is None:
         out, lse = sharding.partitioned_decode_local_metadata(kernel)(q, kv_cache, block_table,
@@ -128,7 +127,7 @@ def _decode(config, q, kv_cache, block_table, seq_lens, metadata, descales):
         out, lse = sharding.partitioned_decode(kernel)(q, kv_cache, block_table, seq_lens,
                                                        metadata.tile_scheduler_metadata,
                                                        metadata.num_splits, *descales)
-    if empty is not None:
+    if kernel.fp8:
         out = jnp.where(empty[:, None, None, None], jnp.zeros((), out.dtype), out)
         lse = jnp.where(empty[:, None, None], jnp.inf, lse)
     return out, lse
