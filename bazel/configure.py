@@ -12,7 +12,7 @@ BUILD file with these targets:
   :python_headers   the interpreter's headers (sysconfig's include path)
   :nanobind         nanobind's core compiled from the pip package's sources (NB_STATIC)
   :torch_headers    torch's C++ headers (torch.utils.cpp_extension.include_paths())
-  :torch_libs       torch_cpu, c10 and c10_cuda (a CUDA build of torch only)
+  :torch_libs       torch_cpu, torch_cuda, c10 and c10_cuda (a CUDA build of torch only)
   :cuda_headers     the CUDA toolkit's headers ($CUDA_HOME, $CUDA_PATH, nvcc's or /usr/local/cuda)
   :cuda_runtime     the CUDA runtime's shared library from the same place
 
@@ -30,7 +30,7 @@ import sysconfig
 # nanobind's core: src/*.cpp less the unity build, the split-mode backend and (on an interpreter
 # that is not free-threaded) the free-threading support, as nanobind_build_library compiles it.
 NANOBIND_SKIPPED_SOURCES = {"nb_combined.cpp", "nb_backend.cpp", "nb_ft.cpp"}
-TORCH_LIBS = ("torch_cpu", "c10", "c10_cuda")
+TORCH_LIBS = ("torch_cpu", "torch_cuda", "c10", "c10_cuda")
 INCOMPATIBLE = '    target_compatible_with = ["@platforms//:incompatible"],\n'
 
 

@@ -2,6 +2,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstdint>
 #include <exception>
 #include <string>
@@ -12,6 +13,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include "result_lending.h"
 #include "torch_bridge.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -87,16 +89,41 @@ OpArgs DecodeArgs(int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
   return args;
 }
 
-// FlashMLA allocates out and lse itself (its ops take no output buffers): one kernel copies
-// both into XLA's buffers, honouring the strides the op returned (lse is a transposed view
-// when s_q > 1).
-void CopyDecodeResults(const std::vector<at::Tensor>& results, cudaStream_t stream,
-                       int32_t device, ffi::Result<ffi::AnyBuffer> out,
-                       ffi::ResultBuffer<ffi::F32> lse) {
+// How the decodes' results reached XLA's buffers since the module was loaded.
+std::atomic<int64_t> results_in_place{0};
+std::atomic<int64_t> results_copied{0};
+
+// Runs a decode op with XLA's out and lse buffers lent to its allocations (result_lending.h),
+// then copies with one kernel whatever did not land in its buffer, honouring the strides the
+// op returned. lse is lent only for s_q = 1: for s_q > 1 FlashMLA returns it as a transposed
+// view of a (b, s_q, h_q) allocation of the same size, which would then be copied twice.
+void RunDecode(std::string_view op, const OpArgs& args, cudaStream_t stream, int32_t device,
+               ffi::Result<ffi::AnyBuffer> out_buffer, ffi::ResultBuffer<ffi::F32> lse_buffer) {
+  const at::Tensor out = Wrap(*out_buffer, device);
+  const at::Tensor lse = Wrap(*lse_buffer, device);
+  std::vector<at::Tensor> results;
+  {
+    const bool lend_lse = lse.size(2) == 1;
+    LendResultBuffers lent(lend_lse ? std::vector<at::Tensor>{out, lse}
+                                    : std::vector<at::Tensor>{out});
+    results = CallTorchOp(op, args);
+  }
   if (results.size() < 2) throw std::runtime_error("expected (out, lse)");
-  const cudaError_t status =
-      LaunchStridedCopies(PlanResultCopy(results[0], Wrap(*out, device), "out"),
-                          PlanResultCopy(results[1], Wrap(*lse, device), "lse"), stream);
+  const at::Tensor* buffers[2] = {&out, &lse};
+  const char* names[2] = {"out", "lse"};
+  StridedCopy copies[2] = {};
+  for (int i = 0; i < 2; ++i) {
+    if (IsResultBuffer(results[i], *buffers[i])) {
+      ++results_in_place;
+      continue;
+    }
+    // The copies must not overwrite a result that lives in a lent buffer: move it aside
+    // (torch's copy, ordered on this stream before the copy kernel).
+    if (LivesIn(results[i], out) || LivesIn(results[i], lse)) results[i] = results[i].clone();
+    copies[i] = PlanResultCopy(results[i], *buffers[i], names[i]);
+    ++results_copied;
+  }
+  const cudaError_t status = LaunchStridedCopies(copies[0], copies[1], stream);
   if (status != cudaSuccess)
     throw std::runtime_error(std::string("copying FlashMLA's results into XLA's buffers: ") +
                              cudaGetErrorString(status));
@@ -113,7 +140,7 @@ ffi::Error MlaDecodeCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer
     OpArgs args = DecodeArgs(device, q, kv_cache, block_table, seq_lens, tile_scheduler_metadata,
                              num_splits, softmax_scale, causal, out->dimensions().back());
     Slot(args, OpArg::kIsFp8) = false;
-    CopyDecodeResults(CallTorchOp(op, args), stream, device, out, lse);
+    RunDecode(op, args, stream, device, out, lse);
   });
 }
 
@@ -133,11 +160,15 @@ ffi::Error MlaDecodeFp8CudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuf
                              num_splits, softmax_scale, causal, out->dimensions().back());
     Slot(args, OpArg::kDescaleQ) = Wrap(descale_q, device);
     Slot(args, OpArg::kDescaleK) = Wrap(descale_k, device);
-    CopyDecodeResults(CallTorchOp(op, args), stream, device, out, lse);
+    RunDecode(op, args, stream, device, out, lse);
   });
 }
 
 }  // namespace
+
+DecodeResultCounts DecodeResultCountsSoFar() {
+  return {results_in_place.load(), results_copied.load()};
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaMetadataCuda, MlaMetadataCudaImpl,
                               ffi::Ffi::Bind()

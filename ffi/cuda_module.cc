@@ -18,6 +18,14 @@ NB_MODULE(_cuda, m) {
     targets["jax_flashmla_mla_metadata"] = EncapsulateFfiHandler(kMlaMetadataCuda);
     return targets;
   });
+  // For tests and benchmarks: whether FlashMLA's results land in XLA's buffers.
+  m.def("decode_result_counts", []() {
+    const DecodeResultCounts counts = DecodeResultCountsSoFar();
+    nb::dict result;
+    result["in_place"] = counts.in_place;
+    result["copied"] = counts.copied;
+    return result;
+  });
 }
 
 }  // namespace

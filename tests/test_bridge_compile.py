@@ -12,7 +12,7 @@ import pytest
 
 FFI_DIR = Path(__file__).resolve().parents[1] / "ffi"
 TESTS_CPP = Path(__file__).resolve().parent / "cpp"
-CUDA_SOURCES = ["torch_bridge.cc", "cuda_handlers.cc", "cuda_module.cc"]
+CUDA_SOURCES = ["torch_bridge.cc", "result_lending.cc", "cuda_handlers.cc", "cuda_module.cc"]
 
 
 def _cuda_include_dir():
