@@ -5,8 +5,9 @@ Reports, as JSON (--out) and a table on stdout:
     the timed region, as in a model) and the ratio jax / torch;
   - host overhead per call: a jitted chain of many decodes at a tiny shape against a loop of
     torch calls, and the dispatch cost of one jitted call;
-  - GPU memory torch's allocator takes during one jax call (FlashMLA's outputs and split-KV
-    buffers live outside XLA's pool).
+  - GPU memory torch's allocator takes during one jax call (FlashMLA's split-KV buffers live
+    outside XLA's pool; its results are allocated in XLA's buffers), and how many results
+    landed in place.
 Every variant is timed the same way (benchmarks/timing.py): N calls back to back, then a sync,
 wall clock, the variants in turns within each repeat; ratios are medians of per-repeat ratios.
 
@@ -57,8 +58,8 @@ def bench_call_ratio(side, batch, s_k, h_q, s_q, calls, layers):
             result = call()
         return result
 
-    # The op plus two copy_ calls into other buffers, all in torch: what the bridge cost before
-    # it copied both results with one kernel of its own.
+    # The op plus two copy_ calls into other buffers, all in torch: what the bridge cost when
+    # it copied both results (sessions 1 and 2).
     out_buf = torch.empty((batch, s_q, h_q, 512), dtype=torch.bfloat16, device="cuda")
     lse_buf = torch.empty((batch, h_q, s_q), dtype=torch.float32, device="cuda")
 
@@ -78,14 +79,19 @@ def bench_call_ratio(side, batch, s_k, h_q, s_q, calls, layers):
     ms = {name: statistics.median(values) * 1e3 for name, values in samples.items()}
     ratio = paired_ratios(samples["jax"], samples["torch"])
     step_ratio = paired_ratios(samples["jax_step"], samples["torch_step"])
-    # Memory torch's allocator takes during one jax call: FlashMLA's outputs and accumulators.
+    # Memory torch's allocator takes during one jax call (FlashMLA's split-KV accumulators, and
+    # any result that did not land in XLA's buffer), and how the results reached XLA's buffers.
+    from jax_flashmla import _cuda
+
     jax.block_until_ready(decode(q, kv, bt, sl, md))
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
+    counts_before = _cuda.decode_result_counts()
     jax.block_until_ready(decode(q, kv, bt, sl, md))
     torch.cuda.synchronize()
     peak_extra = torch.cuda.max_memory_allocated() - base
+    counts = {k: v - counts_before[k] for k, v in _cuda.decode_result_counts().items()}
     kv_bytes = batch * s_k * 576 * 2
     io_bytes = 2 * (batch * s_k * 576 + batch * s_q * h_q * 576 + batch * s_q * h_q * 512)
     flops = 2 * s_q * batch * s_k * h_q * (576 + 512)
@@ -94,7 +100,8 @@ def bench_call_ratio(side, batch, s_k, h_q, s_q, calls, layers):
                 ratio=ratio[0], ratio_range=ratio[1:], step_ratio=step_ratio[0],
                 step_ratio_range=step_ratio[1:], jax_gbps=io_bytes / jax_s / 1e9,
                 jax_tflops=flops / jax_s / 1e12, torch_gbps=io_bytes / ms["torch"] * 1e3 / 1e9,
-                kv_cache_mb=kv_bytes / 2**20, torch_alloc_per_call_mb=peak_extra / 2**20)
+                kv_cache_mb=kv_bytes / 2**20, torch_alloc_per_call_mb=peak_extra / 2**20,
+                results_in_place=counts["in_place"], results_copied=counts["copied"])
 
 
 def bench_host_overhead(side, chain, calls):
@@ -144,7 +151,8 @@ def main():
                   f"{r['step_ratio']:.4f} [{r['step_ratio_range'][0]:.4f}, "
                   f"{r['step_ratio_range'][1]:.4f}]; {r['jax_gbps']:.0f} GB/s "
                   f"{r['jax_tflops']:.0f} TFLOPS; torch alloc/call "
-                  f"{r['torch_alloc_per_call_mb']:.1f} MiB", flush=True)
+                  f"{r['torch_alloc_per_call_mb']:.1f} MiB; results in place "
+                  f"{r['results_in_place']}, copied {r['results_copied']}", flush=True)
     results["host"] = bench_host_overhead(side, chain=50, calls=2000)
     print("host overhead per call (b=1, s_k=64, h_q=16):", json.dumps(results["host"]))
     if args.out:

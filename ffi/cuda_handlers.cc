@@ -2,6 +2,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <exception>
@@ -47,30 +48,6 @@ ffi::Error OnXlaStream(cudaStream_t stream, int32_t device, std::string_view wha
   }
 }
 
-ffi::Error MlaMetadataCudaImpl(cudaStream_t stream, int32_t device,
-                               ffi::Buffer<ffi::S32> seq_lens, std::string_view op,
-                               int64_t num_q_tokens_per_head_k, int64_t num_heads_k,
-                               int64_t num_heads_q, int64_t written_fields,
-                               ffi::ResultBuffer<ffi::S32> tile_scheduler_metadata,
-                               ffi::ResultBuffer<ffi::S32> num_splits) {
-  return OnXlaStream(stream, device, op, [&] {
-    OpArgs args;
-    Slot(args, OpArg::kSeqLens) = Wrap(seq_lens, device);
-    Slot(args, OpArg::kQTokensPerHeadK) = num_q_tokens_per_head_k;
-    Slot(args, OpArg::kNumHeadsK) = num_heads_k;
-    Slot(args, OpArg::kNumHeadsQ) = num_heads_q;
-    Slot(args, OpArg::kIsFp8) = false;
-    const auto results = CallTorchOp(op, args);
-    if (results.size() < 2) throw std::runtime_error("expected (metadata, num_splits)");
-    const at::Tensor metadata = Wrap(*tile_scheduler_metadata, device);
-    CopyToResult(results[0], metadata, "tile_scheduler_metadata");
-    // The scheduler leaves the row's last fields unwritten (uninitialised memory from torch's
-    // allocator); zeroing them keeps XLA's buffer deterministic.
-    metadata.narrow(1, written_fields, metadata.size(1) - written_fields).zero_();
-    CopyToResult(results[1], Wrap(*num_splits, device), "num_splits");
-  });
-}
-
 // The arguments both decode ops take.
 OpArgs DecodeArgs(int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
                   ffi::Buffer<ffi::S32> block_table, ffi::Buffer<ffi::S32> seq_lens,
@@ -89,44 +66,74 @@ OpArgs DecodeArgs(int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
   return args;
 }
 
-// How the decodes' results reached XLA's buffers since the module was loaded.
+// How the ops' results reached XLA's buffers since the module was loaded.
 std::atomic<int64_t> results_in_place{0};
 std::atomic<int64_t> results_copied{0};
 
-// Runs a decode op with XLA's out and lse buffers lent to its allocations (result_lending.h),
-// then copies with one kernel whatever did not land in its buffer, honouring the strides the
-// op returned. lse is lent only for s_q = 1: for s_q > 1 FlashMLA returns it as a transposed
-// view of a (b, s_q, h_q) allocation of the same size, which would then be copied twice.
-void RunDecode(std::string_view op, const OpArgs& args, cudaStream_t stream, int32_t device,
-               ffi::Result<ffi::AnyBuffer> out_buffer, ffi::ResultBuffer<ffi::F32> lse_buffer) {
-  const at::Tensor out = Wrap(*out_buffer, device);
-  const at::Tensor lse = Wrap(*lse_buffer, device);
+// Runs `op` with XLA's result buffers lent to its allocations (result_lending.h), buffer i
+// where lend[i]; then copies with one kernel whatever did not land in its buffer, honouring
+// the strides the op returned. The op returns its two results in the order of `buffers`.
+void RunIntoResults(std::string_view op, const OpArgs& args, cudaStream_t stream,
+                    const std::array<at::Tensor, 2>& buffers,
+                    const std::array<const char*, 2>& names, const std::array<bool, 2>& lend) {
   std::vector<at::Tensor> results;
   {
-    const bool lend_lse = lse.size(2) == 1;
-    LendResultBuffers lent(lend_lse ? std::vector<at::Tensor>{out, lse}
-                                    : std::vector<at::Tensor>{out});
+    std::vector<at::Tensor> lent;
+    for (int i = 0; i < 2; ++i)
+      if (lend[i]) lent.push_back(buffers[i]);
+    LendResultBuffers lending(lent);
     results = CallTorchOp(op, args);
   }
-  if (results.size() < 2) throw std::runtime_error("expected (out, lse)");
-  const at::Tensor* buffers[2] = {&out, &lse};
-  const char* names[2] = {"out", "lse"};
+  if (results.size() < 2)
+    throw std::runtime_error(std::string("expected (") + names[0] + ", " + names[1] + ")");
   StridedCopy copies[2] = {};
   for (int i = 0; i < 2; ++i) {
-    if (IsResultBuffer(results[i], *buffers[i])) {
+    if (IsResultBuffer(results[i], buffers[i])) {
       ++results_in_place;
       continue;
     }
     // The copies must not overwrite a result that lives in a lent buffer: move it aside
     // (torch's copy, ordered on this stream before the copy kernel).
-    if (LivesIn(results[i], out) || LivesIn(results[i], lse)) results[i] = results[i].clone();
-    copies[i] = PlanResultCopy(results[i], *buffers[i], names[i]);
+    if (LivesIn(results[i], buffers[0]) || LivesIn(results[i], buffers[1]))
+      results[i] = results[i].clone();
+    copies[i] = PlanResultCopy(results[i], buffers[i], names[i]);
     ++results_copied;
   }
   const cudaError_t status = LaunchStridedCopies(copies[0], copies[1], stream);
   if (status != cudaSuccess)
     throw std::runtime_error(std::string("copying FlashMLA's results into XLA's buffers: ") +
                              cudaGetErrorString(status));
+}
+
+ffi::Error MlaMetadataCudaImpl(cudaStream_t stream, int32_t device,
+                               ffi::Buffer<ffi::S32> seq_lens, std::string_view op,
+                               int64_t num_q_tokens_per_head_k, int64_t num_heads_k,
+                               int64_t num_heads_q, int64_t written_fields,
+                               ffi::ResultBuffer<ffi::S32> tile_scheduler_metadata,
+                               ffi::ResultBuffer<ffi::S32> num_splits) {
+  return OnXlaStream(stream, device, op, [&] {
+    OpArgs args;
+    Slot(args, OpArg::kSeqLens) = Wrap(seq_lens, device);
+    Slot(args, OpArg::kQTokensPerHeadK) = num_q_tokens_per_head_k;
+    Slot(args, OpArg::kNumHeadsK) = num_heads_k;
+    Slot(args, OpArg::kNumHeadsQ) = num_heads_q;
+    Slot(args, OpArg::kIsFp8) = false;
+    const at::Tensor metadata = Wrap(*tile_scheduler_metadata, device);
+    RunIntoResults(op, args, stream, {metadata, Wrap(*num_splits, device)},
+                   {"tile_scheduler_metadata", "num_splits"}, {true, true});
+    // The scheduler leaves the rows' last fields unwritten (uninitialised memory);
+    // zeroing them keeps XLA's buffer deterministic.
+    metadata.narrow(1, written_fields, metadata.size(1) - written_fields).zero_();
+  });
+}
+
+// FlashMLA allocates out and lse itself (its ops take no output buffers). lse is lent only for
+// s_q = 1: for s_q > 1 FlashMLA returns it as a transposed view of a (b, s_q, h_q) allocation
+// of the same size, which would then be copied twice.
+void RunDecode(std::string_view op, const OpArgs& args, cudaStream_t stream, int32_t device,
+               ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::F32> lse) {
+  RunIntoResults(op, args, stream, {Wrap(*out, device), Wrap(*lse, device)}, {"out", "lse"},
+                 {true, lse->dimensions()[2] == 1});
 }
 
 ffi::Error MlaDecodeCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,

@@ -175,11 +175,6 @@ bool Aligned16(const void* pointer) { return reinterpret_cast<uintptr_t>(pointer
 
 }  // namespace
 
-void CopyToResult(const at::Tensor& src, const at::Tensor& dst, const char* what) {
-  CheckResultMatches(src, dst, what);
-  dst.copy_(src, /*non_blocking=*/true);
-}
-
 StridedCopy PlanResultCopy(const at::Tensor& src, const at::Tensor& dst, const char* what) {
   CheckResultMatches(src, dst, what);
   const int64_t element_bytes = src.element_size();
