@@ -3,11 +3,12 @@
 # two-GPU parts too). Expects the kernels that ../shared/tools/fetch-flashmla-ops puts in
 # .device/kernels (carried with the call). Logs and JSON go under $OUT (or ./device-out).
 #   bash benchmarks/device_check.sh MODE...  # build once, then each mode in turn:
-#     tests      every GPU-relevant test but FP8's, skips failing (= gpu_tests + more_tests,
-#                ~8 min on one H200; run the two halves in separate calls when short of time)
+#     tests      every GPU-relevant test but FP8's, skips failing (= gpu_tests, ~5 min on one
+#                H200, + stack_tests + more_tests: run them in separate calls)
 #     fp8        the FP8 tests            probe_fp8  which inputs FlashMLA's FP8 kernel takes
 #     decode     bench_decode.py          profile    the GPU timeline of one decode, jax vs torch
 #     bench      multi-GPU, FP8, write_kv benchmarks and the served example
+#     bench_fp8  the FP8 benchmark alone
 #     grid       FlashMLA's grid (bench_grid.py); GRID_DEADLINE_S (default 420), GRID_ARGS
 #                (e.g. "--dtype bfloat16": ~8 min a cache dtype)
 #     grid_resume  the points benchmarks/results/grid_h200.json lacks
@@ -27,14 +28,27 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | 
 JAX_FLASHMLA_CUDA=ON python3 -m pip install -q --no-build-isolation --no-deps -e . \
   > "$out/build.txt" 2>&1 || { tail -40 "$out/build.txt"; exit 1; }
 
-# The files whose tests run FlashMLA on the GPU, then the Flax example's GPU test and the
-# third discovery route: the sgl-flash-mla package (flash_mla_legacy ops).
+# Runs pytest with a time limit, its output in $out/$1; says so when the limit killed it.
+pytest_logged() {
+  local log=$1 limit=$2
+  shift 2
+  timeout "$limit" python3 -m pytest -q -rfEs -p no:cacheprovider "$@" > "$out/$log" 2>&1
+  [ $? -eq 124 ] && echo "TIMEOUT after ${limit} s" >> "$out/$log"
+  tail -15 "$out/$log"
+}
+
+# The custom call against the torch op, and FlashMLA's test grid against float64 (~5 min).
 gpu_tests() {
-  timeout 300 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_gpu.py \
-    tests/test_decode.py tests/test_cache.py tests/test_serving.py tests/test_speculative.py \
-    tests/test_transforms.py tests/test_gpu_multi.py 2>&1 | tee "$out/pytest_gpu.txt" | tail -15
-  timeout 150 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/test_flax_mla.py \
-    2>&1 | tee "$out/pytest_flax.txt" | tail -5
+  pytest_logged pytest_gpu.txt 400 tests/test_gpu.py tests/test_decode.py
+}
+
+# The stack over the custom call (cache, serving, speculative decoding, transforms, two GPUs),
+# then the Flax example's GPU test and the third discovery route: the sgl-flash-mla package
+# (flash_mla_legacy ops).
+stack_tests() {
+  pytest_logged pytest_stack.txt 300 tests/test_cache.py tests/test_serving.py \
+    tests/test_speculative.py tests/test_transforms.py tests/test_gpu_multi.py
+  pytest_logged pytest_flax.txt 150 -m gpu tests/test_flax_mla.py
   on_flash_mla_package timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
     2>&1 | tee "$out/pytest_flash_mla.txt" | tail -3
 }
@@ -42,14 +56,13 @@ gpu_tests() {
 # Everything else on the GPU backend but what CI alone runs (HF comparisons, Bazel, the
 # bridge's compile check, the benchmark grid's CPU mode) and FP8 (its own mode).
 more_tests() {
-  timeout 300 python3 -m pytest -q -rfEs -p no:cacheprovider tests \
-    --ignore=tests/test_gpu.py --ignore=tests/test_decode.py --ignore=tests/test_cache.py \
-    --ignore=tests/test_serving.py --ignore=tests/test_speculative.py \
-    --ignore=tests/test_transforms.py --ignore=tests/test_gpu_multi.py \
-    --ignore=tests/test_flax_mla.py --ignore=tests/test_flax_weights.py \
-    --ignore=tests/test_bazel_extension.py --ignore=tests/test_bridge_compile.py \
-    --ignore=tests/test_bench_grid.py --ignore=tests/test_gpu_fp8.py \
-    2>&1 | tee "$out/pytest_more.txt" | tail -15
+  pytest_logged pytest_more.txt 300 tests --ignore=tests/test_gpu.py \
+    --ignore=tests/test_decode.py --ignore=tests/test_cache.py --ignore=tests/test_serving.py \
+    --ignore=tests/test_speculative.py --ignore=tests/test_transforms.py \
+    --ignore=tests/test_gpu_multi.py --ignore=tests/test_flax_mla.py \
+    --ignore=tests/test_flax_weights.py --ignore=tests/test_bazel_extension.py \
+    --ignore=tests/test_bridge_compile.py --ignore=tests/test_bench_grid.py \
+    --ignore=tests/test_gpu_fp8.py
 }
 
 # Runs a command with the sgl-flash-mla package as the only kernel source.
@@ -63,8 +76,9 @@ on_flash_mla_package() {
 for mode in "${modes[@]}"; do
   echo "==== $mode"
   case "$mode" in
-  tests) gpu_tests; more_tests ;;
+  tests) gpu_tests; stack_tests; more_tests ;;
   gpu_tests) gpu_tests ;;
+  stack_tests) stack_tests ;;
   more_tests) more_tests ;;
   fp8)
     timeout 200 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_gpu_fp8.py \
@@ -90,6 +104,9 @@ for mode in "${modes[@]}"; do
     timeout 500 python3 benchmarks/bench_grid.py --deadline-s "${GRID_DEADLINE_S:-420}" \
       --out-dir "$out" "${resume[@]}" ${GRID_ARGS:-} > "$out/grid_log.txt" 2>&1
     tail -c 4000 "$out/grid_log.txt" ;;
+  bench_fp8)
+    timeout 240 python3 benchmarks/bench_fp8.py --out "$out/bench_fp8.json" 2>&1 \
+      | tee "$out/bench_fp8.txt" ;;
   bench)
     [ "$ngpu" -ge 2 ] && timeout 90 python3 benchmarks/bench_multi_gpu.py \
       --out "$out/multi_gpu.json" 2>&1 | tail -12
