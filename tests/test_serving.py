@@ -221,8 +221,18 @@ def _check_fp8_loops(got, want):
     np.testing.assert_array_equal(np.asarray(got["kv_hist"][0], np.float32),
                                   np.asarray(want["kv_hist"][0], np.float32))
     written = [i for i, n in enumerate(got["prefix"]) if n]
-    np.testing.assert_allclose(np.asarray(got["out"][:, written], np.float32),
-                               np.asarray(want["out"][:, written], np.float32), atol=5e-2)
+    # FlashMLA's FP8 kernel computes in lower precision than the reference's float32 over the
+    # same dequantized rows, and each step feeds its output into the next query, so the two
+    # loops drift apart elementwise (on the H200: cosine difference 1.2e-3 and 3.2e-4, largest
+    # element difference 0.58 and 0.45 on outputs of scale ~2, benchmarks/NOTES.md). Checked
+    # as FlashMLA checks: the cosine difference of the whole output, bounded with a margin; a
+    # wrong page, scale or mask gives differences of order 1.
+    out = np.asarray(got["out"][:, written], np.float64)
+    out_want = np.asarray(want["out"][:, written], np.float64)
+    cos_diff = 1 - 2 * (out * out_want).sum() / max((out**2 + out_want**2).sum(), 1e-30)
+    max_abs = np.abs(out - out_want).max()
+    print(f"FP8 loop, FlashMLA vs reference: cos_diff {cos_diff:.3g} max_abs {max_abs:.3g}")
+    assert cos_diff < 5e-3 and max_abs < 1.0, dict(cos_diff=cos_diff, max_abs=max_abs)
     np.testing.assert_allclose(np.asarray(got["lse"][:, written]),
                                np.asarray(want["lse"][:, written]), rtol=2e-2)
     padded = [i for i, n in enumerate(got["prefix"]) if not n]
