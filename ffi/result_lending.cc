@@ -108,7 +108,8 @@ LendResultBuffers::LendResultBuffers(const std::vector<at::Tensor>& buffers)
   if (!lending_) return;
   loans_.reserve(buffers.size());
   for (const at::Tensor& buffer : buffers)
-    loans_.push_back(BufferLoan{buffer.data_ptr(), buffer.nbytes(), buffer.device().index(), false});
+    loans_.push_back(
+        BufferLoan{buffer.data_ptr(), buffer.nbytes(), buffer.device().index(), false});
   previous_loans_ = thread_loans;
   thread_loans = &loans_;
 }

@@ -6,8 +6,9 @@
 // wrapper of the one it replaced: an allocation made on this thread whose byte size equals a
 // lent buffer's (each buffer once) gets that buffer, in a DataPtr that frees nothing (XLA owns
 // it); everything else goes to the wrapped allocator unchanged. Whether the op's results then
-// are XLA's buffers, in XLA's layout, is checked after the call (IsResultBuffer); where they are not,
-// they are copied as before: a kernel release that allocates otherwise is slower, never wrong.
+// are XLA's buffers, in XLA's layout, is checked after the call (IsResultBuffer); where they
+// are not, they are copied as before: a kernel release that allocates otherwise is slower,
+// never wrong.
 #ifndef JAX_FLASHMLA_FFI_RESULT_LENDING_H_
 #define JAX_FLASHMLA_FFI_RESULT_LENDING_H_
 
