@@ -65,6 +65,12 @@ more_tests() {
     --ignore=tests/test_gpu_fp8.py
 }
 
+# FP8 against bf16: time, cache bandwidth and accuracy (b=128, s_k 4096/8192, h_q 16/128).
+bench_fp8() {
+  timeout 240 python3 benchmarks/bench_fp8.py --out "$out/bench_fp8.json" 2>&1 \
+    | tee "$out/bench_fp8.txt"
+}
+
 # Runs a command with the sgl-flash-mla package as the only kernel source.
 on_flash_mla_package() {
   local site=/tmp/flash_mla_site
@@ -104,14 +110,11 @@ for mode in "${modes[@]}"; do
     timeout 500 python3 benchmarks/bench_grid.py --deadline-s "${GRID_DEADLINE_S:-420}" \
       --out-dir "$out" "${resume[@]}" ${GRID_ARGS:-} > "$out/grid_log.txt" 2>&1
     tail -c 4000 "$out/grid_log.txt" ;;
-  bench_fp8)
-    timeout 240 python3 benchmarks/bench_fp8.py --out "$out/bench_fp8.json" 2>&1 \
-      | tee "$out/bench_fp8.txt" ;;
+  bench_fp8) bench_fp8 ;;
   bench)
     [ "$ngpu" -ge 2 ] && timeout 90 python3 benchmarks/bench_multi_gpu.py \
       --out "$out/multi_gpu.json" 2>&1 | tail -12
-    timeout 240 python3 benchmarks/bench_fp8.py --out "$out/bench_fp8.json" 2>&1 \
-      | tee "$out/bench_fp8.txt"
+    bench_fp8
     timeout 90 python3 benchmarks/bench_write_kv.py 2>&1 | tee "$out/write_kv.txt" | tail -8
     timeout 90 python3 examples/serve_deepseek_mla.py --quiet 2>&1 | tee "$out/serve.txt" \
       | tail -4
