@@ -3,6 +3,10 @@
 Reports, as JSON (--out) and a table on stdout:
   - time per call at b=128, s_k=4096, s_q=1, h_q in {16, 128} (metadata computed once, outside
     the timed region, as in a model) and the ratio jax / torch;
+  - the host's dispatch pace per call (jax and torch), which tells a GPU-bound loop from a
+    host-bound one;
+  - jax's own cost per one-op jitted call, with no custom call involved: a jitted device copy
+    as long as the h_q=16 decode against torch's copy_ (the floor under the ratio above);
   - host overhead per call: a jitted chain of many decodes at a tiny shape against a loop of
     torch calls, and the dispatch cost of one jitted call;
   - GPU memory torch's allocator takes during one jax call (FlashMLA's split-KV buffers live
@@ -14,8 +18,10 @@ wall clock, the variants in turns within each repeat; ratios are medians of per-
     python benchmarks/bench_decode.py --out benchmarks/results/decode_h200.json
 """
 import argparse
+import itertools
 import json
 import statistics
+import time
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +76,10 @@ def bench_call_ratio(side, batch, s_k, h_q, s_q, calls, layers):
 
     jax_sync = jax.block_until_ready
     torch_sync = side.sync
+    # The host's pace alone: N jitted calls dispatched with no sync until the end. Below the
+    # GPU's time per call, the jax row above is GPU-bound and any gap to torch is on the GPU.
+    dispatch_s = dispatch_pace(lambda: decode(q, kv, bt, sl, md), jax_sync, calls)
+    torch_dispatch_s = dispatch_pace(torch_call, torch_sync, calls)
     samples = in_turns(dict(
         jax=(lambda: decode(q, kv, bt, sl, md), jax_sync, calls, 1),
         torch=(torch_call, torch_sync, calls, 1),
@@ -99,9 +109,44 @@ def bench_call_ratio(side, batch, s_k, h_q, s_q, calls, layers):
     return dict(batch=batch, s_k=s_k, h_q=h_q, s_q=s_q, layers=layers, ms=ms,
                 ratio=ratio[0], ratio_range=ratio[1:], step_ratio=step_ratio[0],
                 step_ratio_range=step_ratio[1:], jax_gbps=io_bytes / jax_s / 1e9,
-                jax_tflops=flops / jax_s / 1e12, torch_gbps=io_bytes / ms["torch"] * 1e3 / 1e9,
+                jax_tflops=flops / jax_s / 1e12, jax_dispatch_us=dispatch_s * 1e6,
+                torch_dispatch_us=torch_dispatch_s * 1e6, torch_gbps=io_bytes / ms["torch"] * 1e3 / 1e9,
                 kv_cache_mb=kv_bytes / 2**20, torch_alloc_per_call_mb=peak_extra / 2**20,
                 results_in_place=counts["in_place"], results_copied=counts["copied"])
+
+
+def dispatch_pace(call, sync, calls):
+    """Seconds of host time per call while `calls` calls are issued back to back, before the
+    final sync (the median of 5 such batches; a first call compiles)."""
+    sync(call())
+    paces = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            result = call()
+        paces.append((time.perf_counter() - start) / calls)
+        sync(result)
+    return statistics.median(paces)
+
+
+def bench_execution_floor(side, calls, mib=288):
+    """What jax adds to any one-op jitted call on the GPU, with no custom call involved: a
+    jitted device copy (mib MiB read and written, about as long as the h_q=16 decode) against
+    torch's copy_ of the same buffers, per call, timed like the decodes."""
+    torch = side.torch
+    xs = [jax.random.normal(jax.random.key(i), (mib * 2**19,), jnp.bfloat16) for i in range(2)]
+    copy = jax.jit(lambda x: x + jnp.zeros((), x.dtype))  # one fused read and write of x
+    src = [torch.from_dlpack(x) for x in xs]
+    dst = torch.empty_like(src[0])
+    turn = itertools.count()  # alternates the source buffer, so the L2 keeps nothing
+    samples = in_turns(dict(
+        jax=(lambda: copy(xs[next(turn) % 2]), jax.block_until_ready, calls, 1),
+        torch=(lambda: dst.copy_(src[next(turn) % 2]), side.sync, calls, 1)),
+        repeats=7, warmup=10)
+    ratio = paired_ratios(samples["jax"], samples["torch"])
+    return dict(mib=mib, jax_us=statistics.median(samples["jax"]) * 1e6,
+                torch_us=statistics.median(samples["torch"]) * 1e6, ratio=ratio[0],
+                ratio_range=ratio[1:])
 
 
 def bench_host_overhead(side, chain, calls):
@@ -135,12 +180,19 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--h-q", type=int, nargs="+", default=[16, 128])
+    parser.add_argument("--runs", type=int, default=2,
+                        help="runs per h_q: the spread between runs is the noise floor")
+    parser.add_argument("--no-host", action="store_true", help="skip the host-overhead part")
+    parser.add_argument("--no-floor", action="store_true",
+                        help="skip the jitted copy against torch's (jax's own per-call cost)")
     args = parser.parse_args()
     side = TorchSide()
     results = dict(device=jax.devices()[0].device_kind, kernel_library=side.info["kernel_library"],
-                   decode_op=side.info["decode_op"], calls=[], host=None)
-    for h_q in (16, 128):
-        for _ in range(2):  # twice: the spread between runs is the noise floor
+                   decode_op=side.info["decode_op"], calls=[], host=None,
+                   execution_floor=None)
+    for h_q in args.h_q:
+        for _ in range(args.runs):
             r = bench_call_ratio(side, 128, 4096, h_q, 1, args.calls, layers=8)
             results["calls"].append(r)
             ms = r["ms"]
@@ -152,9 +204,17 @@ def main():
                   f"{r['step_ratio_range'][1]:.4f}]; {r['jax_gbps']:.0f} GB/s "
                   f"{r['jax_tflops']:.0f} TFLOPS; torch alloc/call "
                   f"{r['torch_alloc_per_call_mb']:.1f} MiB; results in place "
-                  f"{r['results_in_place']}, copied {r['results_copied']}", flush=True)
-    results["host"] = bench_host_overhead(side, chain=50, calls=2000)
-    print("host overhead per call (b=1, s_k=64, h_q=16):", json.dumps(results["host"]))
+                  f"{r['results_in_place']}, copied {r['results_copied']}; host dispatch per call "
+                  f"jax {r['jax_dispatch_us']:.1f} us, torch {r['torch_dispatch_us']:.1f} us",
+                  flush=True)
+    if not args.no_floor:
+        results["execution_floor"] = bench_execution_floor(side, args.calls)
+        print("one jitted copy against torch's copy_, per call:",
+              json.dumps(results["execution_floor"]), flush=True)
+    if not args.no_host:
+        results["host"] = bench_host_overhead(side, chain=50, calls=2000)
+        print("host overhead per call (b=1, s_k=64, h_q=16):",
+              json.dumps(results["host"]))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

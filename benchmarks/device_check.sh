@@ -10,8 +10,15 @@
 #     bench      multi-GPU, FP8, write_kv benchmarks and the served example
 #     bench_fp8  the FP8 benchmark alone
 #     grid       FlashMLA's grid (bench_grid.py); GRID_DEADLINE_S (default 420), GRID_ARGS
-#                (e.g. "--dtype bfloat16": ~8 min a cache dtype)
-#     grid_resume  the points benchmarks/results/grid_h200.json lacks
+#                (e.g. "--dtype bfloat16": ~8 min a cache dtype), GRID_NAME (grid_h200)
+#     grid_resume  the points benchmarks/results/$GRID_NAME.json lacks
+#     serving    tests/test_serving.py alone       profile_api  profile_decode at s_k=8192
+#     build      nothing but the install; SKIP_INSTALL=1 skips it (for parallel calls)
+#     grid_split   two GPUs: the bf16 half on GPU 0 and the FP8 half on GPU 1 at once, into
+#                grid_h200_bfloat16.json and grid_h200_float8_e4m3fn.json (grid_report.py
+#                --merge joins them)
+#     hq16       h_q=16's per-call gap to torch: GPU timelines at s_k 4096/8192, and
+#                bench_decode under XLA settings that could change it (~3 min)
 set -uo pipefail
 modes=("${@:-tests}")
 out=${OUT:-device-out}
@@ -25,8 +32,10 @@ ngpu=$(nvidia-smi -L | wc -l)
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$out/gpu.txt"
 # Always (re)install: a warm machine keeps build/ between calls, so this is incremental, and
 # it never runs a bridge older than the sources that came with this call.
-JAX_FLASHMLA_CUDA=ON python3 -m pip install -q --no-build-isolation --no-deps -e . \
-  > "$out/build.txt" 2>&1 || { tail -40 "$out/build.txt"; exit 1; }
+if [ -z "${SKIP_INSTALL:-}" ]; then
+  JAX_FLASHMLA_CUDA=ON python3 -m pip install -q --no-build-isolation --no-deps -e . \
+    > "$out/build.txt" 2>&1 || { tail -40 "$out/build.txt"; exit 1; }
+fi
 
 # Runs pytest with a time limit, its output in $out/$1; says so when the limit killed it.
 pytest_logged() {
@@ -102,15 +111,45 @@ for mode in "${modes[@]}"; do
       | tee "$out/bench.txt" ;;
   grid|grid_resume)
     # Writes its JSON and markdown after every point. grid_resume runs only the points that
-    # the committed benchmarks/results/grid_h200.json lacks.
+    # the committed benchmarks/results/$GRID_NAME.json lacks.
+    name=${GRID_NAME:-grid_h200}
     resume=()
     if [ "$mode" = grid_resume ]; then
-      cp benchmarks/results/grid_h200.json "$out/" && resume=(--resume)
+      cp "benchmarks/results/$name.json" "$out/" && resume=(--resume)
     fi
     timeout 500 python3 benchmarks/bench_grid.py --deadline-s "${GRID_DEADLINE_S:-420}" \
-      --out-dir "$out" "${resume[@]}" ${GRID_ARGS:-} > "$out/grid_log.txt" 2>&1
+      --out-dir "$out" --name "$name" "${resume[@]}" ${GRID_ARGS:-} > "$out/grid_log.txt" 2>&1
     tail -c 4000 "$out/grid_log.txt" ;;
+  serving) pytest_logged pytest_serving.txt 200 tests/test_serving.py ;;
+  profile_api)
+    timeout 150 python3 benchmarks/profile_decode.py --s-k 8192 --h-q 16 \
+      --out "$out/profile_8192.json" 2>&1 | tee "$out/profile_8192.txt" | grep -A1 "span" ;;
+  build) ;;
+  grid_split)
+    deadline=${GRID_DEADLINE_S:-420}
+    for gpu_dtype in 0:bfloat16 1:float8_e4m3fn; do
+      dtype=${gpu_dtype#*:}
+      CUDA_VISIBLE_DEVICES=${gpu_dtype%%:*} timeout $((deadline + 60)) \
+        python3 benchmarks/bench_grid.py --deadline-s "$deadline" --out-dir "$out" \
+        --dtype "$dtype" --name "grid_h200_$dtype" > "$out/grid_log_$dtype.txt" 2>&1 &
+    done
+    wait
+    tail -n 12 "$out"/grid_log_*.txt ;;
   bench_fp8) bench_fp8 ;;
+  hq16)
+    # At s_k=8192 the kernel outlasts the host's dispatch even under the profiler, so the
+    # timeline shows what XLA adds between back-to-back jitted calls.
+    for s_k in 4096 8192; do
+      timeout 150 python3 benchmarks/profile_decode.py --s-k $s_k --h-q 16 \
+        --out "$out/profile_$s_k.json" > "$out/profile_$s_k.txt" 2>&1
+      grep "span" "$out/profile_$s_k.txt"
+    done
+    for setting in "" XLA_FLAGS=--xla_gpu_enable_command_buffer= \
+        XLA_PYTHON_CLIENT_PREALLOCATE=false; do
+      echo "== ${setting:-default settings}" | tee -a "$out/hq16.txt"
+      env $setting timeout 120 python3 benchmarks/bench_decode.py --h-q 16 --runs 2 --no-host \
+        2>&1 | grep -E "b=128|Error" | tee -a "$out/hq16.txt"
+    done ;;
   bench)
     [ "$ngpu" -ge 2 ] && timeout 90 python3 benchmarks/bench_multi_gpu.py \
       --out "$out/multi_gpu.json" 2>&1 | tail -12

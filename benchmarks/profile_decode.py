@@ -63,6 +63,12 @@ def summarize_trace(trace, decodes):
         if e.get("cat") in HOST_CATEGORIES:
             host.setdefault(e["name"][:60], []).append(e["dur"])
     top_host = sorted(host.items(), key=lambda kv: -sum(kv[1]))[:HOST_ROWS]
+    # Every CUDA API call, however cheap: what XLA adds around each execution (event records,
+    # stream waits, host callbacks) shows here as calls per decode.
+    api_calls = {}
+    for e in events:
+        if e.get("cat") in LAUNCH_CATEGORIES:
+            api_calls[e["name"]] = api_calls.get(e["name"], 0) + 1
     per_decode = lambda groups: {name: dict(per_decode=len(durs) / decodes,
                                             mean_us=statistics.mean(durs))
                                  for name, durs in groups}
@@ -70,6 +76,7 @@ def summarize_trace(trace, decodes):
         span_us=span / decodes, busy_us=busy / decodes, idle_us=(span - busy) / decodes,
         activities=per_decode(sorted(by_name.items(), key=lambda kv: -sum(kv[1]))),
         host_activities=per_decode(top_host),
+        api_calls_per_decode={name: n / decodes for name, n in sorted(api_calls.items())},
         launch_to_start_us=dict(median=statistics.median(waits), min=min(waits)) if waits else None,
         host_us_between_decodes=statistics.median(intervals) if intervals else None)
 
@@ -116,6 +123,13 @@ def profile_point(side, batch, s_k, h_q, calls, layers, step_layers=()):
             for call in torch_layer_calls:
                 call()
 
+    def torch_step_results_kept_loop():
+        """As XLA's step, which returns every layer's out: each call's results stay alive, so
+        FlashMLA writes to fresh memory each time instead of the block just freed."""
+        kept = []
+        for _ in range(calls // layers):
+            kept.extend(call() for call in torch_layer_calls)
+
     # XLA runs on a stream it created; torch's calls above run on the legacy default stream,
     # which may treat FlashMLA's programmatic dependent launches differently.
     created_stream = torch.cuda.Stream()
@@ -149,6 +163,8 @@ def profile_point(side, batch, s_k, h_q, calls, layers, step_layers=()):
                  torch_step=profile(torch, torch_step_loop, sync, calls // layers * layers),
                  torch_step_created_stream=profile(torch, torch_step_on_a_created_stream_loop,
                                                    sync, calls // layers * layers),
+                 torch_step_results_kept=profile(torch, torch_step_results_kept_loop, sync,
+                                                 calls // layers * layers),
                  jax_step=profile(torch, step_loop, sync, step_decodes))
     # Steps of fewer layers: does FlashMLA's kernel slow down with decodes back to back?
     for n in step_layers:
@@ -162,21 +178,23 @@ def main():
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--calls", type=int, default=64)
     parser.add_argument("--layers", type=int, default=8, help="decodes in the jitted step")
+    parser.add_argument("--s-k", type=int, default=4096)
+    parser.add_argument("--h-q", type=int, nargs="+", default=[16, 128])
     parser.add_argument("--step-layers", type=int, nargs="*", default=[1, 2],
                         help="also profile jitted steps of these many decodes")
     args = parser.parse_args()
     side = TorchSide()
     results = []
-    for h_q in (16, 128):
-        point = profile_point(side, 128, 4096, h_q, args.calls, args.layers,
+    for h_q in args.h_q:
+        point = profile_point(side, 128, args.s_k, h_q, args.calls, args.layers,
                               args.step_layers)
         results.append(point)
         variants = ["torch", "torch_with_copies", "jax_one_call", "torch_step",
-                    "torch_step_created_stream", "jax_step",
+                    "torch_step_created_stream", "torch_step_results_kept", "jax_step",
                     *(f"jax_step_{n}" for n in args.step_layers)]
         for variant in variants:
             s = point[variant]
-            print(f"h_q={h_q:3d} {variant:18s} span {s['span_us']:7.1f} us/decode, busy "
+            print(f"s_k={args.s_k} h_q={h_q:3d} {variant:18s} span {s['span_us']:7.1f} us/decode, busy "
                   f"{s['busy_us']:7.1f}, idle {s['idle_us']:6.1f}, host between decodes "
                   f"{s['host_us_between_decodes']} us, launch->start {s['launch_to_start_us']}",
                   flush=True)
@@ -184,6 +202,8 @@ def main():
                 print(f"    {a['per_decode']:4.1f} x {a['mean_us']:7.2f} us  {name}")
             for name, a in s["host_activities"].items():
                 print(f"    host {a['per_decode']:4.1f} x {a['mean_us']:7.2f} us  {name}")
+            print("    CUDA API calls per decode:", ", ".join(
+                f"{name} {n:.2f}" for name, n in s["api_calls_per_decode"].items()))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

@@ -2,6 +2,7 @@
 would not see XLA's stream), with the variants of a comparison taking turns within each
 repeat, so that the GPU's clocks drifting under sustained load (2-3% between runs on the H200)
 hit both sides of a ratio alike; ratios are then taken per repeat."""
+import gc
 import statistics
 import time
 
@@ -10,12 +11,20 @@ MIN_CALLS = 3
 
 
 def timed_batch(call, sync, calls):
-    """Seconds per call of call(0), ..., call(calls - 1) back to back, then one sync."""
-    start = time.perf_counter()
-    for i in range(calls):
-        result = call(i)
-    sync(result)
-    return (time.perf_counter() - start) / calls
+    """Seconds per call of call(0), ..., call(calls - 1) back to back, then one sync. The
+    garbage collector is off meanwhile, as in timeit: a collection pausing the host early in a
+    batch, before the GPU's queue has filled, would charge its pause to the calls."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        for i in range(calls):
+            result = call(i)
+        sync(result)
+        return (time.perf_counter() - start) / calls
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def size_calls(call, sync, *, target_ms, max_calls):
