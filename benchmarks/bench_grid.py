@@ -348,6 +348,7 @@ def main():
             date=_now(), jax=jax.__version__, dtypes=args.dtype, batch=args.batch,
             layers=args.layers, rotations=args.rotations, target_ms=args.target_ms,
             repeats=args.repeats, timing=TIMING, impls=args.impl, copy=copy,
+            visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
             **(torch_side.info if torch_side else {})), points=[], not_run=[])
     print(f"device {jax.devices()[0].device_kind}: copy {copy['ceiling_gbps']:.0f} GB/s "
           f"({json.dumps(copy)})", flush=True)

@@ -1,8 +1,10 @@
 """bench_grid.py's report: the JSON, the markdown table and the PNG plots (GB/s and TFLOPS, for
 each cache dtype). Run alone it redraws the markdown and the plots from a (possibly partial)
-JSON, e.g. on a machine with matplotlib when the GPU machine has none:
+JSON, e.g. on a machine with matplotlib when the GPU machine has none, or first joins the
+reports of a grid's parts run apart (e.g. on two GPUs at once, device_check.sh grid_split):
 
     python benchmarks/grid_report.py benchmarks/results/grid_h200.json
+    python benchmarks/grid_report.py --merge grid_h200.json grid_h200_bf16.json grid_h200_fp8.json
 """
 import json
 import os
@@ -17,6 +19,9 @@ STYLE = {
     "flashmla_step": dict(color="C3", marker="D", linestyle=":", label="jax_flashmla, N-layer step"),
     "torch_step": dict(color="C4", marker="v", linestyle=":", label="torch, N-layer step"),
 }
+# Settings that must agree for runs to be reported as one grid.
+SHARED_SETTINGS = ("device", "batch", "layers", "rotations", "target_ms", "repeats", "timing",
+                   "jax", "decode_op")
 # "The large shapes", where the issue asks mla_decode to be within 3% of torch-direct per call.
 LARGE_S_K = 8192
 
@@ -26,6 +31,35 @@ def write_json(results, path):
     with open(path + ".tmp", "w") as f:
         json.dump(results, f, indent=1)
     os.replace(path + ".tmp", path)
+
+
+def merge(reports):
+    """One report from the reports of one grid's parts: all their points (a point measured twice
+    is an error), the first's settings, and under meta["parts"] each part's date, dtypes, mean
+    s_k, GPU (CUDA_VISIBLE_DEVICES when set) and copy ceiling. The ceiling drawn is the highest
+    of the parts' (each point's fraction of it was taken against its own part's)."""
+    first = reports[0]["meta"]
+    for report in reports[1:]:
+        differing = [k for k in SHARED_SETTINGS if report["meta"].get(k) != first.get(k)]
+        if differing:
+            raise ValueError(f"the parts were not run alike: {differing} differ")
+    points, seen = [], set()
+    for report in reports:
+        for point in report["points"]:
+            key = (point["mean_s_k"], point["varlen"], dtype_of(point), point["h_q"], point["s_q"])
+            if key in seen:
+                raise ValueError(f"the point {key} is in two parts")
+            seen.add(key)
+            points.append(point)
+    parts = [dict(date=r["meta"]["date"], resumed=r["meta"].get("resumed", []),
+                  gpu=r["meta"].get("visible_devices"), copy=r["meta"]["copy"],
+                  dtypes=sorted({dtype_of(p) for p in r["points"]}),
+                  mean_s_k=sorted({p["mean_s_k"] for p in r["points"]})) for r in reports]
+    ceiling = max(reports, key=lambda r: r["meta"]["copy"]["ceiling_gbps"])["meta"]["copy"]
+    meta = dict(first, dtypes=sorted({d for part in parts for d in part["dtypes"]},
+                                     key=lambda d: d != "bfloat16"), copy=ceiling, parts=parts)
+    return dict(meta=meta, points=points,
+                not_run=[n for r in reports for n in r["not_run"]])
 
 
 def ratio(point, impl, base="torch"):
@@ -141,6 +175,7 @@ def write_markdown(results, path):
         f"Device copy (read + write, {copy['mib']} MiB): {copy_text} GB/s; ceiling "
         f"{copy['ceiling_gbps']:.4g} GB/s.",
         "",
+        *_parts_lines(meta),
         "## Summary",
         "",
         *summary_lines(results),
@@ -171,6 +206,20 @@ def write_markdown(results, path):
             ("–" if step_r is None else f"{step_r:.3f}") + " |"]))
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def _parts_lines(meta):
+    """For a merged report, a line per part run: when, what, where, its copy ceiling."""
+    if "parts" not in meta:
+        return []
+    lines = ["Run in parts (joined with `grid_report.py --merge`):", ""]
+    for part in meta["parts"]:
+        resumed = f", resumed {', '.join(part['resumed'])}" if part["resumed"] else ""
+        gpu = f" on GPU {part['gpu']}" if part["gpu"] is not None else ""
+        lines.append(f"- {part['date']}{resumed}{gpu}: {', '.join(part['dtypes'])}, mean s_k "
+                     f"{', '.join(map(str, part['mean_s_k']))}; copy ceiling "
+                     f"{part['copy']['ceiling_gbps']:.4g} GB/s.")
+    return lines + [""]
 
 
 def _panel(ax, here, metric, ceiling, layers):
@@ -244,11 +293,21 @@ def _plots(plt, meta, points, dtype, stem):
 
 
 def main():
-    if len(sys.argv) != 2:
+    args = sys.argv[1:]
+    if args[:1] == ["--merge"] and len(args) >= 3:
+        path = args[1]
+        reports = []
+        for part in args[2:]:
+            with open(part) as f:
+                reports.append(json.load(f))
+        results = merge(reports)
+        write_json(results, path)
+    elif len(args) == 1:
+        path = args[0]
+        with open(path) as f:
+            results = json.load(f)
+    else:
         sys.exit(__doc__)
-    path = sys.argv[1]
-    with open(path) as f:
-        results = json.load(f)
     stem = path[:-len(".json")] if path.endswith(".json") else path
     write_markdown(results, stem + ".md")
     print("wrote", ", ".join([stem + ".md"] + write_plots(results, stem)))
