@@ -91,3 +91,46 @@ def test_resume_refuses_a_report_timed_otherwise(tmp_path):
                            "--resume", *flags], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env=env)
     assert proc.returncode != 0 and "run the whole grid instead of --resume" in proc.stderr
+
+
+def test_parts_run_apart_merge_into_one_report(tmp_path):
+    """Two parts of a grid (one per GPU on the device, device_check.sh grid_split) join into
+    one report with grid_report.py --merge; a point in both parts, or parts run otherwise,
+    is refused."""
+    flags = ["--varlen", "false", "--s-q", "1", "--impl", "reference"]
+    parts = []
+    for dtype in ("bfloat16", "float8_e4m3fn"):
+        part_dir = tmp_path / dtype
+        part_dir.mkdir()
+        results, _ = _run(part_dir, "--dtype", dtype, *flags)
+        path = tmp_path / f"{dtype}.json"
+        path.write_text(json.dumps(results))
+        parts.append(path)
+    merged_path = tmp_path / "merged.json"
+    report = os.path.join(ROOT, "benchmarks", "grid_report.py")
+    proc = subprocess.run([sys.executable, report, "--merge", str(merged_path), *map(str, parts)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    merged = json.loads(merged_path.read_text())
+    assert merged["meta"]["dtypes"] == ["bfloat16", "float8_e4m3fn"]
+    assert len(merged["points"]) == 4
+    assert [part["dtypes"] for part in merged["meta"]["parts"]] == [["bfloat16"],
+                                                                   ["float8_e4m3fn"]]
+    assert merged["meta"]["copy"]["ceiling_gbps"] == max(
+        part["copy"]["ceiling_gbps"] for part in merged["meta"]["parts"])
+    markdown = (tmp_path / "merged.md").read_text()
+    assert "Run in parts" in markdown and "| fp8 | fixed | 1 | 16 | 128 |" in markdown
+    assert (tmp_path / "merged_fp8_gbps.png").exists()
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import grid_report
+    finally:
+        sys.path.pop(0)
+    first = json.loads(parts[0].read_text())
+    with pytest.raises(ValueError, match="in two parts"):
+        grid_report.merge([first, first])
+    other = json.loads(parts[1].read_text())
+    other["meta"]["repeats"] += 1
+    with pytest.raises(ValueError, match="repeats"):
+        grid_report.merge([first, other])
