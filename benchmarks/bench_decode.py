@@ -110,7 +110,8 @@ def bench_call_ratio(side, batch, s_k, h_q, s_q, calls, layers):
                 ratio=ratio[0], ratio_range=ratio[1:], step_ratio=step_ratio[0],
                 step_ratio_range=step_ratio[1:], jax_gbps=io_bytes / jax_s / 1e9,
                 jax_tflops=flops / jax_s / 1e12, jax_dispatch_us=dispatch_s * 1e6,
-                torch_dispatch_us=torch_dispatch_s * 1e6, torch_gbps=io_bytes / ms["torch"] * 1e3 / 1e9,
+                torch_dispatch_us=torch_dispatch_s * 1e6,
+                torch_gbps=io_bytes / ms["torch"] * 1e3 / 1e9,
                 kv_cache_mb=kv_bytes / 2**20, torch_alloc_per_call_mb=peak_extra / 2**20,
                 results_in_place=counts["in_place"], results_copied=counts["copied"])
 
