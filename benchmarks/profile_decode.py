@@ -195,8 +195,7 @@ def main():
         for variant in variants:
             s = point[variant]
             print(f"s_k={args.s_k} h_q={h_q:3d} {variant:18s} span {s['span_us']:7.1f} us/decode, "
-                  f"busy "
-                  f"{s['busy_us']:7.1f}, idle {s['idle_us']:6.1f}, host between decodes "
+                  f"busy {s['busy_us']:7.1f}, idle {s['idle_us']:6.1f}, host between decodes "
                   f"{s['host_us_between_decodes']} us, launch->start {s['launch_to_start_us']}",
                   flush=True)
             for name, a in s["activities"].items():
