@@ -64,6 +64,12 @@ def bench_call_ratio(side, batch, s_k, h_q, s_q, calls, layers):
             result = call()
         return result
 
+    def torch_step_kept():
+        """As the jitted step, which returns all 8 outputs: each call's results stay alive
+        until the step's end (FlashMLA's kernel is slower when out is not the block just
+        freed, benchmarks/NOTES.md session 4)."""
+        return [call() for call in torch_layer_calls][-1]
+
     # The op plus two copy_ calls into other buffers, all in torch: what the bridge cost when
     # it copied both results (sessions 1 and 2).
     out_buf = torch.empty((batch, s_q, h_q, 512), dtype=torch.bfloat16, device="cuda")
@@ -85,10 +91,13 @@ def bench_call_ratio(side, batch, s_k, h_q, s_q, calls, layers):
         torch=(torch_call, torch_sync, calls, 1),
         torch_with_copies=(torch_call_and_copies, torch_sync, calls, 1),
         jax_step=(lambda: step(q_layers, kv, bt, sl, md), jax_sync, calls // layers, layers),
-        torch_step=(torch_step, torch_sync, calls // layers, layers)), repeats=7, warmup=10)
+        torch_step=(torch_step, torch_sync, calls // layers, layers),
+        torch_step_kept=(torch_step_kept, torch_sync, calls // layers, layers)),
+        repeats=7, warmup=10)
     ms = {name: statistics.median(values) * 1e3 for name, values in samples.items()}
     ratio = paired_ratios(samples["jax"], samples["torch"])
     step_ratio = paired_ratios(samples["jax_step"], samples["torch_step"])
+    step_ratio_kept = paired_ratios(samples["jax_step"], samples["torch_step_kept"])
     # Memory torch's allocator takes during one jax call (FlashMLA's split-KV accumulators, and
     # any result that did not land in XLA's buffer), and how the results reached XLA's buffers.
     from jax_flashmla import _cuda
@@ -108,7 +117,9 @@ def bench_call_ratio(side, batch, s_k, h_q, s_q, calls, layers):
     jax_s = ms["jax"] / 1e3
     return dict(batch=batch, s_k=s_k, h_q=h_q, s_q=s_q, layers=layers, ms=ms,
                 ratio=ratio[0], ratio_range=ratio[1:], step_ratio=step_ratio[0],
-                step_ratio_range=step_ratio[1:], jax_gbps=io_bytes / jax_s / 1e9,
+                step_ratio_range=step_ratio[1:], step_ratio_results_kept=step_ratio_kept[0],
+                step_ratio_results_kept_range=step_ratio_kept[1:],
+                jax_gbps=io_bytes / jax_s / 1e9,
                 jax_tflops=flops / jax_s / 1e12, jax_dispatch_us=dispatch_s * 1e6,
                 torch_dispatch_us=torch_dispatch_s * 1e6,
                 torch_gbps=io_bytes / ms["torch"] * 1e3 / 1e9,
@@ -202,7 +213,9 @@ def main():
                   f"{r['ratio']:.4f} [{r['ratio_range'][0]:.4f}, {r['ratio_range'][1]:.4f}]; "
                   f"8-decode step {ms['jax_step']:.4f} vs torch {ms['torch_step']:.4f}, ratio "
                   f"{r['step_ratio']:.4f} [{r['step_ratio_range'][0]:.4f}, "
-                  f"{r['step_ratio_range'][1]:.4f}]; {r['jax_gbps']:.0f} GB/s "
+                  f"{r['step_ratio_range'][1]:.4f}], vs torch keeping its results "
+                  f"{ms['torch_step_kept']:.4f}, ratio {r['step_ratio_results_kept']:.4f}; "
+                  f"{r['jax_gbps']:.0f} GB/s "
                   f"{r['jax_tflops']:.0f} TFLOPS; torch alloc/call "
                   f"{r['torch_alloc_per_call_mb']:.1f} MiB; results in place "
                   f"{r['results_in_place']}, copied {r['results_copied']}; host dispatch per call "

@@ -243,7 +243,8 @@ def bench_point(work, dtype, h_q, s_q, impls, args, torch_side, ceiling_gbps):
         r = point["impls"][name] = dict(
             ms=seconds * 1e3, tflops=flops / seconds / 1e12, gbps=nbytes / seconds / 1e9,
             of_copy=nbytes / seconds / 1e9 / ceiling_gbps, calls=t["calls"],
-            spread=(max(samples) - min(samples)) / statistics.median(samples))
+            spread=(max(samples) - min(samples)) / statistics.median(samples),
+            repeats_ms=[x / layers_per_call * 1e3 for x in samples])
         if layers_per_call > 1:
             r.update(layers=layers_per_call, step_ms=seconds * layers_per_call * 1e3)
         base = "torch_step" if name.endswith("_step") else "torch"

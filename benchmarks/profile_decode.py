@@ -3,12 +3,14 @@ CUPTI (torch's profiler records every kernel and copy in the process, XLA's incl
 
 For each variant (the torch op in a loop, the torch op plus two copies of its results, one
 jitted mla_decode per call, a jitted step of 8 decodes with 8 different queries and the torch
-loop over the same queries (on the default stream, and on a created one as XLA's is), jitted
-steps of 1 and 2 decodes) it reports per decode: the span from the first GPU activity to the
-last, the time the GPU was busy, the idle rest, and each kernel or copy with its count and
-mean duration; how long each GPU activity waited after its launch call returned (near zero:
-the GPU was starved by the host); the host's pace, the median time between the launches of
-successive decodes; and the costliest host-side torch ops and CUDA API calls per decode.
+loop over the same queries (on the default stream, on a created one as XLA's is, and keeping
+its results as the step does), jitted steps of 1 and 2 decodes, and with no custom call at all
+one jitted device copy per call against torch's copy_) it reports per decode (per call): the
+span from the first GPU activity to the last, the time the GPU was busy, the idle rest, and
+each kernel or copy with its count and mean duration; how long each GPU activity waited after
+its launch call returned (near zero: the GPU was starved by the host); the host's pace, the
+median time between the launches of successive decodes; the costliest host-side torch ops and
+CUDA API calls per decode, and the count of each CUDA API call that torch's profiler sees.
 
     python benchmarks/profile_decode.py --out benchmarks/results/profile_h200.json
 """
@@ -154,6 +156,22 @@ def profile_point(side, batch, s_k, h_q, calls, layers, step_layers=()):
             jax.block_until_ready(result)
         return loop, calls // n * n
 
+    # The same per-call pattern with no custom call: one jitted device copy per call, moving the
+    # cache's bytes (about the decode's time), against torch's copy_ of the same buffers.
+    sources = [jnp.full((kv.size // 2,), i, jnp.bfloat16) for i in range(2)]
+    copy = jax.jit(lambda x: x + jnp.zeros((), x.dtype))  # one fused read and write of x
+    torch_sources = [torch.from_dlpack(x) for x in sources]
+    torch_destination = torch.empty_like(torch_sources[0])
+
+    def jax_copy_loop():
+        for i in range(calls):
+            result = copy(sources[i % 2])
+        jax.block_until_ready(result)
+
+    def torch_copy_loop():
+        for i in range(calls):
+            torch_destination.copy_(torch_sources[i % 2])
+
     sync = torch.cuda.synchronize
     step_loop, step_decodes = jax_step(layers)
     point = dict(batch=batch, s_k=s_k, h_q=h_q, calls=calls, layers=layers,
@@ -165,7 +183,9 @@ def profile_point(side, batch, s_k, h_q, calls, layers, step_layers=()):
                                                    sync, calls // layers * layers),
                  torch_step_results_kept=profile(torch, torch_step_results_kept_loop, sync,
                                                  calls // layers * layers),
-                 jax_step=profile(torch, step_loop, sync, step_decodes))
+                 jax_step=profile(torch, step_loop, sync, step_decodes),
+                 jax_copy_one_call=profile(torch, jax_copy_loop, sync, calls),
+                 torch_copy=profile(torch, torch_copy_loop, sync, calls))
     # Steps of fewer layers: does FlashMLA's kernel slow down with decodes back to back?
     for n in step_layers:
         loop, decodes = jax_step(n)
@@ -191,7 +211,8 @@ def main():
         results.append(point)
         variants = ["torch", "torch_with_copies", "jax_one_call", "torch_step",
                     "torch_step_created_stream", "torch_step_results_kept", "jax_step",
-                    *(f"jax_step_{n}" for n in args.step_layers)]
+                    *(f"jax_step_{n}" for n in args.step_layers), "jax_copy_one_call",
+                    "torch_copy"]
         for variant in variants:
             s = point[variant]
             print(f"s_k={args.s_k} h_q={h_q:3d} {variant:18s} span {s['span_us']:7.1f} us/decode, "
