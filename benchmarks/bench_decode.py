@@ -29,7 +29,7 @@ import numpy as np
 
 import jax_flashmla as jf
 
-from timing import in_turns, paired_ratios
+from timing import device_copy, in_turns, paired_ratios
 from torch_side import TorchSide
 
 
@@ -147,12 +147,11 @@ def bench_execution_floor(side, calls, mib=288):
     torch's copy_ of the same buffers, per call, timed like the decodes."""
     torch = side.torch
     xs = [jax.random.normal(jax.random.key(i), (mib * 2**19,), jnp.bfloat16) for i in range(2)]
-    copy = jax.jit(lambda x: x + jnp.zeros((), x.dtype))  # one fused read and write of x
     src = [torch.from_dlpack(x) for x in xs]
     dst = torch.empty_like(src[0])
     turn = itertools.count()  # alternates the source buffer, so the L2 keeps nothing
     samples = in_turns(dict(
-        jax=(lambda: copy(xs[next(turn) % 2]), jax.block_until_ready, calls, 1),
+        jax=(lambda: device_copy(xs[next(turn) % 2]), jax.block_until_ready, calls, 1),
         torch=(lambda: dst.copy_(src[next(turn) % 2]), side.sync, calls, 1)),
         repeats=7, warmup=10)
     ratio = paired_ratios(samples["jax"], samples["torch"])

@@ -12,11 +12,11 @@
 #     grid       FlashMLA's grid (bench_grid.py); GRID_DEADLINE_S (default 420), GRID_ARGS
 #                (e.g. "--dtype bfloat16": ~8 min a cache dtype), GRID_NAME (grid_h200)
 #     grid_resume  the points benchmarks/results/$GRID_NAME.json lacks
-#     serving    tests/test_serving.py alone       profile_api  profile_decode at s_k=8192
+#     serving    tests/test_serving.py alone       profile_h16  profile_decode, h_q=16, s_k=8192
 #     build      nothing but the install; SKIP_INSTALL=1 skips it (for parallel calls)
-#     grid_split   two GPUs: the bf16 half on GPU 0 and the FP8 half on GPU 1 at once, into
-#                grid_h200_bfloat16.json and grid_h200_float8_e4m3fn.json (grid_report.py
-#                --merge joins them)
+#     grid_split   two GPUs: the grid mode at once on GPU 0 (mean s_k 1024, 4096) and GPU 1
+#                (8192, 16384), each on half the cores, into $GRID_NAME_a.json and _b.json
+#                (grid_report.py --merge joins them); GRID_ARGS picks e.g. the dtype
 #     hq16       h_q=16's per-call gap to torch: GPU timelines at s_k 4096/8192, and
 #                bench_decode under XLA settings that could change it (~3 min)
 set -uo pipefail
@@ -80,6 +80,17 @@ bench_fp8() {
     | tee "$out/bench_fp8.txt"
 }
 
+# profile_decode.py at h_q=16 for each s_k given. At s_k=8192 the kernel outlasts the host's
+# dispatch even under the profiler, so the timeline shows what XLA adds between jitted calls.
+profile_h16() {
+  local s_k
+  for s_k in "$@"; do
+    timeout 150 python3 benchmarks/profile_decode.py --s-k "$s_k" --h-q 16 \
+      --out "$out/profile_$s_k.json" > "$out/profile_$s_k.txt" 2>&1
+    grep "span" "$out/profile_$s_k.txt"
+  done
+}
+
 # Runs a command with the sgl-flash-mla package as the only kernel source.
 on_flash_mla_package() {
   local site=/tmp/flash_mla_site
@@ -121,29 +132,23 @@ for mode in "${modes[@]}"; do
       --out-dir "$out" --name "$name" "${resume[@]}" ${GRID_ARGS:-} > "$out/grid_log.txt" 2>&1
     tail -c 4000 "$out/grid_log.txt" ;;
   serving) pytest_logged pytest_serving.txt 200 tests/test_serving.py ;;
-  profile_api)
-    timeout 150 python3 benchmarks/profile_decode.py --s-k 8192 --h-q 16 \
-      --out "$out/profile_8192.json" 2>&1 | tee "$out/profile_8192.txt" | grep -A1 "span" ;;
+  profile_h16) profile_h16 8192 ;;
   build) ;;
   grid_split)
-    deadline=${GRID_DEADLINE_S:-420}
-    for gpu_dtype in 0:bfloat16 1:float8_e4m3fn; do
-      dtype=${gpu_dtype#*:}
-      CUDA_VISIBLE_DEVICES=${gpu_dtype%%:*} timeout $((deadline + 60)) \
-        python3 benchmarks/bench_grid.py --deadline-s "$deadline" --out-dir "$out" \
-        --dtype "$dtype" --name "grid_h200_$dtype" > "$out/grid_log_$dtype.txt" 2>&1 &
+    half=$(($(nproc) / 2))
+    for part in "0 a 1024 4096" "1 b 8192 16384"; do
+      read -r gpu suffix s_k_low s_k_high <<< "$part"
+      CUDA_VISIBLE_DEVICES=$gpu SKIP_INSTALL=1 OUT="$out/$suffix" \
+        GRID_NAME="${GRID_NAME:-grid_h200}_$suffix" \
+        GRID_ARGS="${GRID_ARGS:-} --s-k $s_k_low $s_k_high" \
+        taskset -c $((gpu * half))-$((gpu * half + half - 1)) bash "$0" grid \
+        > "$out/grid_split_$suffix.txt" 2>&1 &
     done
     wait
-    tail -n 12 "$out"/grid_log_*.txt ;;
+    tail -n 12 "$out"/grid_split_*.txt ;;
   bench_fp8) bench_fp8 ;;
   hq16)
-    # At s_k=8192 the kernel outlasts the host's dispatch even under the profiler, so the
-    # timeline shows what XLA adds between back-to-back jitted calls.
-    for s_k in 4096 8192; do
-      timeout 150 python3 benchmarks/profile_decode.py --s-k $s_k --h-q 16 \
-        --out "$out/profile_$s_k.json" > "$out/profile_$s_k.txt" 2>&1
-      grep "span" "$out/profile_$s_k.txt"
-    done
+    profile_h16 4096 8192
     for setting in "" XLA_FLAGS=--xla_gpu_enable_command_buffer= \
         XLA_PYTHON_CLIENT_PREALLOCATE=false; do
       echo "== ${setting:-default settings}" | tee -a "$out/hq16.txt"

@@ -6,8 +6,19 @@ import gc
 import statistics
 import time
 
+import jax
+import jax.numpy as jnp
+
 # At least this many calls per repeat, even where one call outlasts the target time.
 MIN_CALLS = 3
+
+
+@jax.jit
+def device_copy(x):
+    """One read and one write of x on the device (XLA issues it as a device-to-device memcpy,
+    as torch's copy_ does): the copy behind the grid's bandwidth ceiling and the per-call
+    floors of bench_decode.py and profile_decode.py."""
+    return x + jnp.zeros((), x.dtype)
 
 
 def timed_batch(call, sync, calls):
