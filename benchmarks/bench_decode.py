@@ -2,7 +2,9 @@
 
 Reports, as JSON (--out) and a table on stdout:
   - time per call at b=128, s_k=4096, s_q=1, h_q in {16, 128} (metadata computed once, outside
-    the timed region, as in a model) and the ratio jax / torch;
+    the timed region, as in a model) and the ratio jax / torch: over batches of --calls calls,
+    and as the slope of a batch's time over its length (timing.fit_in_turns), which leaves out
+    what each batch pays once (its first dispatch and final sync, reported apart);
   - the host's dispatch pace per call (jax and torch), which tells a GPU-bound loop from a
     host-bound one;
   - jax's own cost per one-op jitted call, with no custom call involved: a jitted device copy
@@ -29,7 +31,7 @@ import numpy as np
 
 import jax_flashmla as jf
 
-from timing import device_copy, in_turns, paired_ratios
+from timing import device_copy, fit_in_turns, in_turns, paired_ratios
 from torch_side import TorchSide
 
 
@@ -94,8 +96,11 @@ def bench_call_ratio(side, batch, s_k, h_q, s_q, calls, layers):
         torch_step=(torch_step, torch_sync, calls // layers, layers),
         torch_step_kept=(torch_step_kept, torch_sync, calls // layers, layers)),
         repeats=7, warmup=10)
+    fits = fit_in_turns(dict(jax=(lambda: decode(q, kv, bt, sl, md), jax_sync, calls, 1),
+                             torch=(torch_call, torch_sync, calls, 1)), repeats=7, warmup=10)
     ms = {name: statistics.median(values) * 1e3 for name, values in samples.items()}
     ratio = paired_ratios(samples["jax"], samples["torch"])
+    fitted = fitted_summary(fits)
     step_ratio = paired_ratios(samples["jax_step"], samples["torch_step"])
     step_ratio_kept = paired_ratios(samples["jax_step"], samples["torch_step_kept"])
     # Memory torch's allocator takes during one jax call (FlashMLA's split-KV accumulators, and
@@ -116,7 +121,7 @@ def bench_call_ratio(side, batch, s_k, h_q, s_q, calls, layers):
     flops = 2 * s_q * batch * s_k * h_q * (576 + 512)
     jax_s = ms["jax"] / 1e3
     return dict(batch=batch, s_k=s_k, h_q=h_q, s_q=s_q, layers=layers, ms=ms,
-                ratio=ratio[0], ratio_range=ratio[1:], step_ratio=step_ratio[0],
+                ratio=ratio[0], ratio_range=ratio[1:], fitted=fitted, step_ratio=step_ratio[0],
                 step_ratio_range=step_ratio[1:], step_ratio_results_kept=step_ratio_kept[0],
                 step_ratio_results_kept_range=step_ratio_kept[1:],
                 jax_gbps=io_bytes / jax_s / 1e9,
@@ -125,6 +130,17 @@ def bench_call_ratio(side, batch, s_k, h_q, s_q, calls, layers):
                 torch_gbps=io_bytes / ms["torch"] * 1e3 / 1e9,
                 kv_cache_mb=kv_bytes / 2**20, torch_alloc_per_call_mb=peak_extra / 2**20,
                 results_in_place=counts["in_place"], results_copied=counts["copied"])
+
+
+def fitted_summary(fits):
+    """fit_in_turns' jax and torch: µs per call (slope) and per batch (intercept), and the
+    ratio of the slopes (median of the per-repeat ratios, and the range)."""
+    ratio = paired_ratios(fits["jax"][0], fits["torch"][0])
+    summary = dict(ratio=ratio[0], ratio_range=ratio[1:])
+    for name, (per_call, per_batch) in fits.items():
+        summary[f"{name}_us_per_call"] = statistics.median(per_call) * 1e6
+        summary[f"{name}_us_per_batch"] = statistics.median(per_batch) * 1e6
+    return summary
 
 
 def dispatch_pace(call, sync, calls):
@@ -150,14 +166,15 @@ def bench_execution_floor(side, calls, mib=288):
     src = [torch.from_dlpack(x) for x in xs]
     dst = torch.empty_like(src[0])
     turn = itertools.count()  # alternates the source buffer, so the L2 keeps nothing
-    samples = in_turns(dict(
+    variants = dict(
         jax=(lambda: device_copy(xs[next(turn) % 2]), jax.block_until_ready, calls, 1),
-        torch=(lambda: dst.copy_(src[next(turn) % 2]), side.sync, calls, 1)),
-        repeats=7, warmup=10)
+        torch=(lambda: dst.copy_(src[next(turn) % 2]), side.sync, calls, 1))
+    samples = in_turns(variants, repeats=7, warmup=10)
     ratio = paired_ratios(samples["jax"], samples["torch"])
     return dict(mib=mib, jax_us=statistics.median(samples["jax"]) * 1e6,
                 torch_us=statistics.median(samples["torch"]) * 1e6, ratio=ratio[0],
-                ratio_range=ratio[1:])
+                ratio_range=ratio[1:],
+                fitted=fitted_summary(fit_in_turns(variants, repeats=7, warmup=10)))
 
 
 def bench_host_overhead(side, chain, calls):
@@ -187,6 +204,13 @@ def bench_host_overhead(side, chain, calls):
                 torch_loop_us=torch_s * 1e6, chain=chain)
 
 
+def fit_text(fitted):
+    return (f"jax {fitted['jax_us_per_call']:.1f} us + {fitted['jax_us_per_batch']:.0f} us per "
+            f"batch, torch {fitted['torch_us_per_call']:.1f} us + "
+            f"{fitted['torch_us_per_batch']:.0f} us per batch, ratio {fitted['ratio']:.4f} "
+            f"[{fitted['ratio_range'][0]:.4f}, {fitted['ratio_range'][1]:.4f}]")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the results as JSON here")
@@ -210,6 +234,7 @@ def main():
             print(f"b=128 s_k=4096 h_q={h_q:3d} s_q=1 (ms per decode): jax {ms['jax']:.4f}, "
                   f"torch {ms['torch']:.4f} (+2 copies {ms['torch_with_copies']:.4f}), ratio "
                   f"{r['ratio']:.4f} [{r['ratio_range'][0]:.4f}, {r['ratio_range'][1]:.4f}]; "
+                  f"fitted per call {fit_text(r['fitted'])}; "
                   f"8-decode step {ms['jax_step']:.4f} vs torch {ms['torch_step']:.4f}, ratio "
                   f"{r['step_ratio']:.4f} [{r['step_ratio_range'][0]:.4f}, "
                   f"{r['step_ratio_range'][1]:.4f}], vs torch keeping its results "

@@ -15,7 +15,10 @@ Implementations (--impl):
 Timing, the same for all (benchmarks/timing.py): N calls back to back, then one device sync,
 wall clock, median of --repeats; N is chosen so that a repeat lasts about --target-ms, which
 keeps the unhidden first dispatch under ~0.5% of it. The implementations take turns within
-each repeat, and a ratio to torch is the median of the per-repeat ratios. Call i takes set
+each repeat, and a ratio to torch is the median of the per-repeat ratios. flashmla and torch
+are also timed over batches of N/2 and 2N calls: the slope of a batch's time over its length
+is the per-call time without what each batch pays once (the first dispatch, the final sync),
+and the ratio of the slopes is reported as the fitted ratio. Call i takes set
 i mod --rotations of (q, block_table) over one cache, the page order differing between sets,
 so that the L2 keeps nothing useful from one call for the next. FLOPs and bytes follow
 FlashMLA's test; GB/s is also given as a fraction of a device-to-device copy measured in the
@@ -46,7 +49,7 @@ import jax_flashmla as jf
 from jax_flashmla import fp8
 
 import grid_report
-from timing import device_copy, size_calls, timed_batch
+from timing import FIT_SCALES, MIN_CALLS, device_copy, line_fit, size_calls, timed_batch
 from torch_side import FP8, TorchSide
 
 IMPLS = ("flashmla", "torch", "reference", "flashmla_step", "torch_step")
@@ -58,28 +61,42 @@ GPU_GRID = dict(batch=128, s_k=[1024, 4096, 8192, 16384], h_q=[16, 32, 64, 128],
                 layers=8, target_ms=50.0, repeats=5, copy_mib=1024)
 CPU_GRID = dict(batch=2, s_k=[64, 128], h_q=[16], s_q=[1, 2], layers=2, target_ms=5.0,
                 repeats=3, copy_mib=64)
-# How a point is timed, recorded in the JSON (--resume only completes a report timed alike).
-TIMING = "in turns"  # implementations take turns within each repeat; ratios per repeat
+# How a point is timed, recorded in the JSON (--resume only completes a report timed alike):
+# implementations in turns within each repeat, ratios per repeat; the per-call ones also as
+# the slope over batches of 0.5, 1 and 2 times their calls (timing.fit_in_turns).
+TIMING = "in turns, per call fitted"
+FITTED = ("flashmla", "torch")
+
+
 def time_in_turns(variants, *, target_ms, repeats, max_calls):
     """variants: name -> (call, sync). Sizes each, then times them in turns within every
     repeat, so that the GPU's clocks drifting under sustained load hit all alike (ratios are
     then taken per repeat). A variant that raises is dropped. Returns (name -> dict(samples,
-    calls, first), name -> the error of a dropped variant)."""
+    calls, first, fits), name -> the error of a dropped variant); samples are seconds per call
+    over a batch of `calls`, and for the FITTED variants fits holds (seconds per call, seconds
+    per batch) of the line through batches of FIT_SCALES times their calls."""
     timed, failed = {}, {}
     for name, (call, sync) in variants.items():
         try:
             calls, first = size_calls(call, sync, target_ms=target_ms, max_calls=max_calls)
-            timed[name] = dict(samples=[], calls=calls, first=first)
+            timed[name] = dict(samples=[], calls=calls, first=first, fits=[])
         except Exception as e:  # one failing implementation should not cost the whole point
             failed[name] = e
     for _ in range(repeats):
         for name in list(timed):
             call, sync = variants[name]
+            t = timed[name]
+            sizes = ([max(MIN_CALLS, round(t["calls"] * scale)) for scale in FIT_SCALES]
+                     if name in FITTED else [t["calls"]])
             try:
-                timed[name]["samples"].append(timed_batch(call, sync, timed[name]["calls"]))
+                totals = [timed_batch(call, sync, n) * n for n in sizes]
             except Exception as e:
                 failed[name] = e
                 del timed[name]
+                continue
+            t["samples"].append(totals[sizes.index(t["calls"])] / t["calls"])
+            if name in FITTED:
+                t["fits"].append(line_fit(sizes, totals))
     return timed, failed
 
 
@@ -246,11 +263,17 @@ def bench_point(work, dtype, h_q, s_q, impls, args, torch_side, ceiling_gbps):
             repeats_ms=[x / layers_per_call * 1e3 for x in samples])
         if layers_per_call > 1:
             r.update(layers=layers_per_call, step_ms=seconds * layers_per_call * 1e3)
+        if t["fits"]:
+            r.update(ms_fitted=statistics.median(slope for slope, _ in t["fits"]) * 1e3,
+                     per_batch_ms=statistics.median(edge for _, edge in t["fits"]) * 1e3)
         base = "torch_step" if name.endswith("_step") else "torch"
         if name not in TORCH_IMPLS and base in timed:
             # Per repeat, the two were timed one after the other: the median of those ratios.
             r["vs_torch"] = statistics.median(
                 a / b for a, b in zip(samples, timed[base]["samples"]))
+            if t["fits"] and timed[base]["fits"]:
+                r["vs_torch_fitted"] = statistics.median(
+                    a[0] / b[0] for a, b in zip(t["fits"], timed[base]["fits"]))
     _check_outputs(point, {name: t["first"] for name, t in timed.items()}, torch_side)
     return point
 

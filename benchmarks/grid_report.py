@@ -74,6 +74,12 @@ def ratio(point, impl, base="torch"):
     return impls[impl][key] / impls[base][key]
 
 
+def fitted_ratio(point):
+    """jax_flashmla's per-call time over torch's as the slopes of batch time over batch length
+    (the median of per-repeat ratios), or None where the run did not fit them."""
+    return point["impls"].get("flashmla", {}).get("vs_torch_fitted")
+
+
 def dtype_of(point):
     return point.get("dtype", "bfloat16")  # reports written before FP8 hold bf16 points only
 
@@ -89,6 +95,8 @@ def point_summary(point):
         text = f"{impl} {r['ms']:.4g} ms {r['gbps']:.4g} GB/s ({r['of_copy']:.0%})"
         if impl == "flashmla" and ratio(point, "flashmla") is not None:
             text += f" x{ratio(point, 'flashmla'):.3f} of torch"
+            if fitted_ratio(point) is not None:
+                text += f" (fitted x{fitted_ratio(point):.3f})"
         if impl == "flashmla_step" and ratio(point, "flashmla_step", "torch_step") is not None:
             text += f" step x{ratio(point, 'flashmla_step', 'torch_step'):.3f} of torch's"
         parts.append(text)
@@ -135,6 +143,11 @@ def _summary_of(meta, points):
         f"- jax_flashmla / torch-direct per call: {_stats(ratio(p, 'flashmla') for p in points)}; "
         f"at mean s_k ≥ {LARGE_S_K}: "
         f"{_stats(ratio(p, 'flashmla') for p in points if p['mean_s_k'] >= LARGE_S_K)}.",
+        *([f"- The same, fitted (the slope of batch time over batch length, without what each "
+           f"batch pays once): {_stats(fitted_ratio(p) for p in points)}; at mean s_k ≥ "
+           f"{LARGE_S_K}: "
+           f"{_stats(fitted_ratio(p) for p in points if p['mean_s_k'] >= LARGE_S_K)}."]
+          if any(fitted_ratio(p) is not None for p in points) else []),
         f"- Decode step of {meta['layers']} layers (metadata once per step), jax_flashmla / "
         f"torch loop: {_stats(ratio(p, 'flashmla_step', 'torch_step') for p in points)}.",
         f"- Pure-JAX reference / jax_flashmla: "
@@ -169,7 +182,11 @@ def write_markdown(results, path):
         f"{meta['rotations']} (q, block_table) sets rotated; N calls then a device sync, median of "
         f"{meta['repeats']} repeats of ~{meta['target_ms']:g} ms"
         + (", the implementations in turns within each repeat, ratios the median of per-repeat "
-           "ratios" if meta.get("timing") == "in turns" else ", one implementation after another")
+           "ratios" if meta.get("timing", "").startswith("in turns")
+           else ", one implementation after another")
+        + ("; per call also fitted: jax_flashmla and torch timed over batches of 0.5, 1 and 2 "
+           "times N calls, the ratio of the slopes of batch time over batch length"
+           if meta.get("timing") == "in turns, per call fitted" else "")
         + ". GB/s and TFLOPS by FlashMLA's formulas; per-layer figures for the steps.",
         "",
         f"Device copy (read + write, {copy['mib']} MiB): {copy_text} GB/s; ceiling "
@@ -185,21 +202,24 @@ def write_markdown(results, path):
         "ms per call (per layer for the steps); ratios are times over torch-direct's (the step's "
         "over the torch loop's).",
         "",
-        "| cache | lengths | s_q | h_q | mean s_k | jax_flashmla ms | torch ms | ratio | GB/s "
-        "| of copy | TFLOPS | reference ms | step ms/layer (jax / torch) | step ratio |",
+        "| cache | lengths | s_q | h_q | mean s_k | jax_flashmla ms | torch ms | ratio | "
+        "fitted ratio | GB/s | of copy | TFLOPS | reference ms | step ms/layer (jax / torch) "
+        "| step ratio |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-        "| ---: |",
+        "| ---: | ---: |",
     ]
     order = dtypes_of(results)
     key = lambda p: (order.index(dtype_of(p)), p["varlen"], p["s_q"], p["h_q"], p["mean_s_k"])
     for p in sorted(points, key=key):
         r, step_r = ratio(p, "flashmla"), ratio(p, "flashmla_step", "torch_step")
+        fitted = fitted_ratio(p)
         lines.append(" | ".join([
             "| fp8" if dtype_of(p) != "bfloat16" else "| bf16",
             "varlen" if p["varlen"] else "fixed", str(p["s_q"]), str(p["h_q"]),
             str(p["mean_s_k"]),
             _cell(p, "flashmla", "ms", ".4f"), _cell(p, "torch", "ms", ".4f"),
-            "–" if r is None else f"{r:.3f}", _cell(p, "flashmla", "gbps", ".4g"),
+            "–" if r is None else f"{r:.3f}", "–" if fitted is None else f"{fitted:.3f}",
+            _cell(p, "flashmla", "gbps", ".4g"),
             _cell(p, "flashmla", "of_copy", ".0%"), _cell(p, "flashmla", "tflops", ".4g"),
             _cell(p, "reference", "ms", ".4f"),
             f"{_cell(p, 'flashmla_step', 'ms', '.4f')} / {_cell(p, 'torch_step', 'ms', '.4f')}",

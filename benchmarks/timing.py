@@ -1,7 +1,13 @@
 """Wall-clock timing shared by the benchmarks: N calls back to back, then one sync (CUDA events
 would not see XLA's stream), with the variants of a comparison taking turns within each
 repeat, so that the GPU's clocks drifting under sustained load (2-3% between runs on the H200)
-hit both sides of a ratio alike; ratios are then taken per repeat."""
+hit both sides of a ratio alike; ratios are then taken per repeat.
+
+A batch's time per call is the steady cost of a call plus, spread over the batch, what the
+batch pays once: the first dispatch before the GPU starts, and the final sync's wake-up. jax
+pays more of the latter than torch (a jitted call's dispatch, and a sync that waits on XLA's
+host callback), so batches of a few hundred calls charge it to the calls. fit_in_turns
+separates the two: batches of several lengths, and a line through their times."""
 import gc
 import statistics
 import time
@@ -67,6 +73,38 @@ def in_turns(variants, *, repeats, warmup):
         for name, (call, sync, calls, per_call) in indexed.items():
             samples[name].append(timed_batch(call, sync, calls) / per_call)
     return samples
+
+
+# Batch lengths, as multiples of a variant's calls, that fit_in_turns times.
+FIT_SCALES = (0.5, 1.0, 2.0)
+
+
+def line_fit(xs, ys):
+    """(slope, intercept) of the least-squares line through the points (xs, ys)."""
+    mean_x, mean_y = statistics.mean(xs), statistics.mean(ys)
+    slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys))
+             / sum((x - mean_x) ** 2 for x in xs))
+    return slope, mean_y - slope * mean_x
+
+
+def fit_in_turns(variants, *, repeats, warmup, scales=FIT_SCALES):
+    """As in_turns, but every repeat times each variant's batch at several lengths (its calls
+    times each of `scales`) and fits a line through their total times. Returns name -> (seconds
+    per decode: the slope, what one more call adds to a stream of calls; seconds per batch: the
+    intercept, what a batch pays once however long), as two lists of one sample per repeat."""
+    for call, sync, _, _ in variants.values():
+        for _ in range(warmup):
+            result = call()
+        sync(result)
+    fits = {name: ([], []) for name in variants}
+    for _ in range(repeats):
+        for name, (call, sync, calls, per_call) in variants.items():
+            sizes = [max(MIN_CALLS, round(calls * scale)) for scale in scales]
+            totals = [timed_batch(lambda _: call(), sync, n) * n for n in sizes]
+            slope, intercept = line_fit(sizes, totals)
+            fits[name][0].append(slope / per_call)
+            fits[name][1].append(intercept)
+    return fits
 
 
 def paired_ratios(numerator, denominator):

@@ -48,6 +48,11 @@ def test_cpu_grid_writes_its_report(tmp_path):
             assert r["gbps"] == pytest.approx(p["bytes"] / r["ms"] / 1e6)
             assert r["tflops"] == pytest.approx(p["flops"] / r["ms"] / 1e9)
             assert r["of_copy"] == pytest.approx(r["gbps"] / meta["copy"]["ceiling_gbps"])
+        # flashmla's per-call time is also fitted over batches of several lengths (no torch on
+        # CPU, so no fitted ratio).
+        fitted = p["impls"]["flashmla"]
+        assert fitted["ms_fitted"] > 0 and math.isfinite(fitted["per_batch_ms"])
+        assert "ms_fitted" not in p["impls"]["reference"]
         step = p["impls"]["flashmla_step"]
         assert step["layers"] == 2 and step["step_ms"] == pytest.approx(2 * step["ms"])
         # The C++ model and the reference compute the same attention (bf16 outputs).
@@ -59,7 +64,8 @@ def test_cpu_grid_writes_its_report(tmp_path):
     assert "| fp8 | varlen | 2 | 16 | 128 |" in markdown
     assert "- float8_e4m3fn cache:" in markdown
     assert "Pure-JAX reference / jax_flashmla: median" in markdown
-    assert meta["timing"] == "in turns" and "the implementations in turns" in markdown
+    assert meta["timing"] == "in turns, per call fitted"
+    assert "the implementations in turns" in markdown and "per call also fitted" in markdown
     for name in ("grid_gbps", "grid_tflops", "grid_fp8_gbps", "grid_fp8_tflops"):
         png = (tmp_path / f"{name}.png").read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
@@ -134,3 +140,29 @@ def test_parts_run_apart_merge_into_one_report(tmp_path):
     other["meta"]["repeats"] += 1
     with pytest.raises(ValueError, match="repeats"):
         grid_report.merge([first, other])
+
+
+def test_fit_separates_the_cost_per_call_from_the_cost_per_batch(monkeypatch):
+    """timing.fit_in_turns on a fake clock: each batch costs 30 units once and 2 per call."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import timing
+    finally:
+        sys.path.pop(0)
+    assert timing.line_fit([1, 2, 4], [3, 5, 9]) == pytest.approx((2.0, 1.0))
+    clock = [0.0]
+    pending = []
+
+    def call():
+        pending.append(2.0)
+        return None
+
+    def sync(_):
+        clock[0] += 30.0 + sum(pending)
+        pending.clear()
+
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
+    fits = timing.fit_in_turns(dict(fake=(call, sync, 20, 2)), repeats=3, warmup=1)
+    per_decode, per_batch = fits["fake"]
+    assert per_decode == pytest.approx([1.0] * 3)  # 2 per call, 2 decodes per call
+    assert per_batch == pytest.approx([30.0] * 3)

@@ -1,0 +1,191 @@
+"""What the GPU waits for between two jitted executions, as XLA's own profiler sees it.
+
+torch's profiler records only torch's CUDA API calls (profile_decode.py); XLA's CUPTI tracer
+(jax.profiler) records every driver call in the process, XLA's included. For each variant (one
+jitted mla_decode per call, one jitted device copy per call, and the torch op and torch's
+copy_ in the same loops) this runs `--calls` calls under jax.profiler, then reports:
+  - per call: the GPU's span, busy and idle time (all streams), each GPU activity's count and
+    mean duration, each driver API call's count and mean duration (all threads), and XLA's
+    host-side annotations (TraceMe) per call;
+  - for a few consecutive gaps in the steady state: the activities on either side, the gap,
+    how long before the gap's end the second activity was launched (positive: the GPU waited
+    on something other than the host), and every driver call the host made between the two
+    launches, with its thread.
+
+    python benchmarks/trace_executions.py --s-k 8192 --h-q 16 --out results/trace.txt
+"""
+import argparse
+import collections
+import glob
+import statistics
+import tempfile
+
+import jax
+import jax.numpy as jnp
+
+import jax_flashmla as jf
+
+# Planes and lines of an XSpace (tsl/profiler/utils/xplane_schema.h).
+GPU_PLANE_PREFIX = "/device:GPU:"
+CUPTI_PLANE = "/host:CUPTI"
+HOST_PLANE = "/host:CPU"
+GPU_SUMMARY_LINES = ("XLA Modules", "XLA Ops", "Steps", "Launch Stats", "TensorFlow Ops",
+                     "Source code", "Framework Name Scope", "XLA TraceMe")
+GAPS_SHOWN = 4
+
+
+class Event(collections.namedtuple("Event", "start end name line stats")):
+    @property
+    def correlation(self):
+        return self.stats.get("correlation_id")
+
+
+def events_of(plane, keep_line=lambda name: True):
+    return [Event(e.start_ns, e.start_ns + e.duration_ns, e.name, line.name, dict(e.stats))
+            for line in plane.lines if keep_line(line.name) for e in line.events]
+
+
+def traced(run, options):
+    """(GPU activities, driver API calls, XLA's host annotations) of one run, time-sorted."""
+    with tempfile.TemporaryDirectory() as log_dir:
+        with jax.profiler.trace(log_dir, profiler_options=options):
+            run()
+        (path,) = glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True)
+        data = jax.profiler.ProfileData.from_file(path)
+    gpu, api, host = [], [], []
+    for plane in data.planes:
+        if plane.name.startswith(GPU_PLANE_PREFIX):
+            gpu += events_of(plane, lambda name: name not in GPU_SUMMARY_LINES)
+        elif plane.name == CUPTI_PLANE:
+            api += events_of(plane)
+        elif plane.name == HOST_PLANE:
+            host += events_of(plane, lambda name: name != "python")
+    if not gpu:
+        raise RuntimeError("the trace holds no GPU activity (is CUPTI available?)")
+    return tuple(sorted(events, key=lambda e: e.start) for events in (gpu, api, host))
+
+
+def per_call(events, calls):
+    by_name = collections.defaultdict(list)
+    for e in events:
+        by_name[e.name[:80]].append((e.end - e.start) / 1e3)
+    rows = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
+    return {name: dict(per_call=len(d) / calls, mean_us=statistics.mean(d)) for name, d in rows}
+
+
+def gaps(gpu, api):
+    """Each idle stretch of the GPU: (idle µs, activity before, activity after, how long the
+    after-activity's launch call returned before the GPU went idle... negative: launched late)."""
+    launches = {e.correlation: e for e in api if e.correlation is not None}
+    found, cursor = [], gpu[0]
+    for e in gpu[1:]:
+        if e.start > cursor.end:
+            launch = launches.get(e.correlation)
+            found.append(dict(idle_us=(e.start - cursor.end) / 1e3, before=cursor, after=e,
+                              launch=launch))
+        if e.end > cursor.end:
+            cursor = e
+    return found
+
+
+def summarize(name, gpu, api, host, calls):
+    span = gpu[-1].end - gpu[0].start
+    busy = 0
+    cursor = gpu[0].start
+    for e in gpu:
+        start = max(e.start, cursor)
+        if e.end > start:
+            busy += e.end - start
+            cursor = e.end
+    found = gaps(gpu, api)
+    lines = [f"== {name}: {calls} calls, per call: span {span / calls / 1e3:.1f} us, busy "
+             f"{busy / calls / 1e3:.1f}, idle {(span - busy) / calls / 1e3:.2f} "
+             f"({len(found)} gaps; median {statistics.median(g['idle_us'] for g in found):.2f} us)"
+             if found else f"== {name}: no gaps"]
+    for title, events in (("GPU", gpu), ("driver API", api), ("XLA host", host)):
+        lines.append(f"  {title}, per call:")
+        lines += [f"    {row['per_call']:6.2f} x {row['mean_us']:8.2f} us  {n}"
+                  for n, row in per_call(events, calls).items()]
+    streams = sorted({e.line for e in gpu})
+    lines.append(f"  GPU lines: {streams}")
+    # Consecutive gaps from the middle of the run, where the queue is in its steady state.
+    middle = found[len(found) // 2:len(found) // 2 + GAPS_SHOWN]
+    for g in middle:
+        before, after, launch = g["before"], g["after"], g["launch"]
+        lines.append(f"  gap {g['idle_us']:.2f} us: {before.name[:50]} [{before.line}] -> "
+                     f"{after.name[:50]} [{after.line}]")
+        if launch is None:
+            lines.append("    (no launch call found for the second activity)")
+            continue
+        lines.append(f"    launched {(before.end - launch.end) / 1e3:+.1f} us before the GPU "
+                     f"went idle, by {launch.name} [{launch.line}]")
+        previous = [e for e in api if e.correlation == before.correlation]
+        since = previous[0].end if previous else launch.start
+        between = [e for e in api if since <= e.start < launch.start]
+        lines.append(f"    host calls between the two launches ({len(between)}):")
+        lines += [f"      {(e.start - since) / 1e3:8.2f} us +{(e.end - e.start) / 1e3:6.2f}  "
+                  f"{e.name[:60]} [{e.line}]" for e in between[:40]]
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--s-k", type=int, default=8192)
+    parser.add_argument("--h-q", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--calls", type=int, default=40)
+    parser.add_argument("--no-torch", action="store_true", help="only the jax variants")
+    parser.add_argument("--out", help="also write the report here")
+    args = parser.parse_args()
+    from bench_decode import _inputs
+    from timing import device_copy
+
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    q, kv, bt, sl = _inputs(args.batch, args.s_k, args.h_q, 1)
+    md = jax.block_until_ready(jf.get_mla_metadata(sl, num_heads_q=args.h_q))
+    decode = jax.jit(lambda q, kv, bt, sl, md: jf.mla_decode(q, kv, bt, sl, metadata=md))
+    sources = [jnp.full((kv.size // 2,), i, jnp.bfloat16) for i in range(2)]
+
+    def jax_decodes():
+        for _ in range(args.calls):
+            result = decode(q, kv, bt, sl, md)
+        jax.block_until_ready(result)
+
+    def jax_copies():
+        for i in range(args.calls):
+            result = device_copy(sources[i % 2])
+        jax.block_until_ready(result)
+
+    variants = dict(jax_decode=jax_decodes, jax_copy=jax_copies)
+    if not args.no_torch:
+        from torch_side import TorchSide
+        side = TorchSide()
+        torch_call = side.decode_call(kv, sl, q, bt, args.h_q, 1)
+        torch_sources = [side.torch.from_dlpack(x) for x in sources]
+        destination = side.torch.empty_like(torch_sources[0])
+
+        def torch_decodes():
+            for _ in range(args.calls):
+                torch_call()
+            side.sync()
+
+        def torch_copies():
+            for i in range(args.calls):
+                destination.copy_(torch_sources[i % 2])
+            side.sync()
+
+        variants.update(torch_decode=torch_decodes, torch_copy=torch_copies)
+    reports = [f"trace_executions: b={args.batch} s_k={args.s_k} h_q={args.h_q} s_q=1, "
+               f"{args.calls} calls per variant, {jax.devices()[0].device_kind}"]
+    for name, run in variants.items():
+        run()  # compiles and warms up outside the trace
+        reports.append(summarize(name, *traced(run, options), args.calls))
+        print(reports[-1], flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n\n".join(reports) + "\n")
+
+
+if __name__ == "__main__":
+    main()
