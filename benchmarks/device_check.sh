@@ -20,7 +20,7 @@
 #     hq16       h_q=16's per-call gap to torch: GPU timelines at s_k 4096/8192, and
 #                bench_decode under XLA settings that could change it (~3 min)
 #     trace      trace_executions.py (what the GPU waits for between jitted calls, with XLA's
-#                driver calls) at h_q=16, s_k=8192 and h_q=128, s_k=16384
+#                driver calls) at h_q=16, s_k 4096 and 8192, and h_q=128, s_k=16384
 set -uo pipefail
 modes=("${@:-tests}")
 out=${OUT:-device-out}
@@ -136,7 +136,7 @@ for mode in "${modes[@]}"; do
   serving) pytest_logged pytest_serving.txt 200 tests/test_serving.py ;;
   profile_h16) profile_h16 8192 ;;
   trace)
-    for point in "8192 16" "16384 128"; do
+    for point in "4096 16" "8192 16" "16384 128"; do
       read -r s_k h_q <<< "$point"
       timeout 150 python3 benchmarks/trace_executions.py --s-k "$s_k" --h-q "$h_q" \
         --out "$out/trace_${s_k}_$h_q.txt" > "$out/trace_log_${s_k}_$h_q.txt" 2>&1

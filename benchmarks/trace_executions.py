@@ -97,11 +97,11 @@ def summarize(name, gpu, api, host, calls):
         if e.end > start:
             busy += e.end - start
             cursor = e.end
-    found = gaps(gpu, api)
+    found = gaps(gpu, api + host)  # launch calls are recorded on either plane, by version
+    median_gap = statistics.median(g["idle_us"] for g in found) if found else 0.0
     lines = [f"== {name}: {calls} calls, per call: span {span / calls / 1e3:.1f} us, busy "
              f"{busy / calls / 1e3:.1f}, idle {(span - busy) / calls / 1e3:.2f} "
-             f"({len(found)} gaps; median {statistics.median(g['idle_us'] for g in found):.2f} us)"
-             if found else f"== {name}: no gaps"]
+             f"({len(found)} gaps; median {median_gap:.2f} us)"]
     for title, events in (("GPU", gpu), ("driver API", api), ("XLA host", host)):
         lines.append(f"  {title}, per call:")
         lines += [f"    {row['per_call']:6.2f} x {row['mean_us']:8.2f} us  {n}"
@@ -119,9 +119,10 @@ def summarize(name, gpu, api, host, calls):
             continue
         lines.append(f"    launched {(before.end - launch.end) / 1e3:+.1f} us before the GPU "
                      f"went idle, by {launch.name} [{launch.line}]")
-        previous = [e for e in api if e.correlation == before.correlation]
+        calls_made = sorted(api + host, key=lambda e: e.start)
+        previous = [e for e in calls_made if e.correlation == before.correlation]
         since = previous[0].end if previous else launch.start
-        between = [e for e in api if since <= e.start < launch.start]
+        between = [e for e in calls_made if since <= e.start < launch.start]
         lines.append(f"    host calls between the two launches ({len(between)}):")
         lines += [f"      {(e.start - since) / 1e3:8.2f} us +{(e.end - e.start) / 1e3:6.2f}  "
                   f"{e.name[:60]} [{e.line}]" for e in between[:40]]
