@@ -49,7 +49,8 @@ import jax_flashmla as jf
 from jax_flashmla import fp8
 
 import grid_report
-from timing import FIT_SCALES, MIN_CALLS, device_copy, line_fit, size_calls, timed_batch
+from timing import (FIT_SCALES, MIN_CALLS, device_copy, line_fit, size_calls, timed_batch,
+                    turn_order)
 from torch_side import FP8, TorchSide
 
 IMPLS = ("flashmla", "torch", "reference", "flashmla_step", "torch_step")
@@ -62,19 +63,21 @@ GPU_GRID = dict(batch=128, s_k=[1024, 4096, 8192, 16384], h_q=[16, 32, 64, 128],
 CPU_GRID = dict(batch=2, s_k=[64, 128], h_q=[16], s_q=[1, 2], layers=2, target_ms=5.0,
                 repeats=3, copy_mib=64)
 # How a point is timed, recorded in the JSON (--resume only completes a report timed alike):
-# implementations in turns within each repeat, ratios per repeat; the per-call ones also as
-# the slope over batches of 0.5, 1 and 2 times their calls (timing.fit_in_turns).
-TIMING = "in turns, per call fitted"
+# implementations in turns within each repeat (the order reversed every other repeat), ratios
+# per repeat; the per-call ones also as the slope over batches of 0.5, 1 and 2 times their
+# calls (as timing.fit_in_turns).
+TIMING = "in alternating turns, per call fitted"
 FITTED = ("flashmla", "torch")
 
 
 def time_in_turns(variants, *, target_ms, repeats, max_calls):
     """variants: name -> (call, sync). Sizes each, then times them in turns within every
     repeat, so that the GPU's clocks drifting under sustained load hit all alike (ratios are
-    then taken per repeat). A variant that raises is dropped. Returns (name -> dict(samples,
-    calls, first, fits), name -> the error of a dropped variant); samples are seconds per call
-    over a batch of `calls`, and for the FITTED variants fits holds (seconds per call, seconds
-    per batch) of the line through batches of FIT_SCALES times their calls."""
+    then taken per repeat; the order reverses every other repeat). A variant that raises is
+    dropped. Returns (name -> dict(samples, calls, first, fits), name -> the error of a
+    dropped variant); samples are seconds per call over a batch of `calls`, and for the FITTED
+    variants fits holds (seconds per call, seconds per batch) of the line through batches of
+    FIT_SCALES times their calls."""
     timed, failed = {}, {}
     for name, (call, sync) in variants.items():
         try:
@@ -82,21 +85,28 @@ def time_in_turns(variants, *, target_ms, repeats, max_calls):
             timed[name] = dict(samples=[], calls=calls, first=first, fits=[])
         except Exception as e:  # one failing implementation should not cost the whole point
             failed[name] = e
-    for _ in range(repeats):
-        for name in list(timed):
-            call, sync = variants[name]
-            t = timed[name]
-            sizes = ([max(MIN_CALLS, round(t["calls"] * scale)) for scale in FIT_SCALES]
-                     if name in FITTED else [t["calls"]])
-            try:
-                totals = [timed_batch(call, sync, n) * n for n in sizes]
-            except Exception as e:
-                failed[name] = e
-                del timed[name]
-                continue
-            t["samples"].append(totals[sizes.index(t["calls"])] / t["calls"])
+    for repeat in range(repeats):
+        totals = {name: ([], []) for name in timed}
+        # Each length in turn for all, the order reversed every other repeat: neither side
+        # of a ratio always runs first, and batches of one length run close together.
+        for scale in FIT_SCALES:
+            for name in turn_order(list(timed), repeat):
+                if scale != 1.0 and name not in FITTED:
+                    continue
+                call, sync = variants[name]
+                n = max(MIN_CALLS, round(timed[name]["calls"] * scale))
+                try:
+                    totals[name][1].append(timed_batch(call, sync, n) * n)
+                except Exception as e:
+                    failed[name] = e
+                    del timed[name]
+                    continue
+                totals[name][0].append(n)
+        for name, t in timed.items():
+            sizes, times = totals[name]
+            t["samples"].append(times[sizes.index(t["calls"])] / t["calls"])
             if name in FITTED:
-                t["fits"].append(line_fit(sizes, totals))
+                t["fits"].append(line_fit(sizes, times))
     return timed, failed
 
 

@@ -181,12 +181,7 @@ def write_markdown(results, path):
         + f", b={meta['batch']}, "
         f"{meta['rotations']} (q, block_table) sets rotated; N calls then a device sync, median of "
         f"{meta['repeats']} repeats of ~{meta['target_ms']:g} ms"
-        + (", the implementations in turns within each repeat, ratios the median of per-repeat "
-           "ratios" if meta.get("timing", "").startswith("in turns")
-           else ", one implementation after another")
-        + ("; per call also fitted: jax_flashmla and torch timed over batches of 0.5, 1 and 2 "
-           "times N calls, the ratio of the slopes of batch time over batch length"
-           if meta.get("timing") == "in turns, per call fitted" else "")
+        + _timing_text(meta.get("timing", ""))
         + ". GB/s and TFLOPS by FlashMLA's formulas; per-layer figures for the steps.",
         "",
         f"Device copy (read + write, {copy['mib']} MiB): {copy_text} GB/s; ceiling "
@@ -226,6 +221,20 @@ def write_markdown(results, path):
             ("–" if step_r is None else f"{step_r:.3f}") + " |"]))
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def _timing_text(timing):
+    """How the run's points were timed (meta["timing"], bench_grid.TIMING), in words."""
+    if "turns" not in timing:
+        return ", one implementation after another"
+    text = ", the implementations in turns within each repeat"
+    if "alternating" in timing:
+        text += " (the order reversed every other repeat)"
+    text += ", ratios the median of per-repeat ratios"
+    if "per call fitted" in timing:
+        text += ("; per call also fitted: jax_flashmla and torch timed over batches of 0.5, 1 "
+                 "and 2 times N calls, the ratio of the slopes of batch time over batch length")
+    return text
 
 
 def _parts_lines(meta):

@@ -60,19 +60,29 @@ def size_calls(call, sync, *, target_ms, max_calls):
 
 def in_turns(variants, *, repeats, warmup):
     """variants: name -> (call, sync, calls, decodes per call), call taking no argument.
-    After `warmup` calls of each, every repeat times each variant in turn. Returns name ->
+    After `warmup` calls of each, every repeat times each variant in turn, the order reversed
+    every other repeat (so that a drift within a repeat favours neither side). Returns name ->
     seconds per decode, one sample per repeat."""
-    indexed = {name: (lambda _, call=call: call(), sync, calls, per_call)
-               for name, (call, sync, calls, per_call) in variants.items()}
-    for call, sync, _, _ in indexed.values():
-        for i in range(warmup):
-            result = call(i)
-        sync(result)
+    warm_up(variants, warmup)
     samples = {name: [] for name in variants}
-    for _ in range(repeats):
-        for name, (call, sync, calls, per_call) in indexed.items():
-            samples[name].append(timed_batch(call, sync, calls) / per_call)
+    for repeat in range(repeats):
+        for name in turn_order(variants, repeat):
+            call, sync, calls, per_call = variants[name]
+            samples[name].append(timed_batch(lambda _: call(), sync, calls) / per_call)
     return samples
+
+
+def warm_up(variants, calls):
+    for call, sync, _, _ in variants.values():
+        for _ in range(calls):
+            result = call()
+        sync(result)
+
+
+def turn_order(names, repeat):
+    """The names in order on even repeats, reversed on odd ones."""
+    names = list(names)
+    return names if repeat % 2 == 0 else names[::-1]
 
 
 # Batch lengths, as multiples of a variant's calls, that fit_in_turns times.
@@ -89,20 +99,24 @@ def line_fit(xs, ys):
 
 def fit_in_turns(variants, *, repeats, warmup, scales=FIT_SCALES):
     """As in_turns, but every repeat times each variant's batch at several lengths (its calls
-    times each of `scales`) and fits a line through their total times. Returns name -> (seconds
-    per decode: the slope, what one more call adds to a stream of calls; seconds per batch: the
-    intercept, what a batch pays once however long), as two lists of one sample per repeat."""
-    for call, sync, _, _ in variants.values():
-        for _ in range(warmup):
-            result = call()
-        sync(result)
+    times each of `scales`; the variants in turn at each length, so that batches of one length
+    run close together) and fits a line through their total times. Returns name -> (seconds
+    per decode: the slope, what one more call adds to a stream of calls; seconds per batch:
+    the intercept, what a batch pays once however long), as two lists of one sample per
+    repeat."""
+    warm_up(variants, warmup)
     fits = {name: ([], []) for name in variants}
-    for _ in range(repeats):
-        for name, (call, sync, calls, per_call) in variants.items():
-            sizes = [max(MIN_CALLS, round(calls * scale)) for scale in scales]
-            totals = [timed_batch(lambda _: call(), sync, n) * n for n in sizes]
+    for repeat in range(repeats):
+        points = {name: ([], []) for name in variants}
+        for scale in scales:
+            for name in turn_order(variants, repeat):
+                call, sync, calls, _ = variants[name]
+                n = max(MIN_CALLS, round(calls * scale))
+                points[name][0].append(n)
+                points[name][1].append(timed_batch(lambda _: call(), sync, n) * n)
+        for name, (sizes, totals) in points.items():
             slope, intercept = line_fit(sizes, totals)
-            fits[name][0].append(slope / per_call)
+            fits[name][0].append(slope / variants[name][3])
             fits[name][1].append(intercept)
     return fits
 

@@ -7,6 +7,7 @@ copy_ in the same loops) this runs `--calls` calls under jax.profiler, then repo
   - per call: the GPU's span, busy and idle time (all streams), each GPU activity's count and
     mean duration, each driver API call's count and mean duration (all threads), and XLA's
     host-side annotations (TraceMe) per call;
+  - the longest gaps and where in the run they fall;
   - for a few consecutive gaps in the steady state: the activities on either side, the gap,
     how long before the gap's end the second activity was launched (positive: the GPU waited
     on something other than the host), and every driver call the host made between the two
@@ -108,6 +109,10 @@ def summarize(name, gpu, api, host, calls):
                   for n, row in per_call(events, calls).items()]
     streams = sorted({e.line for e in gpu})
     lines.append(f"  GPU lines: {streams}")
+    # Where the long gaps fall: the first calls of a run (the host not yet ahead) or anywhere.
+    longest = sorted(range(len(found)), key=lambda i: -found[i]["idle_us"])[:GAPS_SHOWN]
+    lines.append("  longest gaps (us at gap number): " + ", ".join(
+        f"{found[i]['idle_us']:.1f} at {i}" for i in sorted(longest)))
     # Consecutive gaps from the middle of the run, where the queue is in its steady state.
     middle = found[len(found) // 2:len(found) // 2 + GAPS_SHOWN]
     for g in middle:
@@ -118,7 +123,7 @@ def summarize(name, gpu, api, host, calls):
             lines.append("    (no launch call found for the second activity)")
             continue
         lines.append(f"    launched {(before.end - launch.end) / 1e3:+.1f} us before the GPU "
-                     f"went idle, by {launch.name} [{launch.line}]")
+                     f"went idle, by {launch.name[:60]} [{launch.line}]")
         calls_made = sorted(api + host, key=lambda e: e.start)
         previous = [e for e in calls_made if e.correlation == before.correlation]
         since = previous[0].end if previous else launch.start
