@@ -19,6 +19,8 @@
 #                (grid_report.py --merge joins them); GRID_ARGS picks e.g. the dtype
 #     hq16       h_q=16's per-call gap to torch: GPU timelines at s_k 4096/8192, and
 #                bench_decode under XLA settings that could change it (~3 min)
+#     timing_split two GPUs: bench_decode (3 runs) then trace on GPU 0, the grid mode on GPU 1
+#                (GRID_ARGS, GRID_NAME), each on half the cores
 #     trace      trace_executions.py (what the GPU waits for between jitted calls, with XLA's
 #                driver calls) at h_q=16, s_k 4096 and 8192, and h_q=128, s_k=16384
 set -uo pipefail
@@ -155,6 +157,21 @@ for mode in "${modes[@]}"; do
     done
     wait
     tail -n 12 "$out"/grid_split_*.txt ;;
+  timing_split)
+    half=$(($(nproc) / 2))
+    (
+      export CUDA_VISIBLE_DEVICES=0
+      taskset -c 0-$((half - 1)) timeout 300 python3 benchmarks/bench_decode.py --runs 3 \
+        --out "$out/bench_decode.json" > "$out/bench.txt" 2>&1
+      SKIP_INSTALL=1 OUT="$out/trace" taskset -c 0-$((half - 1)) bash "$0" trace \
+        > "$out/trace.txt" 2>&1
+    ) &
+    CUDA_VISIBLE_DEVICES=1 SKIP_INSTALL=1 OUT="$out/grid" taskset -c "$half-$((2 * half - 1))" \
+      bash "$0" grid > "$out/grid.txt" 2>&1 &
+    wait
+    grep -E "^b=128|^one jitted|^host" "$out/bench.txt"
+    grep -E "^==" "$out/trace.txt"
+    tail -n 9 "$out/grid.txt" ;;
   bench_fp8) bench_fp8 ;;
   hq16)
     profile_h16 4096 8192
