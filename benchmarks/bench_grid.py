@@ -2,8 +2,9 @@
 torch, against the pure-JAX reference, and as a decode step of N layers.
 
 Each point is one cache dtype (--dtype): bfloat16, or float8_e4m3fn with one per-tensor k scale
-(FlashMLA's dense FP8 decode; jax_flashmla quantizes q inside the timed call, the torch op is
-given q already quantized, as SGLang quantizes it in a kernel of its own).
+(FlashMLA's dense FP8 decode; q is quantized with that scale once, outside the timed calls, and
+given to jax_flashmla and to the torch op alike in FP8, as SGLang hands it to the kernel; the
+pure-JAX reference gets it in bf16).
 
 Implementations (--impl):
   flashmla       jf.mla_decode under jax.jit; metadata computed once, outside the timed region
@@ -68,6 +69,8 @@ CPU_GRID = dict(batch=2, s_k=[64, 128], h_q=[16], s_q=[1, 2], layers=2, target_m
 # calls (as timing.fit_in_turns).
 TIMING = "in alternating turns, per call fitted"
 FITTED = ("flashmla", "torch")
+# How the FP8 points hand q to jax_flashmla (reports before this key quantized it in the call).
+FP8_Q = "given quantized"
 
 
 def time_in_turns(variants, *, target_ms, repeats, max_calls):
@@ -212,12 +215,15 @@ def bench_point(work, dtype, h_q, s_q, impls, args, torch_side, ceiling_gbps):
     jax_sync = jax.block_until_ready
     variants, per_call = {}, {}
 
+    # The kernels' q: for an FP8 cache quantized here, once, as the torch side does.
+    kernel_qs = qs if k_scale is None else [jax_sync(fp8.quantize(q, k_scale)) for q in qs]
     if "flashmla" in impls:
         md = jax_sync(jf.get_mla_metadata(sl, num_heads_q=h_q, num_q_tokens=s_q,
                                           fp8=k_scale is not None, implementation="flashmla"))
         decode = jax.jit(functools.partial(jf.mla_decode, implementation="flashmla"))
         variants["flashmla"] = (
-            lambda i: decode(qs[i % rot], kv, bts[i % rot], sl, metadata=md, k_scale=k_scale),
+            lambda i: decode(kernel_qs[i % rot], kv, bts[i % rot], sl, metadata=md,
+                             k_scale=k_scale),
             jax_sync)
     if "reference" in impls:
         need = work.reference_bytes(h_q, s_q)
@@ -229,7 +235,7 @@ def bench_point(work, dtype, h_q, s_q, impls, args, torch_side, ceiling_gbps):
             variants["reference"] = (
                 lambda i: reference(qs[i % rot], kv, bts[i % rot], sl, k_scale=k_scale), jax_sync)
     if "flashmla_step" in impls:
-        step_qs = [qs[j % rot] for j in range(layers)]
+        step_qs = [kernel_qs[j % rot] for j in range(layers)]
         step_bts = [bts[j % rot] for j in range(layers)]
         variants["flashmla_step"] = (lambda i: decode_step(step_qs, kv, step_bts, sl, k_scale),
                                      jax_sync)
@@ -380,7 +386,7 @@ def main():
             flashmla_path="FlashMLA's kernels" if on_gpu else "the C++ model (CPU custom call)",
             date=_now(), jax=jax.__version__, dtypes=args.dtype, batch=args.batch,
             layers=args.layers, rotations=args.rotations, target_ms=args.target_ms,
-            repeats=args.repeats, timing=TIMING, impls=args.impl, copy=copy,
+            repeats=args.repeats, timing=TIMING, fp8_q=FP8_Q, impls=args.impl, copy=copy,
             visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
             **(torch_side.info if torch_side else {})), points=[], not_run=[])
     print(f"device {jax.devices()[0].device_kind}: copy {copy['ceiling_gbps']:.0f} GB/s "

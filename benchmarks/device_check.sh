@@ -22,7 +22,8 @@
 #     timing_split two GPUs: bench_decode (3 runs) then trace on GPU 0, the grid mode on GPU 1
 #                (GRID_ARGS, GRID_NAME), each on half the cores
 #     trace      trace_executions.py (what the GPU waits for between jitted calls, with XLA's
-#                driver calls) at h_q=16, s_k 4096 and 8192, and h_q=128, s_k=16384
+#                driver calls) at h_q=16, s_k 4096 and 8192, and h_q=128, s_k=16384; an FP8
+#                cache at s_k=8192, h_q 16 and 128
 set -uo pipefail
 modes=("${@:-tests}")
 out=${OUT:-device-out}
@@ -138,25 +139,13 @@ for mode in "${modes[@]}"; do
   serving) pytest_logged pytest_serving.txt 200 tests/test_serving.py ;;
   profile_h16) profile_h16 8192 ;;
   trace)
-    for point in "4096 16" "8192 16" "16384 128"; do
-      read -r s_k h_q <<< "$point"
-      timeout 150 python3 benchmarks/trace_executions.py --s-k "$s_k" --h-q "$h_q" \
-        --out "$out/trace_${s_k}_$h_q.txt" > "$out/trace_log_${s_k}_$h_q.txt" 2>&1
-      grep -E "^==|Error" "$out/trace_log_${s_k}_$h_q.txt"
+    for point in "4096 16" "8192 16" "16384 128" "8192 16 --fp8" "8192 128 --fp8"; do
+      read -r s_k h_q flag <<< "$point"
+      name="trace_${s_k}_${h_q}${flag:+_fp8}"
+      timeout 150 python3 benchmarks/trace_executions.py --s-k "$s_k" --h-q "$h_q" $flag \
+        --out "$out/$name.txt" > "$out/${name}_log.txt" 2>&1
+      grep -E "^==|Error" "$out/${name}_log.txt"
     done ;;
-  build) ;;
-  grid_split)
-    half=$(($(nproc) / 2))
-    for part in "0 a 1024 4096" "1 b 8192 16384"; do
-      read -r gpu suffix s_k_low s_k_high <<< "$part"
-      CUDA_VISIBLE_DEVICES=$gpu SKIP_INSTALL=1 OUT="$out/$suffix" \
-        GRID_NAME="${GRID_NAME:-grid_h200}_$suffix" \
-        GRID_ARGS="${GRID_ARGS:-} --s-k $s_k_low $s_k_high" \
-        taskset -c $((gpu * half))-$((gpu * half + half - 1)) bash "$0" grid \
-        > "$out/grid_split_$suffix.txt" 2>&1 &
-    done
-    wait
-    tail -n 12 "$out"/grid_split_*.txt ;;
   timing_split)
     half=$(($(nproc) / 2))
     (

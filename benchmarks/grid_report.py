@@ -21,7 +21,7 @@ STYLE = {
 }
 # Settings that must agree for runs to be reported as one grid.
 SHARED_SETTINGS = ("device", "batch", "layers", "rotations", "target_ms", "repeats", "timing",
-                   "jax", "decode_op")
+                   "fp8_q", "jax", "decode_op")
 # "The large shapes", where the issue asks mla_decode to be within 3% of torch-direct per call.
 LARGE_S_K = 8192
 
@@ -176,8 +176,7 @@ def write_markdown(results, path):
         f"{meta['date']}; jax {meta['jax']}" + (f", torch {meta['torch']}, `{meta['decode_op']}`"
                                                  if "torch" in meta else "")
         + f"; jax_flashmla runs {meta['flashmla_path']}. Cache {', '.join(dtypes)}"
-        + (" (FP8: one per-tensor k scale; jax_flashmla quantizes q inside the call, torch gets "
-           "it quantized)" if len(dtypes) > 1 or dtypes != ["bfloat16"] else "")
+        + (_fp8_text(meta) if len(dtypes) > 1 or dtypes != ["bfloat16"] else "")
         + f", b={meta['batch']}, "
         f"{meta['rotations']} (q, block_table) sets rotated; N calls then a device sync, median of "
         f"{meta['repeats']} repeats of ~{meta['target_ms']:g} ms"
@@ -221,6 +220,14 @@ def write_markdown(results, path):
             ("–" if step_r is None else f"{step_r:.3f}") + " |"]))
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def _fp8_text(meta):
+    if meta.get("fp8_q") == "given quantized":
+        return (" (FP8: one per-tensor k scale; q quantized with it once, outside the timed "
+                "calls, and given to both in FP8)")
+    return (" (FP8: one per-tensor k scale; jax_flashmla quantizes q inside the call, torch gets "
+            "it quantized)")
 
 
 def _timing_text(timing):

@@ -3,7 +3,8 @@
 torch's profiler records only torch's CUDA API calls (profile_decode.py); XLA's CUPTI tracer
 (jax.profiler) records every driver call in the process, XLA's included. For each variant (one
 jitted mla_decode per call, one jitted device copy per call, and the torch op and torch's
-copy_ in the same loops) this runs `--calls` calls under jax.profiler, then reports:
+copy_ in the same loops; with --fp8, an FP8 cache with q given in bf16 or already in FP8,
+and the torch op given it in FP8) this runs `--calls` calls under jax.profiler, then reports:
   - per call: the GPU's span, busy and idle time (all streams), each GPU activity's count and
     mean duration, each driver API call's count and mean duration (all threads), and XLA's
     host-side annotations (TraceMe) per call;
@@ -25,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_flashmla as jf
+from jax_flashmla import fp8
 
 # Planes and lines of an XSpace (tsl/profiler/utils/xplane_schema.h).
 GPU_PLANE_PREFIX = "/device:GPU:"
@@ -134,12 +136,23 @@ def summarize(name, gpu, api, host, calls):
     return "\n".join(lines)
 
 
+def looped(call, sync, calls):
+    """A run of `calls` calls of call(i), then sync on the last result."""
+    def run():
+        for i in range(calls):
+            result = call(i)
+        sync(result)
+    return run
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--s-k", type=int, default=8192)
     parser.add_argument("--h-q", type=int, default=16)
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--calls", type=int, default=40)
+    parser.add_argument("--fp8", action="store_true",
+                        help="an FP8 cache: q given in bf16 (quantized in the call) or in FP8")
     parser.add_argument("--no-torch", action="store_true", help="only the jax variants")
     parser.add_argument("--out", help="also write the report here")
     args = parser.parse_args()
@@ -149,41 +162,42 @@ def main():
     options = jax.profiler.ProfileOptions()
     options.python_tracer_level = 0
     q, kv, bt, sl = _inputs(args.batch, args.s_k, args.h_q, 1)
-    md = jax.block_until_ready(jf.get_mla_metadata(sl, num_heads_q=args.h_q))
-    decode = jax.jit(lambda q, kv, bt, sl, md: jf.mla_decode(q, kv, bt, sl, metadata=md))
-    sources = [jnp.full((kv.size // 2,), i, jnp.bfloat16) for i in range(2)]
-
-    def jax_decodes():
-        for _ in range(args.calls):
-            result = decode(q, kv, bt, sl, md)
-        jax.block_until_ready(result)
-
-    def jax_copies():
-        for i in range(args.calls):
-            result = device_copy(sources[i % 2])
-        jax.block_until_ready(result)
-
-    variants = dict(jax_decode=jax_decodes, jax_copy=jax_copies)
+    jax_sync, variants = jax.block_until_ready, {}
+    side = None
     if not args.no_torch:
         from torch_side import TorchSide
         side = TorchSide()
-        torch_call = side.decode_call(kv, sl, q, bt, args.h_q, 1)
-        torch_sources = [side.torch.from_dlpack(x) for x in sources]
-        destination = side.torch.empty_like(torch_sources[0])
-
-        def torch_decodes():
-            for _ in range(args.calls):
-                torch_call()
-            side.sync()
-
-        def torch_copies():
-            for i in range(args.calls):
-                destination.copy_(torch_sources[i % 2])
-            side.sync()
-
-        variants.update(torch_decode=torch_decodes, torch_copy=torch_copies)
+    if args.fp8:
+        k_scale = jnp.max(jnp.abs(kv)).astype(jnp.float32) / fp8.FP8_MAX
+        kv8, q8 = (jax_sync(fp8.quantize(x, k_scale)) for x in (kv, q))
+        md = jax_sync(jf.get_mla_metadata(sl, num_heads_q=args.h_q, fp8=True))
+        decode = jax.jit(lambda q, kv, bt, sl, md, s: jf.mla_decode(q, kv, bt, sl, metadata=md,
+                                                                    k_scale=s))
+        variants["jax_decode_q_bf16"] = looped(lambda _: decode(q, kv8, bt, sl, md, k_scale),
+                                               jax_sync, args.calls)
+        variants["jax_decode_q_fp8"] = looped(lambda _: decode(q8, kv8, bt, sl, md, k_scale),
+                                              jax_sync, args.calls)
+        if side:
+            torch_call = side.decode_call(kv8, sl, q, bt, args.h_q, 1, k_scale=k_scale)
+            variants["torch_decode_q_fp8"] = looped(lambda _: torch_call(), side.sync,
+                                                    args.calls)
+    else:
+        md = jax_sync(jf.get_mla_metadata(sl, num_heads_q=args.h_q))
+        decode = jax.jit(lambda q, kv, bt, sl, md: jf.mla_decode(q, kv, bt, sl, metadata=md))
+        sources = [jnp.full((kv.size // 2,), i, jnp.bfloat16) for i in range(2)]
+        variants["jax_decode"] = looped(lambda _: decode(q, kv, bt, sl, md), jax_sync, args.calls)
+        variants["jax_copy"] = looped(lambda i: device_copy(sources[i % 2]), jax_sync,
+                                      args.calls)
+        if side:
+            torch_call = side.decode_call(kv, sl, q, bt, args.h_q, 1)
+            torch_sources = [side.torch.from_dlpack(x) for x in sources]
+            destination = side.torch.empty_like(torch_sources[0])
+            variants["torch_decode"] = looped(lambda _: torch_call(), side.sync, args.calls)
+            variants["torch_copy"] = looped(
+                lambda i: destination.copy_(torch_sources[i % 2]), side.sync, args.calls)
     reports = [f"trace_executions: b={args.batch} s_k={args.s_k} h_q={args.h_q} s_q=1, "
-               f"{args.calls} calls per variant, {jax.devices()[0].device_kind}"]
+               f"{'FP8' if args.fp8 else 'bf16'} cache, {args.calls} calls per variant, "
+               f"{jax.devices()[0].device_kind}"]
     for name, run in variants.items():
         run()  # compiles and warms up outside the trace
         reports.append(summarize(name, *traced(run, options), args.calls))

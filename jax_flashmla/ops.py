@@ -147,6 +147,9 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, metadata=None, softmax_sca
 
     Args:
       q: (batch, s_q, h_q, 576) bfloat16 or float16; 512 latent + 64 rope columns per head.
+        With a float8_e4m3fn cache q may also come already quantized with k_scale
+        (float8_e4m3fn, as fp8.quantize(q, k_scale) makes it), as SGLang hands it to the
+        kernel: the quantization can then fuse into whatever computed q.
       kv_cache: (num_pages, 64, 1, 576) of q's dtype, or float8_e4m3fn with k_scale (FlashMLA's
         FP8 decode); V is the first 512 columns of each row.
       block_table: (batch, max_pages) int32; entry j of request i is the page holding its
@@ -166,7 +169,8 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, metadata=None, softmax_sca
       k_scale: with a float8_e4m3fn kv_cache (and only then), its per-tensor scale: float32 of
         shape () or (1,), an array so that one compiled step serves any scale. As SGLang does,
         q is quantized to float8_e4m3fn with this same scale (saturating at +-448, see
-        jax_flashmla/fp8.py), and the kernel gets it as descale_q and descale_k.
+        jax_flashmla/fp8.py) unless it comes quantized, and the kernel gets the scale as
+        descale_q and descale_k.
 
     Returns:
       out: (batch, s_q, h_q, 512) in q's dtype; bfloat16 with a float8_e4m3fn cache.
@@ -187,7 +191,9 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, metadata=None, softmax_sca
     descales = ()
     if fp8:
         scale = jnp.asarray(k_scale).reshape(1)
-        q, descales = fp8_quant.quantize(q, scale), (scale, scale)
+        if q.dtype != fp8_quant.FP8_DTYPE:
+            q = fp8_quant.quantize(q, scale)
+        descales = (scale, scale)
     kernel = sharding.DecodeConfig(float(softmax_scale), bool(causal), int(head_dim_v), num_sms,
                                    fp8)
     return _decode(_DecodeConfig(kernel, implementation), q, kv_cache, block_table, seq_lens,

@@ -79,12 +79,14 @@ def check_metadata_args(seq_lens, num_heads_q, num_q_tokens, num_heads_k):
 
 
 def _check_dtypes(where, q, kv_cache, k_scale):
-    if np.dtype(q.dtype) == FP8_DTYPE:
-        _fail(TypeError, where, "q must be bfloat16 or float16, also with a float8_e4m3fn kv_cache "
-                                "(mla_decode quantizes q itself with k_scale); got float8_e4m3fn")
-    if np.dtype(q.dtype) not in SUPPORTED_DTYPES:
-        _fail(TypeError, where, f"q must be bfloat16 or float16; got {q.dtype}")
-    if np.dtype(kv_cache.dtype) == FP8_DTYPE:
+    cache_fp8 = np.dtype(kv_cache.dtype) == FP8_DTYPE
+    if np.dtype(q.dtype) == FP8_DTYPE and not cache_fp8:
+        _fail(TypeError, where, f"q may be float8_e4m3fn only with a float8_e4m3fn kv_cache (q "
+                                f"quantized with k_scale); kv_cache is {kv_cache.dtype}")
+    if np.dtype(q.dtype) not in SUPPORTED_DTYPES + (FP8_DTYPE,):
+        _fail(TypeError, where, f"q must be bfloat16 or float16 (or float8_e4m3fn with a "
+                                f"float8_e4m3fn kv_cache); got {q.dtype}")
+    if cache_fp8:
         if k_scale is None:
             _fail(TypeError, where, "a float8_e4m3fn kv_cache needs k_scale, its float32 scale of "
                                     "shape () or (1,)")

@@ -63,6 +63,7 @@ def test_cpu_grid_writes_its_report(tmp_path):
     assert "| bf16 | fixed | 1 | 16 | 64 |" in markdown
     assert "| fp8 | varlen | 2 | 16 | 128 |" in markdown
     assert "- float8_e4m3fn cache:" in markdown
+    assert meta["fp8_q"] == "given quantized" and "given to both in FP8" in markdown
     assert "Pure-JAX reference / jax_flashmla: median" in markdown
     assert meta["timing"] == "in alternating turns, per call fitted"
     assert "the implementations in turns" in markdown and "per call also fitted" in markdown

@@ -175,6 +175,23 @@ def test_empty_requests_keep_flashmlas_convention_in_fp8():
 
 @pytest.mark.usefixtures("on_cpu")
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_q_quantized_beforehand_gives_the_same_result(implementation):
+    """q handed over in float8_e4m3fn (quantized with k_scale, as SGLang hands it to the kernel)
+    and q quantized by mla_decode give the same bits, empty requests included."""
+    q, kv8, bt, sl = _fp8_inputs(12, s_q=2, batch=6, zero_lengths=1)
+    scale = jnp.float32(K_SCALE)
+    decode = jax.jit(lambda q, kv, bt, sl, s: jf.mla_decode(q, kv, bt, sl, k_scale=s,
+                                                            implementation=implementation))
+    out, lse = decode(q, kv8, bt, sl, scale)
+    out8, lse8 = decode(fp8.quantize(q, scale), kv8, bt, sl, scale)
+    assert out8.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(out8, np.float32), np.asarray(out, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse8), np.asarray(lse))
+    assert np.isposinf(np.asarray(lse)).any()  # the empty request was there
+
+
+@pytest.mark.usefixtures("on_cpu")
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_one_compilation_serves_any_scale(implementation):
     q, kv, bt, sl = make_decode_inputs(np.random.default_rng(5), batch=3, s_q=2, h_q=16,
                                        mean_sk=100, varlen=True, dtype=jnp.float32)
@@ -258,9 +275,11 @@ def _args(dtype=jnp.float8_e4m3fn, q_dtype=jnp.bfloat16):
 
 @pytest.mark.parametrize("args,kwargs,exc,pattern", [
     (_args(jnp.bfloat16, jnp.float8_e4m3fn), {}, TypeError,
-     r"q must be bfloat16 or float16, also with a float8_e4m3fn kv_cache.*got float8_e4m3fn"),
-    (_args(q_dtype=jnp.float8_e4m3fn), dict(k_scale=jnp.float32(1)), TypeError,
-     r"mla_decode quantizes q itself with k_scale"),
+     r"q may be float8_e4m3fn only with a float8_e4m3fn kv_cache \(q quantized with k_scale\); "
+     r"kv_cache is bfloat16"),
+    (_args(q_dtype=jnp.float32), dict(k_scale=jnp.float32(1)), TypeError,
+     r"q must be bfloat16 or float16 \(or float8_e4m3fn with a float8_e4m3fn kv_cache\); "
+     r"got float32"),
     (_args(), {}, TypeError, r"a float8_e4m3fn kv_cache needs k_scale"),
     (_args(jnp.bfloat16), dict(k_scale=jnp.float32(1)), TypeError,
      r"k_scale is only for a float8_e4m3fn kv_cache; kv_cache is bfloat16"),

@@ -59,9 +59,11 @@ def _inputs(seed, *, batch, s_q, h_q, mean_sk, varlen):
             jnp.asarray(bt), jnp.asarray(sl))
 
 
+@pytest.mark.parametrize("q_quantized", [False, True], ids=["q_bf16", "q_fp8"])
 @pytest.mark.parametrize("s_q,h_q,varlen", [(1, 128, False), (1, 16, True), (2, 64, True),
                                              (2, 128, True), (4, 32, False)])
-def test_bit_identical_to_the_torch_fp8_op(s_q, h_q, varlen):
+def test_bit_identical_to_the_torch_fp8_op(s_q, h_q, varlen, q_quantized):
+    """q_fp8: q handed to mla_decode already quantized with k_scale."""
     torch, decode_op, metadata_op = _fp8_torch_ops()
     q, _, kv8, bt, sl = _inputs(s_q * 1000 + h_q, batch=64, s_q=s_q, h_q=h_q, mean_sk=2048,
                                 varlen=varlen)
@@ -70,8 +72,10 @@ def test_bit_identical_to_the_torch_fp8_op(s_q, h_q, varlen):
     @jax.jit
     def step(q, kv8, bt, sl, scale):
         md = jf.get_mla_metadata(sl, num_heads_q=h_q, num_q_tokens=s_q, fp8=True)
-        out, lse = jf.mla_decode(q, kv8, bt, sl, metadata=md, k_scale=scale)
-        return md, out, lse, fp8.quantize(q, scale)  # the q the kernel was given
+        q8 = fp8.quantize(q, scale)  # the q the kernel is given
+        out, lse = jf.mla_decode(q8 if q_quantized else q, kv8, bt, sl, metadata=md,
+                                 k_scale=scale)
+        return md, out, lse, q8
 
     md, out, lse, q8 = step(q, kv8, bt, sl, scale)
     # The torch op gets what jax_flashmla gives the kernel: empty requests as length 1 over

@@ -28,7 +28,7 @@ def _decode(**overrides):
     (dict(kv_cache=jnp.zeros((4, 32, 1, 576), jnp.bfloat16)), ValueError, r"page size 64.*\(4, 32, 1, 576\)"),
     (dict(kv_cache=jnp.zeros((4, 64, 2, 576), jnp.bfloat16)), ValueError, r"one latent KV head.*\(4, 64, 2, 576\)"),
     (dict(kv_cache=jnp.zeros((4, 64, 1, 576), jnp.float16)), TypeError, r"kv_cache must have q's dtype bfloat16; got float16"),
-    (dict(q=jnp.zeros((2, 1, 16, 576), jnp.float32), kv_cache=jnp.zeros((4, 64, 1, 576), jnp.float32)), TypeError, r"q must be bfloat16 or float16; got float32"),
+    (dict(q=jnp.zeros((2, 1, 16, 576), jnp.float32), kv_cache=jnp.zeros((4, 64, 1, 576), jnp.float32)), TypeError, r"q must be bfloat16 or float16 \(or float8_e4m3fn with a float8_e4m3fn kv_cache\); got float32"),
     (dict(block_table=jnp.zeros((2, 2), jnp.int64 if jax.config.x64_enabled else jnp.uint32)), TypeError, r"block_table must be int32"),
     (dict(block_table=jnp.zeros((3, 2), jnp.int32)), ValueError, r"block_table must have shape \(2, max_pages\).*\(3, 2\)"),
     (dict(seq_lens=jnp.zeros((3,), jnp.int32)), ValueError, r"seq_lens must have shape \(2,\); got \(3,\)"),
