@@ -6,6 +6,7 @@
 #     tests      every GPU-relevant test but FP8's, skips failing (= gpu_tests, ~5 min on one
 #                H200, + stack_tests + more_tests: run them in separate calls)
 #     fp8        the FP8 tests            probe_fp8  which inputs FlashMLA's FP8 kernel takes
+#     gpu_bf16   tests/test_gpu.py alone (bf16 against the torch op)
 #     decode     bench_decode.py          profile    the GPU timeline of one decode, jax vs torch
 #     bench      multi-GPU, FP8, write_kv benchmarks and the served example
 #     bench_fp8  the FP8 benchmark alone
@@ -19,11 +20,13 @@
 #                (grid_report.py --merge joins them); GRID_ARGS picks e.g. the dtype
 #     hq16       h_q=16's per-call gap to torch: GPU timelines at s_k 4096/8192, and
 #                bench_decode under XLA settings that could change it (~3 min)
-#     timing_split two GPUs: bench_decode (3 runs) then trace on GPU 0, the grid mode on GPU 1
-#                (GRID_ARGS, GRID_NAME), each on half the cores
+#     pair       two GPUs: the modes in GPU0_MODES on GPU 0 and those in GPU1_MODES on GPU 1 at
+#                once, each on half the cores, logs in gpu0.txt and gpu1.txt
+#     timing_split  pair with decode_runs (bench_decode, 3 runs) then trace on GPU 0, the grid
+#                mode on GPU 1 (GRID_ARGS, GRID_NAME)
 #     trace      trace_executions.py (what the GPU waits for between jitted calls, with XLA's
 #                driver calls) at h_q=16, s_k 4096 and 8192, and h_q=128, s_k=16384; an FP8
-#                cache at s_k=8192, h_q 16 and 128
+#                cache at s_k=8192, h_q 16 and 128 (TRACE_POINTS="s_k h_q [--fp8];..." picks)
 set -uo pipefail
 modes=("${@:-tests}")
 out=${OUT:-device-out}
@@ -109,6 +112,7 @@ for mode in "${modes[@]}"; do
   case "$mode" in
   tests) gpu_tests; stack_tests; more_tests ;;
   gpu_tests) gpu_tests ;;
+  gpu_bf16) pytest_logged pytest_gpu_bf16.txt 200 tests/test_gpu.py ;;
   stack_tests) stack_tests ;;
   more_tests) more_tests ;;
   fp8)
@@ -139,28 +143,29 @@ for mode in "${modes[@]}"; do
   serving) pytest_logged pytest_serving.txt 200 tests/test_serving.py ;;
   profile_h16) profile_h16 8192 ;;
   trace)
-    for point in "4096 16" "8192 16" "16384 128" "8192 16 --fp8" "8192 128 --fp8"; do
+    IFS=';' read -ra points <<< "${TRACE_POINTS:-4096 16;8192 16;16384 128;8192 16 --fp8;8192 128 --fp8}"
+    for point in "${points[@]}"; do
       read -r s_k h_q flag <<< "$point"
       name="trace_${s_k}_${h_q}${flag:+_fp8}"
       timeout 150 python3 benchmarks/trace_executions.py --s-k "$s_k" --h-q "$h_q" $flag \
         --out "$out/$name.txt" > "$out/${name}_log.txt" 2>&1
       grep -E "^==|Error" "$out/${name}_log.txt"
     done ;;
-  timing_split)
+  timing_split) GPU0_MODES="decode_runs trace" GPU1_MODES=grid bash "$0" pair ;;
+  decode_runs)
+    timeout 300 python3 benchmarks/bench_decode.py --runs 3 --out "$out/bench_decode.json" \
+      > "$out/bench.txt" 2>&1
+    grep -E "^b=128|^one jitted|^host" "$out/bench.txt" ;;
+  pair)
     half=$(($(nproc) / 2))
-    (
-      export CUDA_VISIBLE_DEVICES=0
-      taskset -c 0-$((half - 1)) timeout 300 python3 benchmarks/bench_decode.py --runs 3 \
-        --out "$out/bench_decode.json" > "$out/bench.txt" 2>&1
-      SKIP_INSTALL=1 OUT="$out/trace" taskset -c 0-$((half - 1)) bash "$0" trace \
-        > "$out/trace.txt" 2>&1
-    ) &
-    CUDA_VISIBLE_DEVICES=1 SKIP_INSTALL=1 OUT="$out/grid" taskset -c "$half-$((2 * half - 1))" \
-      bash "$0" grid > "$out/grid.txt" 2>&1 &
+    for gpu in 0 1; do
+      modes_var=GPU${gpu}_MODES
+      CUDA_VISIBLE_DEVICES=$gpu SKIP_INSTALL=1 OUT="$out/gpu$gpu" \
+        taskset -c $((gpu * half))-$((gpu * half + half - 1)) bash "$0" ${!modes_var} \
+        > "$out/gpu$gpu.txt" 2>&1 &
+    done
     wait
-    grep -E "^b=128|^one jitted|^host" "$out/bench.txt"
-    grep -E "^==" "$out/trace.txt"
-    tail -n 9 "$out/grid.txt" ;;
+    tail -n 25 "$out"/gpu0.txt "$out"/gpu1.txt ;;
   bench_fp8) bench_fp8 ;;
   hq16)
     profile_h16 4096 8192

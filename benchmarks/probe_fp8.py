@@ -5,7 +5,7 @@ inputs carry FlashMLA's test hazards: NaN in cache rows past a request's length,
 indices in unused block-table slots, zero-length requests. Each case turns hazards on over
 clean variable-length inputs (one at a time, then in pairs, then all) and runs in its own
 process, so that a fault ends only that case. Stages: jax_flashmla's FP8 path (empty requests
-guarded, see ops._fp8_guard_empty_requests) against float64 attention over the dequantized
+guarded, in the handler, see ffi/fp8_guard.h) against float64 attention over the dequantized
 values; the torch op on the same guarded inputs, which must equal it bit for bit; the torch op
 on the raw inputs, last, since FlashMLA's kernel may fault there.
 
@@ -46,7 +46,7 @@ def run_case(case, batch=64, mean_sk=2048):
     import numpy as np
 
     import jax_flashmla as jf
-    from jax_flashmla import fp8, ops
+    from jax_flashmla import fp8
     from oracle import SENTINEL_PAGE, dense_attention_f64, make_decode_inputs
     from torch_side import TorchSide
 
@@ -81,7 +81,7 @@ def run_case(case, batch=64, mean_sk=2048):
         side.sync()
         return t_out.float().cpu().numpy(), t_lse.cpu().numpy()
 
-    guarded_bt, guarded_sl, empty = ops._fp8_guard_empty_requests(bt, sl)
+    guarded_bt, guarded_sl, empty = fp8.guard_empty_requests(bt, sl)
     t_out, t_lse = torch_op(guarded_bt, guarded_sl)
     empty = np.asarray(empty)
     t_out[empty], t_lse[empty] = 0, np.inf

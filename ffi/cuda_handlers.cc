@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstdint>
 #include <exception>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -14,6 +15,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include "fp8_guard.h"
 #include "result_lending.h"
 #include "torch_bridge.h"
 #include "xla/ffi/api/ffi.h"
@@ -48,17 +50,22 @@ ffi::Error OnXlaStream(cudaStream_t stream, int32_t device, std::string_view wha
   }
 }
 
+void ThrowOnError(cudaError_t status, std::string_view what) {
+  if (status != cudaSuccess)
+    throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(status));
+}
+
 // The arguments both decode ops take.
 OpArgs DecodeArgs(int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
-                  ffi::Buffer<ffi::S32> block_table, ffi::Buffer<ffi::S32> seq_lens,
+                  const at::Tensor& block_table, const at::Tensor& seq_lens,
                   ffi::Buffer<ffi::S32> tile_scheduler_metadata, ffi::Buffer<ffi::S32> num_splits,
                   float softmax_scale, bool causal, int64_t head_dim_v) {
   OpArgs args;
   Slot(args, OpArg::kQ) = Wrap(q, device);
   Slot(args, OpArg::kKvCache) = Wrap(kv_cache, device);
   Slot(args, OpArg::kHeadDimV) = head_dim_v;
-  Slot(args, OpArg::kSeqLens) = Wrap(seq_lens, device);
-  Slot(args, OpArg::kBlockTable) = Wrap(block_table, device);
+  Slot(args, OpArg::kSeqLens) = seq_lens;
+  Slot(args, OpArg::kBlockTable) = block_table;
   Slot(args, OpArg::kSoftmaxScale) = static_cast<double>(softmax_scale);
   Slot(args, OpArg::kCausal) = causal;
   Slot(args, OpArg::kTileSchedulerMetadata) = Wrap(tile_scheduler_metadata, device);
@@ -99,10 +106,8 @@ void RunIntoResults(std::string_view op, const OpArgs& args, cudaStream_t stream
     copies[i] = PlanResultCopy(results[i], buffers[i], names[i]);
     ++results_copied;
   }
-  const cudaError_t status = LaunchStridedCopies(copies[0], copies[1], stream);
-  if (status != cudaSuccess)
-    throw std::runtime_error(std::string("copying FlashMLA's results into XLA's buffers: ") +
-                             cudaGetErrorString(status));
+  ThrowOnError(LaunchStridedCopies(copies[0], copies[1], stream),
+               "copying FlashMLA's results into XLA's buffers");
 }
 
 ffi::Error MlaMetadataCudaImpl(cudaStream_t stream, int32_t device,
@@ -144,15 +149,17 @@ ffi::Error MlaDecodeCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer
                              float softmax_scale, bool causal, ffi::Result<ffi::AnyBuffer> out,
                              ffi::ResultBuffer<ffi::F32> lse) {
   return OnXlaStream(stream, device, op, [&] {
-    OpArgs args = DecodeArgs(device, q, kv_cache, block_table, seq_lens, tile_scheduler_metadata,
-                             num_splits, softmax_scale, causal, out->dimensions().back());
+    OpArgs args = DecodeArgs(device, q, kv_cache, Wrap(block_table, device),
+                             Wrap(seq_lens, device), tile_scheduler_metadata, num_splits,
+                             softmax_scale, causal, out->dimensions().back());
     Slot(args, OpArg::kIsFp8) = false;
     RunDecode(op, args, stream, device, out, lse);
   });
 }
 
 // FlashMLA's dense FP8 decode (fwd_kvcache_mla_fp8): q and the cache in e4m3fn, the per-tensor
-// scales as (1,) float32 buffers on the device, out bfloat16.
+// scales as (1,) float32 buffers on the device, out bfloat16. Requests of length 0 go to the
+// kernel as length 1 over page 0, and come back as out 0, lse +inf (fp8_guard.h).
 ffi::Error MlaDecodeFp8CudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
                                 ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> block_table,
                                 ffi::Buffer<ffi::S32> seq_lens,
@@ -163,11 +170,29 @@ ffi::Error MlaDecodeFp8CudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuf
                                 ffi::Result<ffi::AnyBuffer> out,
                                 ffi::ResultBuffer<ffi::F32> lse) {
   return OnXlaStream(stream, device, op, [&] {
-    OpArgs args = DecodeArgs(device, q, kv_cache, block_table, seq_lens, tile_scheduler_metadata,
-                             num_splits, softmax_scale, causal, out->dimensions().back());
+    const int64_t batch = block_table.dimensions()[0];
+    const int64_t max_pages = block_table.dimensions()[1];
+    if (max_pages == 0)
+      throw std::invalid_argument("the FP8 decode needs a block_table of at least one column");
+    const at::TensorOptions int32_on_device =
+        at::TensorOptions().dtype(at::kInt).device(at::kCUDA, device);
+    const at::Tensor guarded_seq_lens = at::empty({batch}, int32_on_device);
+    const at::Tensor guarded_block_table = at::empty({batch, max_pages}, int32_on_device);
+    ThrowOnError(LaunchGuardEmptyRequests(seq_lens.typed_data(), block_table.typed_data(), batch,
+                                          max_pages, guarded_seq_lens.data_ptr<int32_t>(),
+                                          guarded_block_table.data_ptr<int32_t>(), stream),
+                 "giving requests of length 0 to the FP8 kernel as length 1");
+    OpArgs args = DecodeArgs(device, q, kv_cache, guarded_block_table, guarded_seq_lens,
+                             tile_scheduler_metadata, num_splits, softmax_scale, causal,
+                             out->dimensions().back());
     Slot(args, OpArg::kDescaleQ) = Wrap(descale_q, device);
     Slot(args, OpArg::kDescaleK) = Wrap(descale_k, device);
     RunDecode(op, args, stream, device, out, lse);
+    if (batch > 0)
+      ThrowOnError(LaunchClearEmptyRequests(seq_lens.typed_data(), batch, out->untyped_data(),
+                                            out->element_count() / batch, lse->typed_data(),
+                                            lse->element_count() / batch, stream),
+                   "setting the results of requests of length 0");
   });
 }
 

@@ -23,3 +23,16 @@ def quantize(x, scale):
 def dequantize(x, scale):
     """float8_e4m3fn x -> float32 x * scale."""
     return x.astype(jnp.float32) * scale.reshape(())
+
+
+def guard_empty_requests(block_table, seq_lens):
+    """What the FP8 decode's CUDA handler hands FlashMLA's FP8 kernel (ffi/fp8_guard.h), in JAX,
+    for calling the kernel directly on the very inputs it sees (tests/test_gpu_fp8.py,
+    benchmarks/probe_fp8.py): requests of length 0 as length 1 over page 0.
+
+    Returns (block_table with slot 0 of empty requests set to 0, seq_lens raised to at least
+    1, the (batch,) mask of the empty requests)."""
+    empty = seq_lens == 0
+    first_slot = jnp.arange(block_table.shape[1]) == 0
+    block_table = jnp.where(empty[:, None] & first_slot[None, :], 0, block_table)
+    return block_table, jnp.maximum(seq_lens, 1), empty

@@ -47,6 +47,16 @@ WRITTEN_METADATA_FIELDS = 7
 WRITTEN_METADATA_FIELDS_FP8 = 5
 
 
+def bind_metadata(seq_lens, *, num_heads_q, num_q_tokens, num_heads_k, num_sm_parts, fp8):
+    """The metadata primitive on seq_lens. The FP8 decode's handlers give its kernel a request
+    of length 0 as length 1 (ffi/fp8_guard.h: the kernel faults on 0), so its schedule is
+    planned over lengths of at least 1."""
+    if fp8:
+        seq_lens = jnp.maximum(seq_lens, 1)
+    return mla_metadata_p.bind(seq_lens, num_heads_q=num_heads_q, num_q_tokens=num_q_tokens,
+                               num_heads_k=num_heads_k, num_sm_parts=num_sm_parts, fp8=fp8)
+
+
 @mla_decode_p.def_abstract_eval
 def _decode_abstract(q, kv_cache, block_table, seq_lens, tile_scheduler_metadata, num_splits,
                      *descales, softmax_scale, causal, head_dim_v):

@@ -77,29 +77,11 @@ def get_mla_metadata(seq_lens, *, num_heads_q, num_q_tokens=1, num_heads_k=1, nu
         return None
     parts = validation.num_sm_parts(num_sms or _default_num_sms(), num_heads_q, num_q_tokens,
                                     num_heads_k)
-    if fp8:
-        seq_lens = _fp8_kernel_seq_lens(seq_lens)
-    tile_md, num_splits = lowering.mla_metadata_p.bind(
+    tile_md, num_splits = lowering.bind_metadata(
         seq_lens, num_heads_q=int(num_heads_q), num_q_tokens=int(num_q_tokens),
         num_heads_k=int(num_heads_k), num_sm_parts=parts, fp8=bool(fp8))
     return MLAMetadata(tile_md, num_splits, int(num_heads_q), int(num_q_tokens), int(num_heads_k),
                        bool(fp8))
-
-
-def _fp8_kernel_seq_lens(seq_lens):
-    return jnp.maximum(seq_lens, 1)
-
-
-def _fp8_guard_empty_requests(block_table, seq_lens):
-    """FlashMLA's FP8 decode reads block_table[i, -1] for a request of length 0 (its last block
-    index is then -1): the previous row's last slot, or memory before the table, which faults
-    when it is no page (seen on the H200; vLLM #35969 clamps the same way). The kernel is given
-    such a request with length 1 over page 0 instead; _decode then sets its out and lse to
-    FlashMLA's convention (0 and +inf). Returns (block_table, seq_lens, empty)."""
-    empty = seq_lens == 0
-    first_slot = jnp.arange(block_table.shape[1]) == 0
-    block_table = jnp.where(empty[:, None] & first_slot[None, :], 0, block_table)
-    return block_table, _fp8_kernel_seq_lens(seq_lens), empty
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,8 +100,8 @@ def _decode(config, q, kv_cache, block_table, seq_lens, metadata, descales):
                                     softmax_scale=kernel.softmax_scale, causal=kernel.causal,
                                     head_dim_v=kernel.head_dim_v, q_scale=q_scale,
                                     k_scale=k_scale)
-    if kernel.fp8:
-        block_table, seq_lens, empty = _fp8_guard_empty_requests(block_table, seq_lens)
+    # With an FP8 cache the handlers keep FlashMLA's FP8 kernel from ever seeing a request of
+    # length 0, which it cannot take (ffi/fp8_guard.h).
     if metadata is None:
         out, lse = sharding.partitioned_decode_local_metadata(kernel)(q, kv_cache, block_table,
                                                                       seq_lens, *descales)
@@ -127,9 +109,6 @@ def _decode(config, q, kv_cache, block_table, seq_lens, metadata, descales):
         out, lse = sharding.partitioned_decode(kernel)(q, kv_cache, block_table, seq_lens,
                                                        metadata.tile_scheduler_metadata,
                                                        metadata.num_splits, *descales)
-    if kernel.fp8:
-        out = jnp.where(empty[:, None, None, None], jnp.zeros((), out.dtype), out)
-        lse = jnp.where(empty[:, None, None], jnp.inf, lse)
     return out, lse
 
 

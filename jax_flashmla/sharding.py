@@ -56,8 +56,8 @@ def _bind_decode(config, q, kv_cache, block_table, seq_lens, tile_md, num_splits
 
 def _local_metadata(config, seq_lens, s_q, h_q):
     parts = validation.num_sm_parts(config.num_sms, h_q, s_q, 1)
-    return lowering.mla_metadata_p.bind(seq_lens, num_heads_q=h_q, num_q_tokens=s_q,
-                                        num_heads_k=1, num_sm_parts=parts, fp8=config.fp8)
+    return lowering.bind_metadata(seq_lens, num_heads_q=h_q, num_q_tokens=s_q, num_heads_k=1,
+                                  num_sm_parts=parts, fp8=config.fp8)
 
 
 def _q_axes(q_sharding):

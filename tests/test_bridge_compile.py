@@ -94,15 +94,16 @@ def test_result_copy_plans_reproduce_torch_copies(tmp_path):
     assert "ok wrap device=cuda:1 sizes=[2, 3, 4]" in lines
 
 
-def test_result_copy_kernel_compiles(tmp_path):
+@pytest.mark.parametrize("kernel", ["result_copy", "fp8_guard"])
+def test_bridge_kernels_compile(tmp_path, kernel):
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         if os.environ.get("CI"):
-            pytest.fail("CI must compile the CUDA bridge's kernel, but nvcc is not on PATH")
+            pytest.fail("CI must compile the CUDA bridge's kernels, but nvcc is not on PATH")
         pytest.skip("nvcc is not on PATH")
     command = [nvcc, "-std=c++17", "-O3", "-arch=sm_90", "-Xcompiler", "-fPIC,-Wall,-Werror",
-               "-Werror", "all-warnings", "-I", str(FFI_DIR), "-c", str(FFI_DIR / "result_copy.cu"),
-               "-o", str(tmp_path / "result_copy.o")]
+               "-Werror", "all-warnings", "-I", str(FFI_DIR), "-c", str(FFI_DIR / f"{kernel}.cu"),
+               "-o", str(tmp_path / f"{kernel}.o")]
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert (tmp_path / "result_copy.o").stat().st_size > 0
+    assert (tmp_path / f"{kernel}.o").stat().st_size > 0

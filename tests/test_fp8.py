@@ -136,23 +136,29 @@ def test_decode_matches_dequantized_float64_attention(implementation, s_q, causa
     assert_flashmla_close("lse", lse, ref_lse, **LSE_TOL)
 
 
-def test_the_fp8_kernel_never_sees_a_length_of_zero():
-    """FlashMLA's FP8 decode reads block_table[i, -1] for an empty request (a fault on the
-    H200): it gets length 1 over page 0 instead, in the schedule as in the decode, and only
-    the first slot of empty rows changes."""
-    sentinel = 2**31 - 64
-    bt = jnp.asarray([[sentinel, sentinel], [5, 6], [7, sentinel]], jnp.int32)
-    sl = jnp.asarray([0, 100, 10], jnp.int32)
-    guarded_bt, guarded_sl, empty = ops._fp8_guard_empty_requests(bt, sl)
-    np.testing.assert_array_equal(guarded_bt, [[0, sentinel], [5, 6], [7, sentinel]])
-    np.testing.assert_array_equal(guarded_sl, [1, 100, 10])
-    np.testing.assert_array_equal(empty, [True, False, False])
+def test_the_fp8_schedule_plans_empty_requests_as_length_one():
+    """FlashMLA's FP8 decode faults on a request of length 0: its handlers give the kernel such
+    a request as length 1 over page 0 (ffi/fp8_guard.h), so the FP8 schedule is that of the
+    lengths raised to at least 1, with the metadata computed apart or next to the kernel."""
+    sl = jnp.asarray([0, 100, 10, 0], jnp.int32)
     for field in ("tile_scheduler_metadata", "num_splits"):
         np.testing.assert_array_equal(
             getattr(jf.get_mla_metadata(sl, num_heads_q=16, fp8=True, implementation="flashmla"),
                     field),
-            getattr(jf.get_mla_metadata(guarded_sl, num_heads_q=16, fp8=True,
+            getattr(jf.get_mla_metadata(jnp.maximum(sl, 1), num_heads_q=16, fp8=True,
                                         implementation="flashmla"), field))
+
+
+def test_the_guard_model_changes_only_slot_0_of_empty_requests():
+    """fp8.guard_empty_requests, the model of ffi/fp8_guard.h that the GPU tests hand the torch
+    op: empty requests get length 1 over page 0, nothing else changes."""
+    sentinel = 2**31 - 64
+    bt = jnp.asarray([[sentinel, sentinel], [5, 6], [7, sentinel]], jnp.int32)
+    sl = jnp.asarray([0, 100, 10], jnp.int32)
+    guarded_bt, guarded_sl, empty = fp8.guard_empty_requests(bt, sl)
+    np.testing.assert_array_equal(guarded_bt, [[0, sentinel], [5, 6], [7, sentinel]])
+    np.testing.assert_array_equal(guarded_sl, [1, 100, 10])
+    np.testing.assert_array_equal(empty, [True, False, False])
 
 
 @pytest.mark.usefixtures("on_cpu")
@@ -188,6 +194,20 @@ def test_q_quantized_beforehand_gives_the_same_result(implementation):
     np.testing.assert_array_equal(np.asarray(out8, np.float32), np.asarray(out, np.float32))
     np.testing.assert_array_equal(np.asarray(lse8), np.asarray(lse))
     assert np.isposinf(np.asarray(lse)).any()  # the empty request was there
+
+
+@pytest.mark.usefixtures("on_cpu")
+def test_with_q_in_fp8_the_decode_is_the_custom_call_alone():
+    """Given q in FP8 and the metadata, nothing runs around the custom call: no quantization,
+    and the guard for empty requests is the handlers' (ffi/fp8_guard.h), not XLA fusions."""
+    q, kv8, bt, sl = _fp8_inputs(13)
+    scale = jnp.float32(K_SCALE)
+    md = jf.get_mla_metadata(sl, num_heads_q=16, fp8=True, implementation="flashmla")
+    decode = jax.jit(lambda q, kv, bt, sl, md, s: jf.mla_decode(
+        q, kv, bt, sl, metadata=md, k_scale=s, implementation="flashmla"))
+    hlo = decode.lower(fp8.quantize(q, scale), kv8, bt, sl, md, scale).compile().as_text()
+    assert 'custom_call_target="jax_flashmla_mla_decode_fp8"' in hlo
+    assert "fusion" not in hlo and "select" not in hlo and "convert" not in hlo
 
 
 @pytest.mark.usefixtures("on_cpu")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jax_flashmla as jf
-from jax_flashmla import fp8, kernels, ops, validation
+from jax_flashmla import fp8, kernels, validation
 from oracle import dense_attention_f64, make_decode_inputs
 from test_cache import _cache_shaped_buffers
 from test_gpu import _torch_call
@@ -81,7 +81,7 @@ def test_bit_identical_to_the_torch_fp8_op(s_q, h_q, varlen, q_quantized):
     # The torch op gets what jax_flashmla gives the kernel: empty requests as length 1 over
     # page 0 (FlashMLA's FP8 kernel faults on a length of 0), their results then set to out 0,
     # lse +inf.
-    guarded_bt, guarded_sl, empty = ops._fp8_guard_empty_requests(bt, sl)
+    guarded_bt, guarded_sl, empty = fp8.guard_empty_requests(bt, sl)
     descale = _to_torch(torch, scale.reshape(1))
     t_md, t_splits = _torch_call(metadata_op, dict(
         seqlens_k=_to_torch(torch, guarded_sl), num_heads_per_head_k=s_q * h_q,
@@ -151,6 +151,13 @@ def test_fp8_decode_lowers_to_the_fp8_custom_calls():
     assert 'custom_call_target="jax_flashmla_mla_decode_fp8"' in hlo
     assert re.search(r"::fwd_kvcache_mla_fp8\b", hlo)
     assert re.search(r"::get_mla_decoding_metadata_dense_fp8\b", hlo)
+    # Given q in FP8 and the metadata, the custom call runs alone: the guard for empty
+    # requests is the handler's (ffi/fp8_guard.h), not fusions around it.
+    md = jf.get_mla_metadata(sl, num_heads_q=16, fp8=True)
+    alone = jax.jit(lambda *a: jf.mla_decode(*a[:4], metadata=a[4], k_scale=a[5]))
+    hlo = alone.lower(fp8.quantize(q, jnp.float32(1)), kv8, bt, sl, md,
+                      jnp.float32(1)).compile().as_text()
+    assert 'custom_call_target="jax_flashmla_mla_decode_fp8"' in hlo and "fusion" not in hlo
 
 
 def test_fp8_write_kv_is_in_place():

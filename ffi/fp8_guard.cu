@@ -1,0 +1,70 @@
+// The kernels of fp8_guard.h.
+#include "fp8_guard.h"
+
+#include <algorithm>
+#include <cstdint>
+
+namespace jax_flashmla {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int64_t kMaxBlocks = 4096;
+
+__global__ void GuardEmptyRequestsKernel(const int32_t* seq_lens, const int32_t* block_table,
+                                         int64_t batch, int64_t max_pages,
+                                         int32_t* guarded_seq_lens,
+                                         int32_t* guarded_block_table) {
+  const int64_t total = batch * max_pages;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += step) {
+    const int64_t request = i / max_pages;
+    const bool first_slot = i % max_pages == 0;
+    const int32_t length = seq_lens[request];
+    guarded_block_table[i] = first_slot && length == 0 ? 0 : block_table[i];
+    if (first_slot) guarded_seq_lens[request] = max(length, 1);
+  }
+}
+
+// 16-byte stores where a request's out is a whole number of them (always, for 512-wide rows).
+__global__ void ClearEmptyRequestsKernel(const int32_t* seq_lens, void* out,
+                                         int64_t out_per_request, float* lse,
+                                         int64_t lse_per_request) {
+  const int64_t request = blockIdx.x;
+  if (seq_lens[request] != 0) return;
+  const int64_t out_bytes = out_per_request * 2;  // bfloat16
+  char* row = static_cast<char*>(out) + request * out_bytes;
+  if (out_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(row) % 16 == 0) {
+    for (int64_t i = threadIdx.x; i < out_bytes / 16; i += blockDim.x)
+      reinterpret_cast<uint4*>(row)[i] = make_uint4(0, 0, 0, 0);
+  } else {
+    for (int64_t i = threadIdx.x; i < out_per_request; i += blockDim.x)
+      reinterpret_cast<uint16_t*>(row)[i] = 0;
+  }
+  for (int64_t i = threadIdx.x; i < lse_per_request; i += blockDim.x)
+    lse[request * lse_per_request + i] = __int_as_float(0x7f800000);  // +inf
+}
+
+}  // namespace
+
+cudaError_t LaunchGuardEmptyRequests(const int32_t* seq_lens, const int32_t* block_table,
+                                     int64_t batch, int64_t max_pages, int32_t* guarded_seq_lens,
+                                     int32_t* guarded_block_table, cudaStream_t stream) {
+  const int64_t total = batch * max_pages;
+  if (total == 0) return cudaSuccess;
+  const int64_t blocks = std::min((total + kThreads - 1) / kThreads, kMaxBlocks);
+  GuardEmptyRequestsKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      seq_lens, block_table, batch, max_pages, guarded_seq_lens, guarded_block_table);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchClearEmptyRequests(const int32_t* seq_lens, int64_t batch, void* out,
+                                     int64_t out_per_request, float* lse,
+                                     int64_t lse_per_request, cudaStream_t stream) {
+  if (batch == 0) return cudaSuccess;
+  ClearEmptyRequestsKernel<<<static_cast<unsigned>(batch), kThreads, 0, stream>>>(
+      seq_lens, out, out_per_request, lse, lse_per_request);
+  return cudaGetLastError();
+}
+
+}  // namespace jax_flashmla
