@@ -3,9 +3,11 @@
 #include <cuda_runtime_api.h>
 
 #include <array>
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <exception>
+#include <numeric>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -73,22 +75,30 @@ OpArgs DecodeArgs(int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
   return args;
 }
 
+// The dimensions of `t` from the outermost in memory to the innermost (for a tensor over a
+// whole buffer, the order in which it is contiguous).
+std::vector<int64_t> MemoryOrder(const at::Tensor& t) {
+  std::vector<int64_t> order(t.dim());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return t.stride(a) > t.stride(b); });
+  return order;
+}
+
 // How the ops' results reached XLA's buffers since the module was loaded.
 std::atomic<int64_t> results_in_place{0};
 std::atomic<int64_t> results_copied{0};
 
-// Runs `op` with XLA's result buffers lent to its allocations (result_lending.h), buffer i
-// where lend[i]; then copies with one kernel whatever did not land in its buffer, honouring
-// the strides the op returned. The op returns its two results in the order of `buffers`.
+// Runs `op` with XLA's result buffers (tensors in the layouts the lowering declared) lent to
+// its allocations (result_lending.h); then copies with one kernel whatever did not land in its
+// buffer in its layout, honouring the strides the op returned. The op returns its two results
+// in the order of `buffers`.
 void RunIntoResults(std::string_view op, const OpArgs& args, cudaStream_t stream,
                     const std::array<at::Tensor, 2>& buffers,
-                    const std::array<const char*, 2>& names, const std::array<bool, 2>& lend) {
+                    const std::array<const char*, 2>& names) {
   std::vector<at::Tensor> results;
   {
-    std::vector<at::Tensor> lent;
-    for (int i = 0; i < 2; ++i)
-      if (lend[i]) lent.push_back(buffers[i]);
-    LendResultBuffers lending(lent);
+    LendResultBuffers lending({buffers[0], buffers[1]});
     results = CallTorchOp(op, args);
   }
   if (results.size() < 2)
@@ -103,7 +113,9 @@ void RunIntoResults(std::string_view op, const OpArgs& args, cudaStream_t stream
     // (torch's copy, ordered on this stream before the copy kernel).
     if (LivesIn(results[i], buffers[0]) || LivesIn(results[i], buffers[1]))
       results[i] = results[i].clone();
-    copies[i] = PlanResultCopy(results[i], buffers[i], names[i]);
+    // PlanResultCopy wants a contiguous destination: both in the order dst lies in memory.
+    const std::vector<int64_t> order = MemoryOrder(buffers[i]);
+    copies[i] = PlanResultCopy(results[i].permute(order), buffers[i].permute(order), names[i]);
     ++results_copied;
   }
   ThrowOnError(LaunchStridedCopies(copies[0], copies[1], stream),
@@ -125,20 +137,26 @@ ffi::Error MlaMetadataCudaImpl(cudaStream_t stream, int32_t device,
     Slot(args, OpArg::kIsFp8) = false;
     const at::Tensor metadata = Wrap(*tile_scheduler_metadata, device);
     RunIntoResults(op, args, stream, {metadata, Wrap(*num_splits, device)},
-                   {"tile_scheduler_metadata", "num_splits"}, {true, true});
+                   {"tile_scheduler_metadata", "num_splits"});
     // The scheduler leaves the rows' last fields unwritten (uninitialised memory);
     // zeroing them keeps XLA's buffer deterministic.
     metadata.narrow(1, written_fields, metadata.size(1) - written_fields).zero_();
   });
 }
 
-// FlashMLA allocates out and lse itself (its ops take no output buffers). lse is lent only for
-// s_q = 1: for s_q > 1 FlashMLA returns it as a transposed view of a (b, s_q, h_q) allocation
-// of the same size, which would then be copied twice.
+// lse's buffer as the lowering lays it out (lowering._result_layouts): for s_q > 1, FlashMLA's
+// (b, s_q, h_q) memory seen as (b, h_q, s_q), just what the op returns (a transposed view).
+at::Tensor WrapLse(ffi::ResultBuffer<ffi::F32> lse, int32_t device) {
+  const at::Tensor buffer = Wrap(*lse, device);
+  const int64_t batch = buffer.size(0), h_q = buffer.size(1), s_q = buffer.size(2);
+  return s_q == 1 ? buffer : buffer.view({batch, s_q, h_q}).transpose(1, 2);
+}
+
+// FlashMLA allocates out and lse itself (its ops take no output buffers): both allocations get
+// XLA's result buffers, where the op writes them in place.
 void RunDecode(std::string_view op, const OpArgs& args, cudaStream_t stream, int32_t device,
                ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::F32> lse) {
-  RunIntoResults(op, args, stream, {Wrap(*out, device), Wrap(*lse, device)}, {"out", "lse"},
-                 {true, lse->dimensions()[2] == 1});
+  RunIntoResults(op, args, stream, {Wrap(*out, device), WrapLse(lse, device)}, {"out", "lse"});
 }
 
 ffi::Error MlaDecodeCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,

@@ -222,7 +222,7 @@ std::string DecodeReference(const DecodeProblem& p, const void* q, const void* k
         }
         uint16_t* dst = static_cast<uint16_t*>(out) + (r * rows_per_req + idx) * p.head_dim_v;
         for (int64_t d = 0; d < p.head_dim_v; ++d) dst[d] = FloatToHalf(combined[d], p.out_type);
-        lse[(r * p.heads_q + h) * p.seqlen_q + qi] = row_lse;
+        lse[(r * p.seqlen_q + qi) * p.heads_q + h] = row_lse;  // FlashMLA's layout
       }
     }
   }

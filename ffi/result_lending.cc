@@ -121,8 +121,12 @@ LendResultBuffers::~LendResultBuffers() {
 }
 
 bool IsResultBuffer(const at::Tensor& result, const at::Tensor& dst) {
-  return result.const_data_ptr() == dst.const_data_ptr() && result.sizes() == dst.sizes() &&
-         result.scalar_type() == dst.scalar_type() && result.is_contiguous();
+  if (result.const_data_ptr() != dst.const_data_ptr() || result.sizes() != dst.sizes() ||
+      result.scalar_type() != dst.scalar_type())
+    return false;
+  for (int64_t d = 0; d < dst.dim(); ++d)  // a dimension of size 1 has no layout to match
+    if (dst.size(d) > 1 && result.stride(d) != dst.stride(d)) return false;
+  return true;
 }
 
 bool LivesIn(const at::Tensor& result, const at::Tensor& buffer) {

@@ -29,9 +29,9 @@ struct BufferLoan {
 
 class LendResultBuffers {
  public:
-  // Lends `buffers` (tensors over XLA's result buffers, contiguous) to the allocations this
-  // thread makes until destruction. Handle the op's results after that: a copy made while
-  // lending could take a buffer not yet taken.
+  // Lends `buffers` (tensors over XLA's result buffers, each over all of its buffer, in any
+  // layout) to the allocations this thread makes until destruction. Handle the op's results
+  // after that: a copy made while lending could take a buffer not yet taken.
   explicit LendResultBuffers(const std::vector<at::Tensor>& buffers);
   ~LendResultBuffers();
   LendResultBuffers(const LendResultBuffers&) = delete;
@@ -43,8 +43,8 @@ class LendResultBuffers {
   bool lending_;  // false when someone else replaced torch's allocator
 };
 
-// Whether the op's `result` is the buffer `dst` itself, in dst's shape, dtype and layout:
-// nothing to copy.
+// Whether the op's `result` is the buffer `dst` itself, in dst's shape, dtype and layout (the
+// strides of every dimension longer than 1): nothing to copy.
 bool IsResultBuffer(const at::Tensor& result, const at::Tensor& dst);
 
 // Whether `result` lives in `buffer`. Such a result that is not that buffer in its layout must

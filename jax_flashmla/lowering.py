@@ -76,9 +76,17 @@ def _is_fp8_decode(args):
     return len(args) == 8  # the six operands and descale_q, descale_k
 
 
+def _result_layouts(ctx):
+    """out row-major; lse (b, h_q, s_q) as FlashMLA lays it out, s_q outside h_q (minor to major:
+    h_q, s_q, b), so that FlashMLA writes it in place and XLA transposes it only where it is
+    read (nowhere, when a model drops it). For s_q = 1 both layouts are the same bytes."""
+    s_q = ctx.avals_in[0].shape[1]
+    return None if s_q == 1 else [None, (1, 2, 0)]
+
+
 def _decode_cpu(ctx, *args, softmax_scale, causal, head_dim_v):
     target = DECODE_FP8_TARGET if _is_fp8_decode(args) else DECODE_TARGET
-    return jax.ffi.ffi_lowering(target)(
+    return jax.ffi.ffi_lowering(target, result_layouts=_result_layouts(ctx))(
         ctx, *args, softmax_scale=np.float32(softmax_scale), causal=bool(causal))
 
 
@@ -93,7 +101,8 @@ def _fp8_op(ops, name):
 def _decode_cuda(ctx, *args, softmax_scale, causal, head_dim_v):
     ops = kernels.ensure_cuda_targets()
     fp8 = _is_fp8_decode(args)
-    return jax.ffi.ffi_lowering(DECODE_FP8_TARGET if fp8 else DECODE_TARGET)(
+    return jax.ffi.ffi_lowering(DECODE_FP8_TARGET if fp8 else DECODE_TARGET,
+                                result_layouts=_result_layouts(ctx))(
         ctx, *args, op=_fp8_op(ops, "decode_fp8") if fp8 else ops.decode,
         softmax_scale=np.float32(softmax_scale), causal=bool(causal))
 

@@ -79,6 +79,23 @@ def test_zero_length_requests_give_zero_out_and_inf_lse(implementation):
     assert np.all(np.isfinite(np.asarray(lse[1])))
 
 
+@pytest.mark.parametrize("s_q", [1, 2])
+def test_lse_stays_in_flashmlas_layout_until_read(s_q):
+    """The custom call returns lse (b, h_q, s_q) laid out as FlashMLA writes it, s_q outside h_q
+    (the same bytes when s_q = 1), so that the kernel writes it in place: XLA transposes it
+    where it is read, and a step that drops it copies nothing."""
+    q, kv, bt, sl = make_decode_inputs(np.random.default_rng(3), batch=2, s_q=s_q, h_q=16,
+                                       mean_sk=100, varlen=True, dtype=jnp.bfloat16)
+    out_only = jax.jit(lambda *a: jf.mla_decode(*a, implementation="flashmla")[0])
+    hlo = out_only.lower(q, kv, bt, sl).compile().as_text()
+    layout = "{1,2,0}" if s_q > 1 else "{2,1,0}"
+    assert f"f32[2,16,{s_q}]{layout}) custom-call(" in hlo
+    assert "copy" not in hlo
+    _, lse = _decode((q, kv, bt, sl), "flashmla")
+    _, ref_lse = _decode((q, kv, bt, sl), "reference")
+    assert_flashmla_close("lse", lse, ref_lse, **LSE_TOL)
+
+
 @pytest.mark.parametrize("implementation", ["flashmla", "reference"])
 def test_unused_pages_and_table_slots_change_nothing(implementation):
     rng = np.random.default_rng(2)
