@@ -7,6 +7,9 @@
 #                H200, + stack_tests + more_tests: run them in separate calls)
 #     fp8        the FP8 tests            probe_fp8  which inputs FlashMLA's FP8 kernel takes
 #     gpu_bf16   tests/test_gpu.py alone (bf16 against the torch op)
+#     fp8_main   the FP8 tests on the kernel library's route only
+#     decode_quick  test_decode.py but FlashMLA's grid, test_speculative.py, test_transforms.py
+#     multi      tests/test_gpu_multi.py (two GPUs visible)
 #     decode     bench_decode.py          profile    the GPU timeline of one decode, jax vs torch
 #     bench      multi-GPU, FP8, write_kv benchmarks and the served example
 #     bench_fp8  the FP8 benchmark alone
@@ -35,6 +38,7 @@ kernels=.device/kernels
 export JAX_FLASHMLA_KERNEL_LIBRARY=$PWD/$kernels/sglang_kernel-0.4.6/flashmla_ops.abi3.so
 export PYTHONUNBUFFERED=1 JAX_FLASHMLA_REQUIRE_GPU=1
 ngpu=$(nvidia-smi -L | wc -l)
+[ -n "${CUDA_VISIBLE_DEVICES:-}" ] && ngpu=$(tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES" | wc -l)
 [ "$ngpu" -ge 2 ] && export JAX_FLASHMLA_REQUIRE_GPUS=2
 
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$out/gpu.txt"
@@ -113,6 +117,11 @@ for mode in "${modes[@]}"; do
   tests) gpu_tests; stack_tests; more_tests ;;
   gpu_tests) gpu_tests ;;
   gpu_bf16) pytest_logged pytest_gpu_bf16.txt 200 tests/test_gpu.py ;;
+  fp8_main) pytest_logged pytest_fp8_main.txt 200 tests/test_gpu_fp8.py tests/test_fp8.py ;;
+  decode_quick)
+    pytest_logged pytest_decode_quick.txt 300 tests/test_decode.py -k "not fp32_reference" \
+      tests/test_speculative.py tests/test_transforms.py ;;
+  multi) pytest_logged pytest_multi.txt 200 tests/test_gpu_multi.py ;;
   stack_tests) stack_tests ;;
   more_tests) more_tests ;;
   fp8)
