@@ -105,7 +105,11 @@ def summarize(name, gpu, api, host, calls):
     lines = [f"== {name}: {calls} calls, per call: span {span / calls / 1e3:.1f} us, busy "
              f"{busy / calls / 1e3:.1f}, idle {(span - busy) / calls / 1e3:.2f} "
              f"({len(found)} gaps; median {median_gap:.2f} us)"]
-    for title, events in (("GPU", gpu), ("driver API", api), ("XLA host", host)):
+    # jax 0.11's tracer puts the driver calls on the host plane, among XLA's annotations;
+    # other versions give them a plane of their own.
+    for title, events in (("GPU", gpu), ("driver API", api), ("host: XLA and driver calls", host)):
+        if not events:
+            continue
         lines.append(f"  {title}, per call:")
         lines += [f"    {row['per_call']:6.2f} x {row['mean_us']:8.2f} us  {n}"
                   for n, row in per_call(events, calls).items()]
