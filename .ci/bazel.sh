@@ -44,7 +44,7 @@ for note in found["NOTES"]:
     print("   ", note, file=sys.stderr)
 targets = []
 if found["TORCH_FOUND"] and found["CUDA_HEADERS_FOUND"] and found["NVCC"]:
-    targets += ["//:result_copy", "//:cuda_handlers", "//:cuda_module"]  # compile only
+    targets += ["//:bridge_kernels", "//:cuda_handlers", "//:cuda_module"]  # compile only
     if found["TORCH_CUDA"]:
         targets += ["//:_cuda", "//:jax_flashmla"]  # link against torch's CUDA libraries
 print(" ".join(targets))
