@@ -50,7 +50,7 @@ import jax_flashmla as jf
 from jax_flashmla import fp8
 
 import grid_report
-from timing import (FIT_SCALES, MIN_CALLS, device_copy, line_fit, size_calls, timed_batch,
+from timing import (FIT_SCALES, device_copy, fit_sizes, line_fit, size_calls, timed_batch,
                     turn_order)
 from torch_side import FP8, TorchSide
 
@@ -88,28 +88,27 @@ def time_in_turns(variants, *, target_ms, repeats, max_calls):
             timed[name] = dict(samples=[], calls=calls, first=first, fits=[])
         except Exception as e:  # one failing implementation should not cost the whole point
             failed[name] = e
+    sizes = {name: fit_sizes(t["calls"]) if name in FITTED else [t["calls"]]
+             for name, t in timed.items()}
     for repeat in range(repeats):
-        totals = {name: ([], []) for name in timed}
+        totals = {name: [] for name in timed}
         # Each length in turn for all, the order reversed every other repeat: neither side
         # of a ratio always runs first, and batches of one length run close together.
-        for scale in FIT_SCALES:
+        for length in range(len(FIT_SCALES)):
             for name in turn_order(list(timed), repeat):
-                if scale != 1.0 and name not in FITTED:
+                if length >= len(sizes[name]):
                     continue
                 call, sync = variants[name]
-                n = max(MIN_CALLS, round(timed[name]["calls"] * scale))
+                n = sizes[name][length]
                 try:
-                    totals[name][1].append(timed_batch(call, sync, n) * n)
+                    totals[name].append(timed_batch(call, sync, n) * n)
                 except Exception as e:
                     failed[name] = e
                     del timed[name]
-                    continue
-                totals[name][0].append(n)
         for name, t in timed.items():
-            sizes, times = totals[name]
-            t["samples"].append(times[sizes.index(t["calls"])] / t["calls"])
+            t["samples"].append(totals[name][sizes[name].index(t["calls"])] / t["calls"])
             if name in FITTED:
-                t["fits"].append(line_fit(sizes, times))
+                t["fits"].append(line_fit(sizes[name], totals[name]))
     return timed, failed
 
 

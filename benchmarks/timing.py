@@ -97,6 +97,11 @@ def line_fit(xs, ys):
     return slope, mean_y - slope * mean_x
 
 
+def fit_sizes(calls, scales=FIT_SCALES):
+    """The batch lengths a fit times for a variant sized to `calls` calls."""
+    return [max(MIN_CALLS, round(calls * scale)) for scale in scales]
+
+
 def fit_in_turns(variants, *, repeats, warmup, scales=FIT_SCALES):
     """As in_turns, but every repeat times each variant's batch at several lengths (its calls
     times each of `scales`; the variants in turn at each length, so that batches of one length
@@ -107,15 +112,15 @@ def fit_in_turns(variants, *, repeats, warmup, scales=FIT_SCALES):
     warm_up(variants, warmup)
     fits = {name: ([], []) for name in variants}
     for repeat in range(repeats):
-        points = {name: ([], []) for name in variants}
-        for scale in scales:
+        sizes = {name: fit_sizes(variants[name][2], scales) for name in variants}
+        totals = {name: [] for name in variants}
+        for length in range(len(scales)):
             for name in turn_order(variants, repeat):
-                call, sync, calls, _ = variants[name]
-                n = max(MIN_CALLS, round(calls * scale))
-                points[name][0].append(n)
-                points[name][1].append(timed_batch(lambda _: call(), sync, n) * n)
-        for name, (sizes, totals) in points.items():
-            slope, intercept = line_fit(sizes, totals)
+                call, sync, _, _ = variants[name]
+                n = sizes[name][length]
+                totals[name].append(timed_batch(lambda _: call(), sync, n) * n)
+        for name in variants:
+            slope, intercept = line_fit(sizes[name], totals[name])
             fits[name][0].append(slope / variants[name][3])
             fits[name][1].append(intercept)
     return fits

@@ -100,14 +100,17 @@ def summarize(name, gpu, api, host, calls):
         if e.end > start:
             busy += e.end - start
             cursor = e.end
-    found = gaps(gpu, api + host)  # launch calls are recorded on either plane, by version
+    # Launch calls are recorded on either plane, by version.
+    calls_made = sorted(api + host, key=lambda e: e.start)
+    found = gaps(gpu, calls_made)
     median_gap = statistics.median(g["idle_us"] for g in found) if found else 0.0
     lines = [f"== {name}: {calls} calls, per call: span {span / calls / 1e3:.1f} us, busy "
              f"{busy / calls / 1e3:.1f}, idle {(span - busy) / calls / 1e3:.2f} "
              f"({len(found)} gaps; median {median_gap:.2f} us)"]
     # jax 0.11's tracer puts the driver calls on the host plane, among XLA's annotations;
     # other versions give them a plane of their own.
-    for title, events in (("GPU", gpu), ("driver API", api), ("host: XLA and driver calls", host)):
+    tables = (("GPU", gpu), ("driver API", api), ("host: XLA and driver calls", host))
+    for title, events in tables:
         if not events:
             continue
         lines.append(f"  {title}, per call:")
@@ -130,7 +133,6 @@ def summarize(name, gpu, api, host, calls):
             continue
         lines.append(f"    launched {(before.end - launch.end) / 1e3:+.1f} us before the GPU "
                      f"went idle, by {launch.name[:60]} [{launch.line}]")
-        calls_made = sorted(api + host, key=lambda e: e.start)
         previous = [e for e in calls_made if e.correlation == before.correlation]
         since = previous[0].end if previous else launch.start
         between = [e for e in calls_made if since <= e.start < launch.start]

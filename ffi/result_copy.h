@@ -1,5 +1,6 @@
 // One kernel launch that copies the results of a FlashMLA op that did not land in XLA's result
-// buffers (result_lending.h; lse when s_q > 1, as the op laid it out) into those buffers, where
+// buffers in their layout (result_lending.h; a kernel release that allocates otherwise) into
+// those buffers, where
 // two torch copy_ calls would be two TensorIterator dispatches on the host and two dependent
 // operations on the stream. On the H200 its GPU time about equals the two copies'
 // (benchmarks/NOTES.md, 2026-11-30 session 2). Plain C++ but for SourceUnit's annotation: the

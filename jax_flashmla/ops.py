@@ -4,7 +4,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jax_flashmla import fp8 as fp8_quant
 from jax_flashmla import kernels, lowering, sharding, validation

@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_flashmla as jf
-from jax_flashmla import fp8, ops
+from jax_flashmla import fp8
 from oracle import LSE_TOL, OUT_TOL, assert_flashmla_close, dense_attention_f64, make_decode_inputs
 
 IMPLEMENTATIONS = ["flashmla", "reference"]
