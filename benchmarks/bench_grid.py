@@ -7,7 +7,8 @@ given to jax_flashmla and to the torch op alike in FP8, as SGLang hands it to th
 pure-JAX reference gets it in bf16).
 
 Implementations (--impl):
-  flashmla       jf.mla_decode under jax.jit; metadata computed once, outside the timed region
+  flashmla       jf.mla_decode under jax.jit; metadata computed once, outside the timed region;
+                 lse returned in FlashMLA's layout (jf.lse_format), as the torch op returns it
   torch          FlashMLA's torch op on the same buffers (dlpack), arguments by schema name (GPU)
   reference      the pure-JAX reference under jax.jit, skipped past --ref-budget-gib
   flashmla_step  one jitted decode step: get_mla_metadata, then --layers decodes sharing it
@@ -66,8 +67,8 @@ CPU_GRID = dict(batch=2, s_k=[64, 128], h_q=[16], s_q=[1, 2], layers=2, target_m
 # How a point is timed, recorded in the JSON (--resume only completes a report timed alike):
 # implementations in turns within each repeat (the order reversed every other repeat), ratios
 # per repeat; the per-call ones also as the slope over batches of 0.5, 1 and 2 times their
-# calls (as timing.fit_in_turns).
-TIMING = "in alternating turns, per call fitted"
+# calls (as timing.fit_in_turns); flashmla's lse returned as FlashMLA wrote it (lse_format).
+TIMING = "in alternating turns, per call fitted, lse as written"
 FITTED = ("flashmla", "torch")
 # How the FP8 points hand q to jax_flashmla (reports before this key quantized it in the call).
 FP8_Q = "given quantized"
@@ -219,7 +220,11 @@ def bench_point(work, dtype, h_q, s_q, impls, args, torch_side, ceiling_gbps):
     if "flashmla" in impls:
         md = jax_sync(jf.get_mla_metadata(sl, num_heads_q=h_q, num_q_tokens=s_q,
                                           fp8=k_scale is not None, implementation="flashmla"))
-        decode = jax.jit(functools.partial(jf.mla_decode, implementation="flashmla"))
+        # lse comes back as FlashMLA wrote it, as the torch op returns it (a transposed view
+        # for s_q > 1), not transposed by XLA into a new buffer.
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        decode = jax.jit(functools.partial(jf.mla_decode, implementation="flashmla"),
+                         out_shardings=(device, jf.lse_format(s_q, device)))
         variants["flashmla"] = (
             lambda i: decode(kernel_qs[i % rot], kv, bts[i % rot], sl, metadata=md,
                              k_scale=k_scale),

@@ -241,6 +241,8 @@ def _timing_text(timing):
     if "per call fitted" in timing:
         text += ("; per call also fitted: jax_flashmla and torch timed over batches of 0.5, 1 "
                  "and 2 times N calls, the ratio of the slopes of batch time over batch length")
+    if "lse as written" in timing:
+        text += "; jax_flashmla's lse returned as FlashMLA wrote it (`lse_format`), as torch's"
     return text
 
 

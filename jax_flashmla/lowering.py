@@ -76,12 +76,16 @@ def _is_fp8_decode(args):
     return len(args) == 8  # the six operands and descale_q, descale_k
 
 
+# lse (b, h_q, s_q) as FlashMLA lays it out, s_q outside h_q: minor to major h_q, s_q, b.
+LSE_MINOR_TO_MAJOR = (1, 2, 0)
+
+
 def _result_layouts(ctx):
-    """out row-major; lse (b, h_q, s_q) as FlashMLA lays it out, s_q outside h_q (minor to major:
-    h_q, s_q, b), so that FlashMLA writes it in place and XLA transposes it only where it is
-    read (nowhere, when a model drops it). For s_q = 1 both layouts are the same bytes."""
+    """out row-major; lse in FlashMLA's layout, so that FlashMLA writes it in place and XLA
+    transposes it only where it is read (nowhere, when a model drops it). For s_q = 1 both
+    layouts are the same bytes."""
     s_q = ctx.avals_in[0].shape[1]
-    return None if s_q == 1 else [None, (1, 2, 0)]
+    return None if s_q == 1 else [None, LSE_MINOR_TO_MAJOR]
 
 
 def _decode_cpu(ctx, *args, softmax_scale, causal, head_dim_v):

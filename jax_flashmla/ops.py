@@ -4,6 +4,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.layout import Format, Layout
 
 from jax_flashmla import fp8 as fp8_quant
 from jax_flashmla import kernels, lowering, sharding, validation
@@ -176,3 +177,19 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, metadata=None, softmax_sca
                                    fp8)
     return _decode(_DecodeConfig(kernel, implementation), q, kv_cache, block_table, seq_lens,
                    metadata, descales)
+
+
+def lse_format(s_q, sharding):
+    """The jax Format under which a jitted function returns mla_decode's lse as FlashMLA wrote it.
+
+    For s_q > 1 the decode writes lse (batch, h_q, s_q) with s_q outside h_q, and XLA
+    transposes it to row-major where it is read; returning it with this format
+    (jax.jit(..., out_shardings=...)) hands that memory out untouched, as FlashMLA's torch op
+    returns its lse view. The values are the same either way.
+
+    Args:
+      s_q: query tokens per request.
+      sharding: a concrete sharding of lse (jax.sharding.SingleDeviceSharding, NamedSharding).
+    """
+    minor_to_major = lowering.LSE_MINOR_TO_MAJOR if s_q > 1 else (2, 1, 0)
+    return Format(Layout(major_to_minor=tuple(reversed(minor_to_major))), sharding)

@@ -65,7 +65,7 @@ def test_cpu_grid_writes_its_report(tmp_path):
     assert "- float8_e4m3fn cache:" in markdown
     assert meta["fp8_q"] == "given quantized" and "given to both in FP8" in markdown
     assert "Pure-JAX reference / jax_flashmla: median" in markdown
-    assert meta["timing"] == "in alternating turns, per call fitted"
+    assert meta["timing"] == "in alternating turns, per call fitted, lse as written"
     assert "the implementations in turns" in markdown and "per call also fitted" in markdown
     for name in ("grid_gbps", "grid_tflops", "grid_fp8_gbps", "grid_fp8_tflops"):
         png = (tmp_path / f"{name}.png").read_bytes()

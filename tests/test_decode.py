@@ -1,5 +1,6 @@
 """mla_decode against oracles. The same file runs in CI (the custom call's C++ CPU target) and
 on the GPU machine (FlashMLA's kernels, on FlashMLA's own test grid)."""
+import functools
 import itertools
 
 import jax
@@ -94,6 +95,15 @@ def test_lse_stays_in_flashmlas_layout_until_read(s_q):
     _, lse = _decode((q, kv, bt, sl), "flashmla")
     _, ref_lse = _decode((q, kv, bt, sl), "reference")
     assert_flashmla_close("lse", lse, ref_lse, **LSE_TOL)
+    # Returned with lse_format, lse leaves the call as FlashMLA wrote it: no transposition.
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    as_written = jax.jit(functools.partial(jf.mla_decode, implementation="flashmla"),
+                         out_shardings=(device, jf.lse_format(s_q, device)))
+    hlo = as_written.lower(q, kv, bt, sl).compile().as_text()
+    assert "copy" not in hlo and "transpose" not in hlo and "fusion" not in hlo
+    _, lse_as_written = as_written(q, kv, bt, sl)
+    assert lse_as_written.format.layout.major_to_minor == ((0, 2, 1) if s_q > 1 else (0, 1, 2))
+    np.testing.assert_array_equal(np.asarray(lse_as_written), np.asarray(lse))
 
 
 @pytest.mark.parametrize("implementation", ["flashmla", "reference"])
