@@ -161,6 +161,18 @@ for mode in "${modes[@]}"; do
       grep -E "^==|Error" "$out/${name}_log.txt"
     done ;;
   timing_split) GPU0_MODES="decode_runs trace" GPU1_MODES=grid bash "$0" pair ;;
+  build) ;;  # the install above is all it does
+  grid_split)
+    half=$(($(nproc) / 2))
+    for gpu in 0 1; do
+      part=$([ $gpu = 0 ] && echo "a --s-k 1024 4096" || echo "b --s-k 8192 16384")
+      CUDA_VISIBLE_DEVICES=$gpu SKIP_INSTALL=1 OUT="$out/gpu$gpu" \
+        GRID_NAME="${GRID_NAME:-grid_h200}_${part%% *}" GRID_ARGS="${GRID_ARGS:-} ${part#* }" \
+        taskset -c $((gpu * half))-$((gpu * half + half - 1)) bash "$0" grid \
+        > "$out/gpu$gpu.txt" 2>&1 &
+    done
+    wait
+    tail -n 12 "$out"/gpu0.txt "$out"/gpu1.txt ;;
   decode_runs)
     timeout 300 python3 benchmarks/bench_decode.py --runs 3 --out "$out/bench_decode.json" \
       > "$out/bench.txt" 2>&1
