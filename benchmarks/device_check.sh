@@ -27,9 +27,10 @@
 #                once, each on half the cores, logs in gpu0.txt and gpu1.txt
 #     timing_split  pair with decode_runs (bench_decode, 3 runs) then trace on GPU 0, the grid
 #                mode on GPU 1 (GRID_ARGS, GRID_NAME)
-#     tfrt       the modes after it on XLA's TFRT GPU client (USE_TFRT_GPU_CLIENT=true)
+#     set:NAME=VALUE  exports NAME=VALUE for the modes after it (e.g. an XLA or jax setting)
 #     decode_h16 bench_decode.py at h_q=16 alone, 3 runs
-#     client_pair  pair: decode_h16 and trace on GPU 0; tfrt, the same and gpu_bf16 on GPU 1
+#     client_pair  pair: decode_h16 and trace on GPU 0; the same and gpu_bf16 on GPU 1 with
+#                USE_TFRT_GPU_CLIENT=true (XLA's TFRT GPU client; jax 0.11.2's plugin ignores it)
 #     trace      trace_executions.py (what the GPU waits for between jitted calls, with XLA's
 #                driver calls) at h_q=16, s_k 4096 and 8192, and h_q=128, s_k=16384; an FP8
 #                cache at s_k=8192, h_q 16 and 128 (TRACE_POINTS="s_k h_q [--fp8];..." picks)
@@ -165,14 +166,14 @@ for mode in "${modes[@]}"; do
     done ;;
   timing_split) GPU0_MODES="decode_runs trace" GPU1_MODES=grid bash "$0" pair ;;
   build) ;;  # the install above is all it does
-  tfrt)  # the modes after it run on XLA's TFRT GPU client instead of the StreamExecutor one
-    export USE_TFRT_GPU_CLIENT=true ;;
+  set:*) export "${mode#set:}" ;;
   decode_h16)
     timeout 200 python3 benchmarks/bench_decode.py --h-q 16 --runs 3 --no-host \
       --out "$out/bench_decode_h16.json" > "$out/bench_h16.txt" 2>&1
     grep -E "^b=128|Error" "$out/bench_h16.txt" ;;
-  client_pair)  # the same on both GPUs at once, GPU 1 on the TFRT client
-    GPU0_MODES="decode_h16 trace" GPU1_MODES="tfrt decode_h16 trace gpu_bf16" bash "$0" pair ;;
+  client_pair)  # the same on both GPUs at once, GPU 1 asking for XLA's TFRT client
+    GPU0_MODES="decode_h16 trace" \
+      GPU1_MODES="set:USE_TFRT_GPU_CLIENT=true decode_h16 trace gpu_bf16" bash "$0" pair ;;
   grid_split)
     half=$(($(nproc) / 2))
     for gpu in 0 1; do

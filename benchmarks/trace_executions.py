@@ -2,9 +2,10 @@
 
 torch's profiler records only torch's CUDA API calls (profile_decode.py); XLA's CUPTI tracer
 (jax.profiler) records every driver call in the process, XLA's included. For each variant (one
-jitted mla_decode per call, one jitted device copy per call, and the torch op and torch's
-copy_ in the same loops; with --fp8, an FP8 cache with q given in bf16 or already in FP8,
-and the torch op given it in FP8) this runs `--calls` calls under jax.profiler, then reports:
+jitted mla_decode per call, the same keeping every call's results alive, one jitted device copy
+per call, and the torch op and torch's copy_ in the same loops; with --fp8, an FP8 cache with q
+given in bf16 or already in FP8, and the torch op given it in FP8) this runs `--calls` calls
+under jax.profiler, then reports:
   - per call: the GPU's span, busy and idle time (all streams), each GPU activity's count and
     mean duration, each driver API call's count and mean duration (all threads), and XLA's
     host-side annotations (TraceMe) per call;
@@ -142,11 +143,15 @@ def summarize(name, gpu, api, host, calls):
     return "\n".join(lines)
 
 
-def looped(call, sync, calls):
-    """A run of `calls` calls of call(i), then sync on the last result."""
+def looped(call, sync, calls, keep_results=False):
+    """A run of `calls` calls of call(i), then sync on the last result; with keep_results,
+    every call's result stays alive until the end (none of their buffers is reused)."""
     def run():
+        kept = []
         for i in range(calls):
             result = call(i)
+            if keep_results:
+                kept.append(result)
         sync(result)
     return run
 
@@ -192,6 +197,8 @@ def main():
         decode = jax.jit(lambda q, kv, bt, sl, md: jf.mla_decode(q, kv, bt, sl, metadata=md))
         sources = [jnp.full((kv.size // 2,), i, jnp.bfloat16) for i in range(2)]
         variants["jax_decode"] = looped(lambda _: decode(q, kv, bt, sl, md), jax_sync, args.calls)
+        variants["jax_decode_results_kept"] = looped(lambda _: decode(q, kv, bt, sl, md),
+                                                     jax_sync, args.calls, keep_results=True)
         variants["jax_copy"] = looped(lambda i: device_copy(sources[i % 2]), jax_sync,
                                       args.calls)
         if side:
