@@ -5,7 +5,7 @@ inputs carry FlashMLA's test hazards: NaN in cache rows past a request's length,
 indices in unused block-table slots, zero-length requests. Each case turns hazards on over
 clean variable-length inputs (one at a time, then in pairs, then all) and runs in its own
 process, so that a fault ends only that case. Stages: jax_flashmla's FP8 path (empty requests
-guarded, in the handler, see ffi/fp8_guard.h) against float64 attention over the dequantized
+guarded by its own custom call, see ffi/fp8_guard.h) against float64 attention over the dequantized
 values; the torch op on the same guarded inputs, which must equal it bit for bit; the torch op
 on the raw inputs, last, since FlashMLA's kernel may fault there.
 

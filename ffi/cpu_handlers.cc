@@ -95,10 +95,37 @@ ffi::Error MlaDecodeCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
                    softmax_scale, causal, dtype, dtype, 1.f, 1.f, out, lse);
 }
 
+// The CUDA target's guard (ffi/fp8_guard.h), so that both platforms run the same custom calls:
+// block_table and seq_lens with requests of length 0 as length 1 over page 0.
+ffi::Error Fp8GuardCpuImpl(ffi::Buffer<ffi::S32> block_table, ffi::Buffer<ffi::S32> seq_lens,
+                           ffi::ResultBuffer<ffi::S32> kernel_block_table,
+                           ffi::ResultBuffer<ffi::S32> kernel_seq_lens) {
+  const auto dims = block_table.dimensions();
+  if (auto err = CheckRank("block_table", dims, 2); err.failure()) return err;
+  const int64_t batch = dims[0], max_pages = dims[1];
+  if (max_pages == 0 || static_cast<int64_t>(seq_lens.element_count()) != batch)
+    return ffi::Error::InvalidArgument(
+        "the FP8 guard needs a (batch, max_pages >= 1) block_table and (batch,) seq_lens");
+  const int32_t* lengths = seq_lens.typed_data();
+  const int32_t* table = block_table.typed_data();
+  int32_t* kernel_table = kernel_block_table->typed_data();
+  for (int64_t i = 0; i < batch; ++i) {
+    kernel_seq_lens->typed_data()[i] = lengths[i] > 1 ? lengths[i] : 1;
+    for (int64_t j = 0; j < max_pages; ++j)
+      kernel_table[i * max_pages + j] =
+          j == 0 && lengths[i] == 0 ? 0 : table[i * max_pages + j];
+  }
+  return ffi::Error::Success();
+}
+
 // FlashMLA's FP8 decode: q and the cache in e4m3fn with per-tensor scales of shape (1,)
-// (the kernel's descale_q, descale_k), out bfloat16.
+// (the kernel's descale_q, descale_k), out bfloat16. The C++ model takes requests of length 0
+// as they are (out 0, lse +inf), so it reads seq_lens, not the guard's kernel_seq_lens; the
+// guard's kernel_block_table differs from block_table only where such a request reads nothing.
 ffi::Error MlaDecodeFp8CpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
-                               ffi::Buffer<ffi::S32> block_table, ffi::Buffer<ffi::S32> seq_lens,
+                               ffi::Buffer<ffi::S32> kernel_block_table,
+                               ffi::Buffer<ffi::S32> kernel_seq_lens,
+                               ffi::Buffer<ffi::S32> seq_lens,
                                ffi::Buffer<ffi::S32> tile_scheduler_metadata,
                                ffi::Buffer<ffi::S32> num_splits, ffi::Buffer<ffi::F32> descale_q,
                                ffi::Buffer<ffi::F32> descale_k, float softmax_scale, bool causal,
@@ -111,8 +138,11 @@ ffi::Error MlaDecodeFp8CpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
     return ffi::Error::InvalidArgument("descale_q and descale_k must have one element each");
   if (out->element_type() != ffi::DataType::BF16)
     return ffi::Error::InvalidArgument("out of the FP8 decode must be bfloat16");
-  return RunDecode(q, kv_cache, block_table, seq_lens, tile_scheduler_metadata, num_splits,
-                   softmax_scale, causal, ElementType::kFloat8E4M3FN, ElementType::kBFloat16,
+  if (kernel_seq_lens.element_count() != seq_lens.element_count())
+    return ffi::Error::InvalidArgument("kernel_seq_lens and seq_lens must have one length each");
+  return RunDecode(q, kv_cache, kernel_block_table, seq_lens, tile_scheduler_metadata,
+                   num_splits, softmax_scale, causal, ElementType::kFloat8E4M3FN,
+                   ElementType::kBFloat16,
                    descale_q.typed_data()[0], descale_k.typed_data()[0], out, lse);
 }
 
@@ -137,11 +167,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaDecodeCpu, MlaDecodeCpuImpl,
                                   .Ret<ffi::AnyBuffer>()            // out
                                   .Ret<ffi::Buffer<ffi::F32>>());   // lse
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kFp8GuardCpu, Fp8GuardCpuImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()       // block_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()       // seq_lens
+                                  .Ret<ffi::Buffer<ffi::S32>>()       // kernel_block_table
+                                  .Ret<ffi::Buffer<ffi::S32>>());     // kernel_seq_lens
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaDecodeFp8Cpu, MlaDecodeFp8CpuImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()              // q
                                   .Arg<ffi::AnyBuffer>()              // kv_cache
-                                  .Arg<ffi::Buffer<ffi::S32>>()       // block_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()       // kernel_block_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()       // kernel_seq_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()       // seq_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()       // tile_scheduler_metadata
                                   .Arg<ffi::Buffer<ffi::S32>>()       // num_splits

@@ -8,6 +8,7 @@ namespace jax_flashmla {
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaDecodeCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaDecodeFp8Cpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kFp8GuardCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaMetadataCpu);
 
 }  // namespace jax_flashmla

@@ -15,6 +15,7 @@ NB_MODULE(_cpu, m) {
     targets["jax_flashmla_mla_decode"] = EncapsulateFfiHandler(kMlaDecodeCpu);
     targets["jax_flashmla_mla_decode_fp8"] = EncapsulateFfiHandler(kMlaDecodeFp8Cpu);
     targets["jax_flashmla_mla_metadata"] = EncapsulateFfiHandler(kMlaMetadataCpu);
+    targets["jax_flashmla_fp8_guard"] = EncapsulateFfiHandler(kFp8GuardCpu);
     return targets;
   });
 }

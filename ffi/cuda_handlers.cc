@@ -175,11 +175,33 @@ ffi::Error MlaDecodeCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer
   });
 }
 
+// The copies of block_table and seq_lens that FlashMLA's FP8 kernel reads: requests of
+// length 0 as length 1 over page 0 (fp8_guard.h). CUDA alone, no torch.
+ffi::Error Fp8GuardCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> block_table,
+                            ffi::Buffer<ffi::S32> seq_lens,
+                            ffi::ResultBuffer<ffi::S32> kernel_block_table,
+                            ffi::ResultBuffer<ffi::S32> kernel_seq_lens) {
+  const auto dims = block_table.dimensions();
+  if (dims.size() != 2 || dims[1] == 0 ||
+      static_cast<int64_t>(seq_lens.element_count()) != dims[0])
+    return ffi::Error::InvalidArgument(
+        "the FP8 guard needs a (batch, max_pages >= 1) block_table and (batch,) seq_lens");
+  const cudaError_t status = LaunchGuardEmptyRequests(
+      seq_lens.typed_data(), block_table.typed_data(), dims[0], dims[1],
+      kernel_seq_lens->typed_data(), kernel_block_table->typed_data(), stream);
+  if (status != cudaSuccess)
+    return ffi::Error::Internal(std::string("the FP8 guard's launch failed: ") +
+                                cudaGetErrorString(status));
+  return ffi::Error::Success();
+}
+
 // FlashMLA's dense FP8 decode (fwd_kvcache_mla_fp8): q and the cache in e4m3fn, the per-tensor
-// scales as (1,) float32 buffers on the device, out bfloat16. Requests of length 0 go to the
-// kernel as length 1 over page 0, and come back as out 0, lse +inf (fp8_guard.h).
+// scales as (1,) float32 buffers on the device, out bfloat16. The kernel reads the guard's
+// copies of block_table and seq_lens; requests whose seq_lens are 0 then get out 0, lse +inf
+// (fp8_guard.h).
 ffi::Error MlaDecodeFp8CudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
-                                ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> block_table,
+                                ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> kernel_block_table,
+                                ffi::Buffer<ffi::S32> kernel_seq_lens,
                                 ffi::Buffer<ffi::S32> seq_lens,
                                 ffi::Buffer<ffi::S32> tile_scheduler_metadata,
                                 ffi::Buffer<ffi::S32> num_splits, ffi::Buffer<ffi::F32> descale_q,
@@ -188,24 +210,13 @@ ffi::Error MlaDecodeFp8CudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuf
                                 ffi::Result<ffi::AnyBuffer> out,
                                 ffi::ResultBuffer<ffi::F32> lse) {
   return OnXlaStream(stream, device, op, [&] {
-    const int64_t batch = block_table.dimensions()[0];
-    const int64_t max_pages = block_table.dimensions()[1];
-    if (max_pages == 0)
-      throw std::invalid_argument("the FP8 decode needs a block_table of at least one column");
-    const at::TensorOptions int32_on_device =
-        at::TensorOptions().dtype(at::kInt).device(at::kCUDA, device);
-    const at::Tensor guarded_seq_lens = at::empty({batch}, int32_on_device);
-    const at::Tensor guarded_block_table = at::empty({batch, max_pages}, int32_on_device);
-    ThrowOnError(LaunchGuardEmptyRequests(seq_lens.typed_data(), block_table.typed_data(), batch,
-                                          max_pages, guarded_seq_lens.data_ptr<int32_t>(),
-                                          guarded_block_table.data_ptr<int32_t>(), stream),
-                 "giving requests of length 0 to the FP8 kernel as length 1");
-    OpArgs args = DecodeArgs(device, q, kv_cache, guarded_block_table, guarded_seq_lens,
-                             tile_scheduler_metadata, num_splits, softmax_scale, causal,
-                             out->dimensions().back());
+    OpArgs args = DecodeArgs(device, q, kv_cache, Wrap(kernel_block_table, device),
+                             Wrap(kernel_seq_lens, device), tile_scheduler_metadata, num_splits,
+                             softmax_scale, causal, out->dimensions().back());
     Slot(args, OpArg::kDescaleQ) = Wrap(descale_q, device);
     Slot(args, OpArg::kDescaleK) = Wrap(descale_k, device);
     RunDecode(op, args, stream, device, out, lse);
+    const int64_t batch = seq_lens.element_count();
     if (batch > 0)
       ThrowOnError(LaunchClearEmptyRequests(seq_lens.typed_data(), batch, out->untyped_data(),
                                             out->element_count() / batch, lse->typed_data(),
@@ -249,13 +260,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaDecodeCuda, MlaDecodeCudaImpl,
                                   .Ret<ffi::AnyBuffer>()            // out
                                   .Ret<ffi::Buffer<ffi::F32>>());   // lse
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kFp8GuardCuda, Fp8GuardCudaImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // block_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // seq_lens
+                                  .Ret<ffi::Buffer<ffi::S32>>()     // kernel_block_table
+                                  .Ret<ffi::Buffer<ffi::S32>>());   // kernel_seq_lens
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaDecodeFp8Cuda, MlaDecodeFp8CudaImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()            // q
                                   .Arg<ffi::AnyBuffer>()            // kv_cache
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // block_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // kernel_block_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // kernel_seq_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()     // seq_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()     // tile_scheduler_metadata
                                   .Arg<ffi::Buffer<ffi::S32>>()     // num_splits

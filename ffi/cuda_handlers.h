@@ -19,6 +19,7 @@ DecodeResultCounts DecodeResultCountsSoFar();
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaDecodeCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaDecodeFp8Cuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kFp8GuardCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaMetadataCuda);
 
 }  // namespace jax_flashmla

@@ -16,6 +16,7 @@ NB_MODULE(_cuda, m) {
     targets["jax_flashmla_mla_decode"] = EncapsulateFfiHandler(kMlaDecodeCuda);
     targets["jax_flashmla_mla_decode_fp8"] = EncapsulateFfiHandler(kMlaDecodeFp8Cuda);
     targets["jax_flashmla_mla_metadata"] = EncapsulateFfiHandler(kMlaMetadataCuda);
+    targets["jax_flashmla_fp8_guard"] = EncapsulateFfiHandler(kFp8GuardCuda);
     return targets;
   });
   // For tests and benchmarks: whether FlashMLA's results land in XLA's buffers.

@@ -1,13 +1,14 @@
-// The FP8 decode's guard for requests of length 0, as two small kernels of the CUDA handler.
+// The FP8 decode's guard for requests of length 0: two small kernels.
 //
 // FlashMLA's FP8 decode reads block_table[i, -1] for a request of length 0 (its last block
 // index is then -1): the previous row's last slot, or memory before the table, which faults
 // when it holds no page (seen on the H200; vLLM #35969 clamps the same way). The kernel is
 // given such a request as length 1 over page 0 instead, from copies of seq_lens and
-// block_table (XLA's operands are read-only), and its results for it are then set to
-// FlashMLA's convention: out 0, lse +inf. In XLA these were four fusions around the custom
-// call, one of them a pass over all of out; here they are two launches that touch only what
-// they must.
+// block_table that the custom call jax_flashmla_fp8_guard makes (XLA's operands are
+// read-only); the decode's handler then sets its results to FlashMLA's convention: out 0,
+// lse +inf. The guard is a custom call of its own so that XLA computes it once for all the
+// layers of a step that share a block table (its common-subexpression pass merges identical
+// calls); the clear follows every decode.
 #ifndef JAX_FLASHMLA_FFI_FP8_GUARD_H_
 #define JAX_FLASHMLA_FFI_FP8_GUARD_H_
 

@@ -6,7 +6,8 @@ model of FlashMLA in ffi/reference_mla.cc. vmap maps sequentially over the batch
 
 The decode primitive takes two more operands for FlashMLA's FP8 decode, descale_q and
 descale_k ((1,) float32), with q and the cache in float8_e4m3fn; it then lowers to its own
-target (the FP8 op takes the scales as tensors) and its out is bfloat16.
+target (the FP8 op takes the scales as tensors), after the guard's target that hands the FP8
+kernel requests of length 0 as length 1 (ffi/fp8_guard.h), and its out is bfloat16.
 """
 import functools
 
@@ -21,6 +22,7 @@ from jax_flashmla.validation import METADATA_FIELDS
 
 DECODE_TARGET = "jax_flashmla_mla_decode"
 DECODE_FP8_TARGET = "jax_flashmla_mla_decode_fp8"
+FP8_GUARD_TARGET = "jax_flashmla_fp8_guard"
 METADATA_TARGET = "jax_flashmla_mla_metadata"
 
 for _name, _capsule in _cpu.registrations().items():
@@ -48,7 +50,7 @@ WRITTEN_METADATA_FIELDS_FP8 = 5
 
 
 def bind_metadata(seq_lens, *, num_heads_q, num_q_tokens, num_heads_k, num_sm_parts, fp8):
-    """The metadata primitive on seq_lens. The FP8 decode's handlers give its kernel a request
+    """The metadata primitive on seq_lens. The FP8 decode's guard gives its kernel a request
     of length 0 as length 1 (ffi/fp8_guard.h: the kernel faults on 0), so its schedule is
     planned over lengths of at least 1."""
     if fp8:
@@ -88,10 +90,28 @@ def _result_layouts(ctx):
     return None if s_q == 1 else [None, LSE_MINOR_TO_MAJOR]
 
 
+def _lower_decode(ctx, args, **attributes):
+    """The decode's custom call; for the FP8 decode preceded by the guard's
+    (ffi/fp8_guard.h): (q, kv_cache, kernel_block_table, kernel_seq_lens, seq_lens, metadata,
+    num_splits, descale_q, descale_k). The guard's call depends on block_table and seq_lens
+    alone, so XLA merges those of all the layers of a step into one."""
+    if not _is_fp8_decode(args):
+        return jax.ffi.ffi_lowering(DECODE_TARGET, result_layouts=_result_layouts(ctx))(
+            ctx, *args, **attributes)
+    q, kv_cache, block_table, seq_lens, *schedule_and_scales = args
+    table_aval, lens_aval = ctx.avals_in[2:4]
+    guard_ctx = ctx.replace(avals_in=[table_aval, lens_aval], avals_out=[table_aval, lens_aval])
+    kernel_table, kernel_lens = jax.ffi.ffi_lowering(FP8_GUARD_TARGET)(guard_ctx, block_table,
+                                                                       seq_lens)
+    avals = ctx.avals_in
+    decode_ctx = ctx.replace(avals_in=[*avals[:4], lens_aval, *avals[4:]])
+    return jax.ffi.ffi_lowering(DECODE_FP8_TARGET, result_layouts=_result_layouts(ctx))(
+        decode_ctx, q, kv_cache, kernel_table, kernel_lens, seq_lens, *schedule_and_scales,
+        **attributes)
+
+
 def _decode_cpu(ctx, *args, softmax_scale, causal, head_dim_v):
-    target = DECODE_FP8_TARGET if _is_fp8_decode(args) else DECODE_TARGET
-    return jax.ffi.ffi_lowering(target, result_layouts=_result_layouts(ctx))(
-        ctx, *args, softmax_scale=np.float32(softmax_scale), causal=bool(causal))
+    return _lower_decode(ctx, args, softmax_scale=np.float32(softmax_scale), causal=bool(causal))
 
 
 def _fp8_op(ops, name):
@@ -104,11 +124,9 @@ def _fp8_op(ops, name):
 
 def _decode_cuda(ctx, *args, softmax_scale, causal, head_dim_v):
     ops = kernels.ensure_cuda_targets()
-    fp8 = _is_fp8_decode(args)
-    return jax.ffi.ffi_lowering(DECODE_FP8_TARGET if fp8 else DECODE_TARGET,
-                                result_layouts=_result_layouts(ctx))(
-        ctx, *args, op=_fp8_op(ops, "decode_fp8") if fp8 else ops.decode,
-        softmax_scale=np.float32(softmax_scale), causal=bool(causal))
+    return _lower_decode(ctx, args,
+                         op=_fp8_op(ops, "decode_fp8") if _is_fp8_decode(args) else ops.decode,
+                         softmax_scale=np.float32(softmax_scale), causal=bool(causal))
 
 
 def _metadata_cpu(ctx, seq_lens, *, num_heads_q, num_q_tokens, num_heads_k, num_sm_parts, fp8):

@@ -100,8 +100,8 @@ def _decode(config, q, kv_cache, block_table, seq_lens, metadata, descales):
                                     softmax_scale=kernel.softmax_scale, causal=kernel.causal,
                                     head_dim_v=kernel.head_dim_v, q_scale=q_scale,
                                     k_scale=k_scale)
-    # With an FP8 cache the handlers keep FlashMLA's FP8 kernel from ever seeing a request of
-    # length 0, which it cannot take (ffi/fp8_guard.h).
+    # With an FP8 cache the lowering's guard keeps FlashMLA's FP8 kernel from ever seeing a
+    # request of length 0, which it cannot take (ffi/fp8_guard.h).
     if metadata is None:
         out, lse = sharding.partitioned_decode_local_metadata(kernel)(q, kv_cache, block_table,
                                                                       seq_lens, *descales)

@@ -137,7 +137,7 @@ def test_decode_matches_dequantized_float64_attention(implementation, s_q, causa
 
 
 def test_the_fp8_schedule_plans_empty_requests_as_length_one():
-    """FlashMLA's FP8 decode faults on a request of length 0: its handlers give the kernel such
+    """FlashMLA's FP8 decode faults on a request of length 0: the guard gives the kernel such
     a request as length 1 over page 0 (ffi/fp8_guard.h), so the FP8 schedule is that of the
     lengths raised to at least 1, with the metadata computed apart or next to the kernel."""
     sl = jnp.asarray([0, 100, 10, 0], jnp.int32)
@@ -196,18 +196,69 @@ def test_q_quantized_beforehand_gives_the_same_result(implementation):
     assert np.isposinf(np.asarray(lse)).any()  # the empty request was there
 
 
+def fp8_custom_calls(hlo):
+    """(guard calls, FP8 decode calls) in a compiled module's text."""
+    return (hlo.count('custom_call_target="jax_flashmla_fp8_guard"'),
+            hlo.count('custom_call_target="jax_flashmla_mla_decode_fp8"'))
+
+
 @pytest.mark.usefixtures("on_cpu")
-def test_with_q_in_fp8_the_decode_is_the_custom_call_alone():
-    """Given q in FP8 and the metadata, nothing runs around the custom call: no quantization,
-    and the guard for empty requests is the handlers' (ffi/fp8_guard.h), not XLA fusions."""
+def test_with_q_in_fp8_the_decode_is_the_guard_and_the_decode_alone():
+    """Given q in FP8 and the metadata, nothing runs but the guard's custom call and the
+    decode's: no quantization, and the guard for empty requests is the handlers'
+    (ffi/fp8_guard.h), not XLA fusions."""
     q, kv8, bt, sl = _fp8_inputs(13)
     scale = jnp.float32(K_SCALE)
     md = jf.get_mla_metadata(sl, num_heads_q=16, fp8=True, implementation="flashmla")
     decode = jax.jit(lambda q, kv, bt, sl, md, s: jf.mla_decode(
         q, kv, bt, sl, metadata=md, k_scale=s, implementation="flashmla"))
     hlo = decode.lower(fp8.quantize(q, scale), kv8, bt, sl, md, scale).compile().as_text()
-    assert 'custom_call_target="jax_flashmla_mla_decode_fp8"' in hlo
+    assert fp8_custom_calls(hlo) == (1, 1)
     assert "fusion" not in hlo and "select" not in hlo and "convert" not in hlo
+
+
+@pytest.mark.usefixtures("on_cpu")
+def test_a_step_guards_its_block_table_once():
+    """The layers of a step share block_table and seq_lens: XLA merges their guard calls."""
+    q, kv8, bt, sl = _fp8_inputs(14)
+    scale = jnp.float32(K_SCALE)
+    qs = [fp8.quantize(q * (i + 1), scale) for i in range(3)]
+
+    @jax.jit
+    def step(qs, kv, bt, sl, s):
+        md = jf.get_mla_metadata(sl, num_heads_q=16, fp8=True, implementation="flashmla")
+        return [jf.mla_decode(q, kv, bt, sl, metadata=md, k_scale=s, implementation="flashmla")
+                for q in qs]
+
+    assert fp8_custom_calls(step.lower(qs, kv8, bt, sl, scale).compile().as_text()) == (1, 3)
+    one = jax.jit(lambda q, kv, bt, sl, s: jf.mla_decode(q, kv, bt, sl, k_scale=s,
+                                                         implementation="flashmla"))
+    for (out, lse), q8 in zip(step(qs, kv8, bt, sl, scale), qs):
+        one_out, one_lse = one(q8, kv8, bt, sl, scale)
+        np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                      np.asarray(one_out, np.float32))
+        np.testing.assert_array_equal(np.asarray(lse), np.asarray(one_lse))
+
+
+def test_the_guard_target_is_its_jax_model():
+    """jax_flashmla_fp8_guard on the default device (the CUDA kernel on a GPU) against
+    fp8.guard_empty_requests: requests of length 0 as length 1 over page 0, sentinel slots of
+    the others untouched."""
+    from jax_flashmla import kernels, lowering
+    if jax.default_backend() == "gpu":
+        kernels.ensure_cuda_targets()
+    rng = np.random.default_rng(15)
+    sl = jnp.asarray([0, 5, 0, 300, 64, 0, 1], jnp.int32)
+    bt = jnp.asarray(rng.integers(0, 50, (7, 6)), jnp.int32).at[:, 4:].set(2**31 - 1)
+    bt = bt.at[0].set(2**31 - 1)  # an empty request whose whole row is a sentinel
+    guard = jax.ffi.ffi_call(lowering.FP8_GUARD_TARGET,
+                             (jax.ShapeDtypeStruct(bt.shape, jnp.int32),
+                              jax.ShapeDtypeStruct(sl.shape, jnp.int32)))
+    kernel_bt, kernel_sl = jax.jit(guard)(bt, sl)
+    model_bt, model_sl, _ = fp8.guard_empty_requests(bt, sl)
+    np.testing.assert_array_equal(np.asarray(kernel_bt), np.asarray(model_bt))
+    np.testing.assert_array_equal(np.asarray(kernel_sl), np.asarray(model_sl))
+    assert np.asarray(kernel_bt)[0, 0] == 0 and np.asarray(kernel_bt)[0, 1] == 2**31 - 1
 
 
 @pytest.mark.usefixtures("on_cpu")

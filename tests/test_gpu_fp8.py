@@ -14,6 +14,7 @@ import jax_flashmla as jf
 from jax_flashmla import fp8, kernels, validation
 from oracle import dense_attention_f64, make_decode_inputs
 from test_cache import _cache_shaped_buffers
+from test_fp8 import fp8_custom_calls
 from test_gpu import _torch_call
 
 pytestmark = pytest.mark.gpu
@@ -151,13 +152,23 @@ def test_fp8_decode_lowers_to_the_fp8_custom_calls():
     assert 'custom_call_target="jax_flashmla_mla_decode_fp8"' in hlo
     assert re.search(r"::fwd_kvcache_mla_fp8\b", hlo)
     assert re.search(r"::get_mla_decoding_metadata_dense_fp8\b", hlo)
-    # Given q in FP8 and the metadata, the custom call runs alone: the guard for empty
-    # requests is the handler's (ffi/fp8_guard.h), not fusions around it.
+    # Given q in FP8 and the metadata, the guard's custom call and the decode's run alone, no
+    # fusions around them (ffi/fp8_guard.h); a step of three layers guards once.
     md = jf.get_mla_metadata(sl, num_heads_q=16, fp8=True)
+    q8 = fp8.quantize(q, jnp.float32(1))
     alone = jax.jit(lambda *a: jf.mla_decode(*a[:4], metadata=a[4], k_scale=a[5]))
-    hlo = alone.lower(fp8.quantize(q, jnp.float32(1)), kv8, bt, sl, md,
-                      jnp.float32(1)).compile().as_text()
-    assert 'custom_call_target="jax_flashmla_mla_decode_fp8"' in hlo and "fusion" not in hlo
+    hlo = alone.lower(q8, kv8, bt, sl, md, jnp.float32(1)).compile().as_text()
+    assert fp8_custom_calls(hlo) == (1, 1) and "fusion" not in hlo
+    step = jax.jit(lambda qs, *a: [jf.mla_decode(q, *a[:3], metadata=a[3], k_scale=a[4])
+                                   for q in qs])
+    qs = [q8, fp8.quantize(q, jnp.float32(2)), fp8.quantize(q, jnp.float32(3))]
+    hlo = step.lower(qs, kv8, bt, sl, md, jnp.float32(1)).compile().as_text()
+    assert fp8_custom_calls(hlo) == (1, 3)
+    for (out, lse), q_layer in zip(step(qs, kv8, bt, sl, md, jnp.float32(1)), qs):
+        one_out, one_lse = alone(q_layer, kv8, bt, sl, md, jnp.float32(1))
+        np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                      np.asarray(one_out, np.float32))
+        np.testing.assert_array_equal(np.asarray(lse), np.asarray(one_lse))
 
 
 def test_fp8_write_kv_is_in_place():
