@@ -13,6 +13,7 @@
 #     decode     bench_decode.py          profile    the GPU timeline of one decode, jax vs torch
 #     bench      multi-GPU, FP8, write_kv benchmarks and the served example
 #     bench_fp8  the FP8 benchmark alone
+#     guard_step an FP8 step's guard merged against one per layer (bench_fp8.py --guard-step)
 #     grid       FlashMLA's grid (bench_grid.py); GRID_DEADLINE_S (default 420), GRID_ARGS
 #                (e.g. "--dtype bfloat16": ~8 min a cache dtype), GRID_NAME (grid_h200)
 #     grid_resume  the points benchmarks/results/$GRID_NAME.json lacks
@@ -200,6 +201,9 @@ for mode in "${modes[@]}"; do
     wait
     tail -n 25 "$out"/gpu0.txt "$out"/gpu1.txt ;;
   bench_fp8) bench_fp8 ;;
+  guard_step)
+    timeout 240 python3 benchmarks/bench_fp8.py --guard-step --out "$out/guard_step.json" \
+      2>&1 | tee "$out/guard_step.txt" ;;
   hq16)
     profile_h16 4096 8192
     for setting in "" XLA_FLAGS=--xla_gpu_enable_command_buffer= \

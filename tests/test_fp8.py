@@ -410,3 +410,7 @@ def test_fp8_benchmark_runs_tiny(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.search(r"fp8 .* GB/s", result.stdout), result.stdout
     assert out.stat().st_size > 0
+    result = subprocess.run([sys.executable, str(script), "--tiny", "--guard-step", "--layers",
+                             "3", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"guard merged .* per layer .* ratio", result.stdout), result.stdout
