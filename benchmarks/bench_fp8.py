@@ -18,6 +18,7 @@ as before the guard was a custom call of its own. b=128, s_k in {1024, 4096, 819
 {16, 128}; the ratio is per-layer's time over the merged step's.
 """
 import argparse
+import functools
 import json
 import statistics
 
@@ -108,6 +109,21 @@ def bench_guard_step(batch, s_k, h_q, layers, calls, repeats):
                 per_layer_over_merged=ratio[0], range=ratio[1:])
 
 
+def _comparison_line(r):
+    return (f"b={r['batch']} s_k={r['s_k']} h_q={r['h_q']:3d}: bf16 {r['bf16_ms']:.4f} ms "
+            f"{r['bf16_cache_gbps']:.0f} GB/s  fp8 {r['fp8_ms']:.4f} ms "
+            f"{r['fp8_cache_gbps']:.0f} GB/s  speed-up {r['speedup']:.2f}  fp8 vs bf16: max abs "
+            f"{r['fp8_vs_bf16_max_abs']:.3g} rel l2 {r['fp8_vs_bf16_rel_l2']:.3g} cos diff "
+            f"{r['fp8_vs_bf16_cos_diff']:.3g}")
+
+
+def _guard_step_line(r):
+    return (f"b={r['batch']} s_k={r['s_k']} h_q={r['h_q']:3d}, {r['layers']} layers: guard "
+            f"merged {r['merged_ms_per_layer']:.4f} ms per layer, per layer "
+            f"{r['per_layer_ms_per_layer']:.4f}: ratio {r['per_layer_over_merged']:.3f} "
+            f"[{r['range'][0]:.3f}, {r['range'][1]:.3f}]")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the results as JSON here")
@@ -118,40 +134,20 @@ def main():
     parser.add_argument("--layers", type=int, default=8)
     args = parser.parse_args()
     if args.guard_step:
-        return guard_step_main(args)
+        name, lengths, calls, line = "guard_step", (1024, 4096, 8192), \
+            max(args.calls // args.layers, 10), _guard_step_line
+        bench = functools.partial(bench_guard_step, layers=args.layers)
+    else:
+        name, lengths, calls, line, bench = "runs", (4096, 8192), args.calls, \
+            _comparison_line, bench_one
     if args.tiny:
         grid, calls, repeats = [(2, 128, 16)], 2, 2
     else:
-        grid, calls, repeats = [(128, s_k, h_q) for s_k in (4096, 8192) for h_q in (16, 128)], \
-            args.calls, 7
-    results = dict(device=jax.devices()[0].device_kind, runs=[])
+        grid, repeats = [(128, s_k, h_q) for s_k in lengths for h_q in (16, 128)], 7
+    results = {"device": jax.devices()[0].device_kind, name: []}
     for batch, s_k, h_q in grid:
-        r = bench_one(batch, s_k, h_q, calls, repeats)
-        results["runs"].append(r)
-        print(f"b={batch} s_k={s_k} h_q={h_q:3d}: bf16 {r['bf16_ms']:.4f} ms "
-              f"{r['bf16_cache_gbps']:.0f} GB/s  fp8 {r['fp8_ms']:.4f} ms "
-              f"{r['fp8_cache_gbps']:.0f} GB/s  speed-up {r['speedup']:.2f}  fp8 vs bf16: max abs "
-              f"{r['fp8_vs_bf16_max_abs']:.3g} rel l2 {r['fp8_vs_bf16_rel_l2']:.3g} cos diff "
-              f"{r['fp8_vs_bf16_cos_diff']:.3g}", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
-
-
-def guard_step_main(args):
-    if args.tiny:
-        grid, calls, repeats = [(2, 128, 16)], 2, 2
-    else:
-        grid, calls, repeats = [(128, s_k, h_q) for s_k in (1024, 4096, 8192)
-                                for h_q in (16, 128)], max(args.calls // args.layers, 10), 7
-    results = dict(device=jax.devices()[0].device_kind, guard_step=[])
-    for batch, s_k, h_q in grid:
-        r = bench_guard_step(batch, s_k, h_q, args.layers, calls, repeats)
-        results["guard_step"].append(r)
-        print(f"b={batch} s_k={s_k} h_q={h_q:3d}, {args.layers} layers: guard merged "
-              f"{r['merged_ms_per_layer']:.4f} ms per layer, per layer "
-              f"{r['per_layer_ms_per_layer']:.4f}: ratio {r['per_layer_over_merged']:.3f} "
-              f"[{r['range'][0]:.3f}, {r['range'][1]:.3f}]", flush=True)
+        results[name].append(bench(batch, s_k, h_q, calls=calls, repeats=repeats))
+        print(line(results[name][-1]), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)
