@@ -240,6 +240,31 @@ def test_a_step_guards_its_block_table_once():
         np.testing.assert_array_equal(np.asarray(lse), np.asarray(one_lse))
 
 
+@pytest.mark.usefixtures("on_cpu")
+def test_scan_over_layers_guards_once_and_vmap_maps_the_fp8_decode():
+    """Stacked FP8 layers under lax.scan: XLA hoists the guard, which depends on nothing the
+    loop changes, out of the loop into the entry computation. Under scan and vmap alike each
+    layer's results equal a call of its own."""
+    q, kv8, bt, sl = _fp8_inputs(16)
+    scale = jnp.float32(K_SCALE)
+    qs = jnp.stack([fp8.quantize(q * (i + 1), scale) for i in range(3)])
+    md = jf.get_mla_metadata(sl, num_heads_q=16, fp8=True, implementation="flashmla")
+    decode = lambda q: jf.mla_decode(q, kv8, bt, sl, metadata=md, k_scale=scale,
+                                     implementation="flashmla")
+    scanned = jax.jit(lambda qs: jax.lax.scan(lambda carry, q: (carry, decode(q)), 0, qs)[1])
+    hlo = scanned.lower(qs).compile().as_text()
+    entry = hlo[hlo.index("\nENTRY"):]
+    entry = entry[:entry.index("\n}")]
+    assert fp8_custom_calls(hlo)[0] == 1 and fp8_custom_calls(entry)[0] == 1
+    mapped = jax.jit(jax.vmap(decode))
+    for (out, lse) in (scanned(qs), mapped(qs)):
+        for layer in range(3):
+            one_out, one_lse = decode(qs[layer])
+            np.testing.assert_array_equal(np.asarray(out[layer], np.float32),
+                                          np.asarray(one_out, np.float32))
+            np.testing.assert_array_equal(np.asarray(lse[layer]), np.asarray(one_lse))
+
+
 def test_the_guard_target_is_its_jax_model():
     """jax_flashmla_fp8_guard on the default device (the CUDA kernel on a GPU) against
     fp8.guard_empty_requests: requests of length 0 as length 1 over page 0, sentinel slots of
