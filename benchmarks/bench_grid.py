@@ -51,8 +51,7 @@ import jax_flashmla as jf
 from jax_flashmla import fp8
 
 import grid_report
-from timing import (FIT_SCALES, device_copy, fit_sizes, line_fit, size_calls, timed_batch,
-                    turn_order)
+from timing import batches_in_turns, device_copy, fit_sizes, line_fit, size_calls
 from torch_side import FP8, TorchSide
 
 IMPLS = ("flashmla", "torch", "reference", "flashmla_step", "torch_step")
@@ -81,7 +80,7 @@ def time_in_turns(variants, *, target_ms, repeats, max_calls):
     dropped. Returns (name -> dict(samples, calls, first, fits), name -> the error of a
     dropped variant); samples are seconds per call over a batch of `calls`, and for the FITTED
     variants fits holds (seconds per call, seconds per batch) of the line through batches of
-    FIT_SCALES times their calls."""
+    timing.FIT_SCALES times their calls."""
     timed, failed = {}, {}
     for name, (call, sync) in variants.items():
         try:
@@ -92,20 +91,12 @@ def time_in_turns(variants, *, target_ms, repeats, max_calls):
     sizes = {name: fit_sizes(t["calls"]) if name in FITTED else [t["calls"]]
              for name, t in timed.items()}
     for repeat in range(repeats):
-        totals = {name: [] for name in timed}
         # Each length in turn for all, the order reversed every other repeat: neither side
         # of a ratio always runs first, and batches of one length run close together.
-        for length in range(len(FIT_SCALES)):
-            for name in turn_order(list(timed), repeat):
-                if length >= len(sizes[name]):
-                    continue
-                call, sync = variants[name]
-                n = sizes[name][length]
-                try:
-                    totals[name].append(timed_batch(call, sync, n) * n)
-                except Exception as e:
-                    failed[name] = e
-                    del timed[name]
+        totals = batches_in_turns({name: variants[name] for name in timed}, sizes, repeat,
+                                  failed)
+        for name in set(timed) - set(totals):
+            del timed[name]
         for name, t in timed.items():
             t["samples"].append(totals[name][sizes[name].index(t["calls"])] / t["calls"])
             if name in FITTED:

@@ -102,6 +102,29 @@ def fit_sizes(calls, scales=FIT_SCALES):
     return [max(MIN_CALLS, round(calls * scale)) for scale in scales]
 
 
+def batches_in_turns(variants, sizes, repeat, failed=None):
+    """One repeat of batches of several lengths: at each length, the variants in turn (in
+    turn_order), each timed over a batch of sizes[name][k] calls; a variant with fewer lengths
+    sits the rest out. variants: name -> (call taking the call's index, sync). Returns name ->
+    seconds per batch, one per length. With a `failed` dict, a variant that raises is recorded
+    there and left out of the rest and of the result; without, its error propagates."""
+    totals = {name: [] for name in variants}
+    for length in range(max((len(s) for s in sizes.values()), default=0)):
+        for name in turn_order(totals, repeat):
+            if length >= len(sizes[name]):
+                continue
+            call, sync = variants[name]
+            n = sizes[name][length]
+            try:
+                totals[name].append(timed_batch(call, sync, n) * n)
+            except Exception as e:
+                if failed is None:
+                    raise
+                failed[name] = e
+                del totals[name]
+    return totals
+
+
 def fit_in_turns(variants, *, repeats, warmup, scales=FIT_SCALES):
     """As in_turns, but every repeat times each variant's batch at several lengths (its calls
     times each of `scales`; the variants in turn at each length, so that batches of one length
@@ -111,14 +134,11 @@ def fit_in_turns(variants, *, repeats, warmup, scales=FIT_SCALES):
     repeat."""
     warm_up(variants, warmup)
     fits = {name: ([], []) for name in variants}
+    indexed = {name: (lambda _, call=call: call(), sync)
+               for name, (call, sync, _, _) in variants.items()}
+    sizes = {name: fit_sizes(variants[name][2], scales) for name in variants}
     for repeat in range(repeats):
-        sizes = {name: fit_sizes(variants[name][2], scales) for name in variants}
-        totals = {name: [] for name in variants}
-        for length in range(len(scales)):
-            for name in turn_order(variants, repeat):
-                call, sync, _, _ = variants[name]
-                n = sizes[name][length]
-                totals[name].append(timed_batch(lambda _: call(), sync, n) * n)
+        totals = batches_in_turns(indexed, sizes, repeat)
         for name in variants:
             slope, intercept = line_fit(sizes[name], totals[name])
             fits[name][0].append(slope / variants[name][3])

@@ -78,16 +78,17 @@ def _is_fp8_decode(args):
     return len(args) == 8  # the six operands and descale_q, descale_k
 
 
-# lse (b, h_q, s_q) as FlashMLA lays it out, s_q outside h_q: minor to major h_q, s_q, b.
-LSE_MINOR_TO_MAJOR = (1, 2, 0)
+def lse_minor_to_major(s_q):
+    """lse (b, h_q, s_q) as FlashMLA lays it out, s_q outside h_q (minor to major: h_q, s_q,
+    b), or None for s_q = 1, where that is row-major's bytes."""
+    return None if s_q == 1 else (1, 2, 0)
 
 
 def _result_layouts(ctx):
     """out row-major; lse in FlashMLA's layout, so that FlashMLA writes it in place and XLA
-    transposes it only where it is read (nowhere, when a model drops it). For s_q = 1 both
-    layouts are the same bytes."""
-    s_q = ctx.avals_in[0].shape[1]
-    return None if s_q == 1 else [None, LSE_MINOR_TO_MAJOR]
+    transposes it only where it is read (nowhere, when a model drops it)."""
+    lse_layout = lse_minor_to_major(ctx.avals_in[0].shape[1])
+    return None if lse_layout is None else [None, lse_layout]
 
 
 def _lower_decode(ctx, args, **attributes):

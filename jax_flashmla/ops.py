@@ -191,5 +191,5 @@ def lse_format(s_q, sharding):
       s_q: query tokens per request.
       sharding: a concrete sharding of lse (jax.sharding.SingleDeviceSharding, NamedSharding).
     """
-    minor_to_major = lowering.LSE_MINOR_TO_MAJOR if s_q > 1 else (2, 1, 0)
+    minor_to_major = lowering.lse_minor_to_major(s_q) or (2, 1, 0)
     return Format(Layout(major_to_minor=tuple(reversed(minor_to_major))), sharding)
