@@ -14,7 +14,7 @@ import jax_flashmla as jf
 from jax_flashmla import fp8, kernels, validation
 from oracle import dense_attention_f64, make_decode_inputs
 from test_cache import _cache_shaped_buffers
-from test_fp8 import fp8_custom_calls
+from test_fp8 import assert_scan_guards_once_and_vmap_maps_the_fp8_decode, fp8_custom_calls
 from test_gpu import _torch_call
 
 pytestmark = pytest.mark.gpu
@@ -169,6 +169,11 @@ def test_fp8_decode_lowers_to_the_fp8_custom_calls():
         np.testing.assert_array_equal(np.asarray(out, np.float32),
                                       np.asarray(one_out, np.float32))
         np.testing.assert_array_equal(np.asarray(lse), np.asarray(one_lse))
+
+
+def test_scan_over_layers_hoists_the_guard_on_the_gpu():
+    kernels.ensure_cuda_targets()
+    assert_scan_guards_once_and_vmap_maps_the_fp8_decode()
 
 
 def test_fp8_write_kv_is_in_place():
