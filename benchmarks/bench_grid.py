@@ -11,7 +11,9 @@ Implementations (--impl):
                  lse returned in FlashMLA's layout (jf.lse_format), as the torch op returns it
   torch          FlashMLA's torch op on the same buffers (dlpack), arguments by schema name (GPU)
   reference      the pure-JAX reference under jax.jit, skipped past --ref-budget-gib
-  flashmla_step  one jitted decode step: get_mla_metadata, then --layers decodes sharing it
+  flashmla_step  one jitted decode step as a model's: get_mla_metadata, then --layers decodes
+                 sharing it and one block table, each layer over a cache of its own (for an
+                 FP8 cache XLA then merges the layers' guards for empty requests into one)
   torch_step     the torch loop of the same calls: the metadata op, then --layers decodes (GPU)
 
 Timing, the same for all (benchmarks/timing.py): N calls back to back, then one device sync,
@@ -22,7 +24,8 @@ are also timed over batches of N/2 and 2N calls: the slope of a batch's time ove
 is the per-call time without what each batch pays once (the first dispatch, the final sync),
 and the ratio of the slopes is reported as the fitted ratio. Call i takes set
 i mod --rotations of (q, block_table) over one cache, the page order differing between sets,
-so that the L2 keeps nothing useful from one call for the next. FLOPs and bytes follow
+so that the L2 keeps nothing useful from one call for the next; a step's layers take set
+0's block table over --rotations caches, each cache's pages in another order. FLOPs and bytes follow
 FlashMLA's test; GB/s is also given as a fraction of a device-to-device copy measured in the
 same run (bytes read + written).
 
@@ -66,8 +69,9 @@ CPU_GRID = dict(batch=2, s_k=[64, 128], h_q=[16], s_q=[1, 2], layers=2, target_m
 # How a point is timed, recorded in the JSON (--resume only completes a report timed alike):
 # implementations in turns within each repeat (the order reversed every other repeat), ratios
 # per repeat; the per-call ones also as the slope over batches of 0.5, 1 and 2 times their
-# calls (as timing.fit_in_turns); flashmla's lse returned as FlashMLA wrote it (lse_format).
-TIMING = "in alternating turns, per call fitted, lse as written"
+# calls (as timing.fit_in_turns); flashmla's lse returned as FlashMLA wrote it (lse_format);
+# a step's layers share one block table, each over its own cache.
+TIMING = "in alternating turns, per call fitted, lse as written, step over layer caches"
 FITTED = ("flashmla", "torch")
 # How the FP8 points hand q to jax_flashmla (reports before this key quantized it in the call).
 FP8_Q = "given quantized"
@@ -140,6 +144,7 @@ class Workload:
         self.kv = jax.block_until_ready(jnp.clip(kv, -1, 1))
         self.k_scale = (jnp.max(jnp.abs(self.kv)).astype(jnp.float32) / fp8.FP8_MAX)
         self._kv_fp8 = None
+        self._layer_caches = {}
         self.seq_lens = jnp.asarray(self.seq_lens_np)
         self.batch, self.mean_s_k, self.varlen = batch, mean_s_k, varlen
         self.sum_s_k = int(self.seq_lens_np.sum())
@@ -150,6 +155,17 @@ class Workload:
         if self._kv_fp8 is None:
             self._kv_fp8 = jax.block_until_ready(jax.jit(fp8.quantize)(self.kv, self.k_scale))
         return self._kv_fp8
+
+    def layer_caches(self, dtype, count):
+        """`count` caches for a step's layers over block_tables[0]: the cache with its pages
+        rolled by a different offset each, so that no layer reads what the one before left
+        in the L2."""
+        if dtype not in self._layer_caches:
+            cache, pages = self.cache(dtype), self.kv.shape[0]
+            self._layer_caches[dtype] = [
+                jax.block_until_ready(jnp.roll(cache, j * pages // count, axis=0))
+                for j in range(count)]
+        return self._layer_caches[dtype]
 
     def queries(self, h_q, s_q, rotations):
         keys = jax.random.split(jax.random.fold_in(self.key, h_q * 8 + s_q), rotations)
@@ -183,14 +199,15 @@ def copy_bandwidth(mib, target_ms, repeats, torch_side):
 
 
 @jax.jit
-def decode_step(qs, kv, block_tables, seq_lens, k_scale):
-    """A model's decode step: the metadata once, then one decode per layer sharing it (an FP8
-    cache when k_scale is not None)."""
+def decode_step(qs, caches, block_table, seq_lens, k_scale):
+    """A model's decode step: the metadata once, then one decode per layer, each over its own
+    cache, all sharing the metadata and the block table (FP8 caches when k_scale is not
+    None)."""
     md = jf.get_mla_metadata(seq_lens, num_heads_q=qs[0].shape[2], num_q_tokens=qs[0].shape[1],
                              fp8=k_scale is not None, implementation="flashmla")
-    return [jf.mla_decode(q, kv, bt, seq_lens, metadata=md, k_scale=k_scale,
+    return [jf.mla_decode(q, kv, block_table, seq_lens, metadata=md, k_scale=k_scale,
                           implementation="flashmla")[0]
-            for q, bt in zip(qs, block_tables)]
+            for q, kv in zip(qs, caches)]
 
 
 def bench_point(work, dtype, h_q, s_q, impls, args, torch_side, ceiling_gbps):
@@ -231,9 +248,10 @@ def bench_point(work, dtype, h_q, s_q, impls, args, torch_side, ceiling_gbps):
                 lambda i: reference(qs[i % rot], kv, bts[i % rot], sl, k_scale=k_scale), jax_sync)
     if "flashmla_step" in impls:
         step_qs = [kernel_qs[j % rot] for j in range(layers)]
-        step_bts = [bts[j % rot] for j in range(layers)]
-        variants["flashmla_step"] = (lambda i: decode_step(step_qs, kv, step_bts, sl, k_scale),
-                                     jax_sync)
+        caches = work.layer_caches(dtype, rot)
+        step_caches = [caches[j % rot] for j in range(layers)]
+        variants["flashmla_step"] = (
+            lambda i: decode_step(step_qs, step_caches, bts[0], sl, k_scale), jax_sync)
         per_call["flashmla_step"] = layers
     if set(impls) & set(TORCH_IMPLS):
         try:
@@ -248,9 +266,13 @@ def bench_point(work, dtype, h_q, s_q, impls, args, torch_side, ceiling_gbps):
         torch_calls = [torch_side.decode_with(decode_op, list(a), metadata) for a in decode_args]
         variants["torch"] = (lambda i: decode_op(*torch_calls[i % rot]), torch_side.sync)
     if "torch_step" in impls:
+        # Layer j: set j's q over cache j, with set 0's block table, as the jitted step.
+        step_args = [torch_side.prepare(cache, k_scale, sl, [q], bts[:1], h_q, s_q, D_V)[3][0]
+                     for q, cache in zip(qs, work.layer_caches(dtype, rot))]
+
         def torch_step(_):
             metadata = md_op(*metadata_args)[:2]
-            return [decode_op(*torch_side.decode_with(decode_op, decode_args[j % rot], metadata))
+            return [decode_op(*torch_side.decode_with(decode_op, step_args[j % rot], metadata))
                     for j in range(layers)]
         variants["torch_step"] = (torch_step, torch_side.sync)
         per_call["torch_step"] = layers

@@ -65,7 +65,8 @@ def test_cpu_grid_writes_its_report(tmp_path):
     assert "- float8_e4m3fn cache:" in markdown
     assert meta["fp8_q"] == "given quantized" and "given to both in FP8" in markdown
     assert "Pure-JAX reference / jax_flashmla: median" in markdown
-    assert meta["timing"] == "in alternating turns, per call fitted, lse as written"
+    assert meta["timing"] == ("in alternating turns, per call fitted, lse as written, step over "
+                              "layer caches")
     assert "the implementations in turns" in markdown and "per call also fitted" in markdown
     for name in ("grid_gbps", "grid_tflops", "grid_fp8_gbps", "grid_fp8_tflops"):
         png = (tmp_path / f"{name}.png").read_bytes()
@@ -167,3 +168,28 @@ def test_fit_separates_the_cost_per_call_from_the_cost_per_batch(monkeypatch):
     per_decode, per_batch = fits["fake"]
     assert per_decode == pytest.approx([1.0] * 3)  # 2 per call, 2 decodes per call
     assert per_batch == pytest.approx([30.0] * 3)
+
+
+def test_the_steps_layers_share_one_guard_as_a_models_do():
+    """bench_grid's step: every layer over its own FP8 cache and the one block table, so that
+    XLA merges the layers' guards for empty requests into one, as in a model."""
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import bench_grid
+    finally:
+        sys.path.pop(0)
+    from test_fp8 import fp8_custom_calls
+
+    with jax.default_device(jax.devices("cpu")[0]):
+        work = bench_grid.Workload(2, 128, True, 1, 3, seed=0)
+        caches = work.layer_caches("float8_e4m3fn", 3)
+        assert len({int(c.unsafe_buffer_pointer()) for c in caches}) == 3
+        # Layer j's cache is the first one's pages rolled: the same rows in another order.
+        assert jnp.array_equal(caches[1], jnp.roll(caches[0], work.kv.shape[0] // 3, axis=0))
+        qs = [jnp.zeros((2, 1, 16, 576), jnp.float8_e4m3fn)] * 3
+        hlo = bench_grid.decode_step.lower(qs, caches, work.block_tables[0], work.seq_lens,
+                                           work.k_scale).compile().as_text()
+    assert fp8_custom_calls(hlo) == (1, 3)
