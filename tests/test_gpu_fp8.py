@@ -14,7 +14,7 @@ import jax_flashmla as jf
 from jax_flashmla import fp8, kernels, validation
 from oracle import dense_attention_f64, make_decode_inputs
 from test_cache import _cache_shaped_buffers
-from test_fp8 import fp8_custom_calls, scan_and_vmap_over_fp8_layers
+from test_fp8 import assert_scan_guards_once_and_vmap_maps_the_fp8_decode, fp8_custom_calls
 from test_gpu import _torch_call
 
 pytestmark = pytest.mark.gpu
@@ -171,12 +171,9 @@ def test_fp8_decode_lowers_to_the_fp8_custom_calls():
         np.testing.assert_array_equal(np.asarray(lse), np.asarray(one_lse))
 
 
-def test_scan_over_layers_keeps_the_guard_in_the_loop_on_the_gpu():
-    """XLA's GPU compiler (jax 0.11.2) leaves the guard in the loop body, where it runs once
-    per layer; the README's FP8 section says so. Straight-line layers merge it."""
+def test_scan_over_layers_guards_once_on_the_gpu():
     kernels.ensure_cuda_targets()
-    assert not scan_and_vmap_over_fp8_layers(), (
-        "XLA now hoists the guard out of lax.scan on the GPU: say so in the README's FP8 section")
+    assert_scan_guards_once_and_vmap_maps_the_fp8_decode()
 
 
 def test_fp8_write_kv_is_in_place():
