@@ -8,6 +8,8 @@
 #     fp8        the FP8 tests            probe_fp8  which inputs FlashMLA's FP8 kernel takes
 #     gpu_bf16   tests/test_gpu.py alone (bf16 against the torch op)
 #     fp8_main   the FP8 tests on the kernel library's route only
+#     fp8_step   the FP8 tests with the guard's (test_fp8_guard.py), the bf16 op tests and the
+#                Flax layer and example (~4 min)
 #     decode_quick  test_decode.py but FlashMLA's grid, test_speculative.py, test_transforms.py
 #     multi      tests/test_gpu_multi.py (two GPUs visible)
 #     decode     bench_decode.py          profile    the GPU timeline of one decode, jax vs torch
@@ -125,6 +127,9 @@ for mode in "${modes[@]}"; do
   gpu_tests) gpu_tests ;;
   gpu_bf16) pytest_logged pytest_gpu_bf16.txt 200 tests/test_gpu.py ;;
   fp8_main) pytest_logged pytest_fp8_main.txt 200 tests/test_gpu_fp8.py tests/test_fp8.py ;;
+  fp8_step)
+    pytest_logged pytest_fp8_step.txt 330 tests/test_gpu_fp8.py tests/test_fp8_guard.py \
+      tests/test_fp8.py tests/test_gpu.py tests/test_flax_mla.py ;;
   decode_quick)
     pytest_logged pytest_decode_quick.txt 300 tests/test_decode.py -k "not fp32_reference" \
       tests/test_speculative.py tests/test_transforms.py ;;

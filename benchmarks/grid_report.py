@@ -243,6 +243,9 @@ def _timing_text(timing):
                  "and 2 times N calls, the ratio of the slopes of batch time over batch length")
     if "lse as written" in timing:
         text += "; jax_flashmla's lse returned as FlashMLA wrote it (`lse_format`), as torch's"
+    if "step over layer caches" in timing:
+        text += ("; a step's layers, as a model's, share one block table (set 0's), each over "
+                 "a cache of its own (the pages rolled), so an FP8 step guards once")
     return text
 
 

@@ -4,10 +4,12 @@ On CUDA the custom call runs FlashMLA's kernels (jax_flashmla/kernels.py finds a
 and registers the CUDA targets, when a CUDA lowering first happens); on CPU it runs the C++
 model of FlashMLA in ffi/reference_mla.cc. vmap maps sequentially over the batched axis.
 
-The decode primitive takes two more operands for FlashMLA's FP8 decode, descale_q and
-descale_k ((1,) float32), with q and the cache in float8_e4m3fn; it then lowers to its own
-target (the FP8 op takes the scales as tensors), after the guard's target that hands the FP8
-kernel requests of length 0 as length 1 (ffi/fp8_guard.h), and its out is bfloat16.
+For FlashMLA's FP8 decode (q and the cache in float8_e4m3fn, out bfloat16) the decode
+primitive lowers to its own target (the FP8 op takes the scales as tensors) and takes the
+operands (q, kv_cache, kernel_block_table, kernel_seq_lens, seq_lens, tile_scheduler_metadata,
+num_splits, descale_q, descale_k): the kernel's block table and lengths are the FP8 guard
+primitive's, which hands the kernel requests of length 0 as length 1 (ffi/fp8_guard.h); the
+descales are (1,) float32.
 """
 import functools
 
@@ -32,6 +34,8 @@ mla_decode_p = Primitive("jax_flashmla_mla_decode")
 mla_decode_p.multiple_results = True
 mla_metadata_p = Primitive("jax_flashmla_mla_metadata")
 mla_metadata_p.multiple_results = True
+fp8_guard_p = Primitive("jax_flashmla_fp8_guard")
+fp8_guard_p.multiple_results = True
 
 
 def _impl(primitive, *args, **params):
@@ -40,6 +44,7 @@ def _impl(primitive, *args, **params):
 
 mla_decode_p.def_impl(functools.partial(_impl, mla_decode_p))
 mla_metadata_p.def_impl(functools.partial(_impl, mla_metadata_p))
+fp8_guard_p.def_impl(functools.partial(_impl, fp8_guard_p))
 
 
 # Scheduler-row fields FlashMLA writes (the rest are zeroed by the CUDA handler): the bf16
@@ -59,11 +64,24 @@ def bind_metadata(seq_lens, *, num_heads_q, num_q_tokens, num_heads_k, num_sm_pa
                                num_heads_k=num_heads_k, num_sm_parts=num_sm_parts, fp8=fp8)
 
 
+def bind_fp8_guard(block_table, seq_lens):
+    """(kernel_block_table, kernel_seq_lens): the FP8 kernel's view of a step's requests,
+    length 0 as length 1 over page 0 (ffi/fp8_guard.h). It depends on block_table and seq_lens
+    alone: XLA merges the guards of the layers of a step that share them, and
+    get_mla_metadata(..., block_table=) computes it once for a step whose layers are a loop."""
+    return fp8_guard_p.bind(block_table, seq_lens)
+
+
+@fp8_guard_p.def_abstract_eval
+def _guard_abstract(block_table, seq_lens):
+    return (jax.core.ShapedArray(block_table.shape, jnp.int32),
+            jax.core.ShapedArray(seq_lens.shape, jnp.int32))
+
+
 @mla_decode_p.def_abstract_eval
-def _decode_abstract(q, kv_cache, block_table, seq_lens, tile_scheduler_metadata, num_splits,
-                     *descales, softmax_scale, causal, head_dim_v):
+def _decode_abstract(q, *operands, softmax_scale, causal, head_dim_v):
     batch, s_q, h_q, _ = q.shape
-    out_dtype = jnp.bfloat16 if descales else q.dtype
+    out_dtype = jnp.bfloat16 if _is_fp8_decode((q, *operands)) else q.dtype
     return (jax.core.ShapedArray((batch, s_q, h_q, head_dim_v), out_dtype),
             jax.core.ShapedArray((batch, h_q, s_q), jnp.float32))
 
@@ -75,7 +93,7 @@ def _metadata_abstract(seq_lens, *, num_heads_q, num_q_tokens, num_heads_k, num_
 
 
 def _is_fp8_decode(args):
-    return len(args) == 8  # the six operands and descale_q, descale_k
+    return len(args) == 9  # with kernel_block_table, kernel_seq_lens, descale_q, descale_k
 
 
 def lse_minor_to_major(s_q):
@@ -92,23 +110,9 @@ def _result_layouts(ctx):
 
 
 def _lower_decode(ctx, args, **attributes):
-    """The decode's custom call; for the FP8 decode preceded by the guard's
-    (ffi/fp8_guard.h): (q, kv_cache, kernel_block_table, kernel_seq_lens, seq_lens, metadata,
-    num_splits, descale_q, descale_k). The guard's call depends on block_table and seq_lens
-    alone, so XLA merges those of all the layers of a step into one."""
-    if not _is_fp8_decode(args):
-        return jax.ffi.ffi_lowering(DECODE_TARGET, result_layouts=_result_layouts(ctx))(
-            ctx, *args, **attributes)
-    q, kv_cache, block_table, seq_lens, *schedule_and_scales = args
-    table_aval, lens_aval = ctx.avals_in[2:4]
-    guard_ctx = ctx.replace(avals_in=[table_aval, lens_aval], avals_out=[table_aval, lens_aval])
-    kernel_table, kernel_lens = jax.ffi.ffi_lowering(FP8_GUARD_TARGET)(guard_ctx, block_table,
-                                                                       seq_lens)
-    avals = ctx.avals_in
-    decode_ctx = ctx.replace(avals_in=[*avals[:4], lens_aval, *avals[4:]])
-    return jax.ffi.ffi_lowering(DECODE_FP8_TARGET, result_layouts=_result_layouts(ctx))(
-        decode_ctx, q, kv_cache, kernel_table, kernel_lens, seq_lens, *schedule_and_scales,
-        **attributes)
+    target = DECODE_FP8_TARGET if _is_fp8_decode(args) else DECODE_TARGET
+    return jax.ffi.ffi_lowering(target, result_layouts=_result_layouts(ctx))(ctx, *args,
+                                                                             **attributes)
 
 
 def _decode_cpu(ctx, *args, softmax_scale, causal, head_dim_v):
@@ -153,6 +157,13 @@ def _metadata_cuda(ctx, seq_lens, *, num_heads_q, num_q_tokens, num_heads_k, num
         written_fields=np.int64(WRITTEN_METADATA_FIELDS_FP8 if fp8 else WRITTEN_METADATA_FIELDS))
 
 
+def _guard_cuda(ctx, block_table, seq_lens):
+    kernels.ensure_cuda_targets()
+    return jax.ffi.ffi_lowering(FP8_GUARD_TARGET)(ctx, block_table, seq_lens)
+
+
+mlir.register_lowering(fp8_guard_p, jax.ffi.ffi_lowering(FP8_GUARD_TARGET), platform="cpu")
+mlir.register_lowering(fp8_guard_p, _guard_cuda, platform="cuda")
 mlir.register_lowering(mla_decode_p, _decode_cpu, platform="cpu")
 mlir.register_lowering(mla_decode_p, _decode_cuda, platform="cuda")
 mlir.register_lowering(mla_metadata_p, _metadata_cpu, platform="cpu")
@@ -177,3 +188,4 @@ def _batch_sequentially(primitive, args, dims, **params):
 
 batching.primitive_batchers[mla_decode_p] = functools.partial(_batch_sequentially, mla_decode_p)
 batching.primitive_batchers[mla_metadata_p] = functools.partial(_batch_sequentially, mla_metadata_p)
+batching.primitive_batchers[fp8_guard_p] = functools.partial(_batch_sequentially, fp8_guard_p)

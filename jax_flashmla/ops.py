@@ -14,7 +14,8 @@ IMPLEMENTATIONS = ("flashmla", "reference")
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["tile_scheduler_metadata", "num_splits"],
+                   data_fields=["tile_scheduler_metadata", "num_splits", "kernel_block_table",
+                                "kernel_seq_lens"],
                    meta_fields=["num_heads_q", "num_q_tokens", "num_heads_k", "fp8"])
 @dataclasses.dataclass(frozen=True)
 class MLAMetadata:
@@ -25,6 +26,9 @@ class MLAMetadata:
       num_splits: (batch + 1,) int32, prefix sums of the number of KV splits per request.
       num_heads_q, num_q_tokens, num_heads_k: the layout it was computed for (static).
       fp8: made by the FP8 decode's scheduler, for a float8_e4m3fn cache (static).
+      kernel_block_table, kernel_seq_lens: with fp8 and a block_table given to
+        get_mla_metadata, the FP8 guard's copies of the step's block table (batch, max_pages)
+        and lengths (batch,) int32, which the FP8 kernel reads; else None.
     """
 
     tile_scheduler_metadata: jax.Array
@@ -33,6 +37,8 @@ class MLAMetadata:
     num_q_tokens: int
     num_heads_k: int
     fp8: bool = False
+    kernel_block_table: jax.Array | None = None
+    kernel_seq_lens: jax.Array | None = None
 
 
 def _resolve(implementation):
@@ -50,7 +56,7 @@ def _default_num_sms():
 
 
 def get_mla_metadata(seq_lens, *, num_heads_q, num_q_tokens=1, num_heads_k=1, num_sms=None,
-                     implementation=None, fp8=False):
+                     implementation=None, fp8=False, block_table=None):
     """Computes FlashMLA's tile-scheduler metadata for one decode step.
 
     Args:
@@ -66,13 +72,22 @@ def get_mla_metadata(seq_lens, *, num_heads_q, num_q_tokens=1, num_heads_k=1, nu
         (get_mla_decoding_metadata_dense_fp8), whose rows the bf16 decode cannot read, nor the
         reverse; mla_decode refuses a mismatch. It schedules a length of 0 as 1, as mla_decode
         gives it to the FP8 kernel (see there).
+      block_table: with fp8 only, the step's (batch, max_pages) int32 block table, which every
+        layer's mla_decode must then be given. The FP8 kernel reads a guarded copy of it and
+        of seq_lens (requests of length 0 as length 1 over page 0, ffi/fp8_guard.h); made
+        here, it is made once per step. Without it each mla_decode guards its own inputs:
+        XLA merges those guards across layers written out one after another, but XLA's GPU
+        compiler leaves them inside a lax.scan over layers, once per layer.
 
     Returns:
       MLAMetadata with tile_scheduler_metadata (num_sm_parts, 8) int32 and num_splits
       (batch + 1,) int32, where num_sm_parts = num_sms // num_heads_k //
-      ceil(num_q_tokens * num_heads_q / num_heads_k / 64); or None for the reference.
+      ceil(num_q_tokens * num_heads_q / num_heads_k / 64), and with block_table the guard's
+      kernel_block_table and kernel_seq_lens; or None for the reference.
     """
     validation.check_metadata_args(seq_lens, num_heads_q, num_q_tokens, num_heads_k)
+    if block_table is not None:
+        validation.check_metadata_block_table(block_table, seq_lens, fp8)
     if _resolve(implementation) == "reference":
         return None
     parts = validation.num_sm_parts(num_sms or _default_num_sms(), num_heads_q, num_q_tokens,
@@ -80,8 +95,10 @@ def get_mla_metadata(seq_lens, *, num_heads_q, num_q_tokens=1, num_heads_k=1, nu
     tile_md, num_splits = lowering.bind_metadata(
         seq_lens, num_heads_q=int(num_heads_q), num_q_tokens=int(num_q_tokens),
         num_heads_k=int(num_heads_k), num_sm_parts=parts, fp8=bool(fp8))
+    guarded = (None, None) if block_table is None else lowering.bind_fp8_guard(block_table,
+                                                                                seq_lens)
     return MLAMetadata(tile_md, num_splits, int(num_heads_q), int(num_q_tokens), int(num_heads_k),
-                       bool(fp8))
+                       bool(fp8), *guarded)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,9 +123,12 @@ def _decode(config, q, kv_cache, block_table, seq_lens, metadata, descales):
         out, lse = sharding.partitioned_decode_local_metadata(kernel)(q, kv_cache, block_table,
                                                                       seq_lens, *descales)
     else:
+        guarded = () if metadata.kernel_block_table is None else (metadata.kernel_block_table,
+                                                                  metadata.kernel_seq_lens)
+        kernel = dataclasses.replace(kernel, guard_in_metadata=bool(guarded))
         out, lse = sharding.partitioned_decode(kernel)(q, kv_cache, block_table, seq_lens,
                                                        metadata.tile_scheduler_metadata,
-                                                       metadata.num_splits, *descales)
+                                                       metadata.num_splits, *descales, *guarded)
     return out, lse
 
 
@@ -137,7 +157,9 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, metadata=None, softmax_sca
       metadata: MLAMetadata from get_mla_metadata for these seq_lens, h_q and s_q, to share
         one schedule between the layers of a step. When None it is computed next to the
         kernel, per device for the local batch and heads when q is sharded (a given metadata
-        describes the whole batch and all heads, so it cannot be used with a split q).
+        describes the whole batch and all heads, so it cannot be used with a split q). One
+        made with a block_table (FP8) carries the kernel's guarded copy of it: block_table
+        must then be that same table.
       softmax_scale: defaults to 576 ** -0.5.
       causal: with s_q > 1, query i sees the first s_k - s_q + i + 1 keys (speculative verify
         / MTP); with s_q = 1 it makes no difference.
@@ -162,7 +184,7 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, metadata=None, softmax_sca
     implementation = _resolve(implementation)
     num_sms = _default_num_sms()
     if metadata is not None:
-        validation.check_metadata_matches(metadata, batch, s_q, h_q, fp8)
+        validation.check_metadata_matches(metadata, block_table, batch, s_q, h_q, fp8)
     elif implementation == "flashmla":
         validation.num_sm_parts(num_sms, h_q, s_q, 1, where="mla_decode")
     if softmax_scale is None:

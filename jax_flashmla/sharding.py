@@ -3,8 +3,9 @@
 The custom call is wrapped in `jax.experimental.custom_partitioning` with a Shardy sharding
 rule (the mechanism JAX documents for custom calls under Shardy, its default partitioner):
 q may be split along batch (data-parallel attention) and heads (tensor parallel); the block
-table and lengths follow q's batch split; the cache, the query tokens, the head dims, the
-metadata and the FP8 scales stay replicated. Each device then runs the kernel on its local
+table and lengths (and the FP8 guard's copies of them that a metadata may carry) follow q's
+batch split; the cache, the query tokens, the head dims, the metadata and the FP8 scales stay
+replicated. Each device then runs the kernel on its local
 batch and heads, with FlashMLA metadata computed for those local shapes when the split
 changes them.
 
@@ -26,9 +27,10 @@ from jax_flashmla import lowering, validation
 _REPLICATED = {"s", "d", "v", "n", "p", "k", "m", "x", "y", "c", "e", "f"}
 
 
-def _decode_rule(with_metadata, fp8):
+def _decode_rule(with_metadata, fp8, guard_in_metadata=False):
     operands = "b s h d, n p k d, b m, b" + (", x y, c" if with_metadata else "")
-    return operands + (", e, f" if fp8 else "") + " -> b s h v, b h s"
+    operands += (", e, f" if fp8 else "") + (", b m, b" if guard_in_metadata else "")
+    return operands + " -> b s h v, b h s"
 
 
 def _replicated_factors(rule):
@@ -45,13 +47,24 @@ class DecodeConfig:
     head_dim_v: int
     num_sms: int
     fp8: bool = False  # FlashMLA's FP8 decode: two more operands, descale_q and descale_k
+    # With fp8: two more after the descales, the guard's kernel_block_table and
+    # kernel_seq_lens, computed once per step with the metadata (get_mla_metadata).
+    guard_in_metadata: bool = False
 
 
-def _bind_decode(config, q, kv_cache, block_table, seq_lens, tile_md, num_splits, *descales):
-    out, lse = lowering.mla_decode_p.bind(
-        q, kv_cache, block_table, seq_lens, tile_md, num_splits, *descales,
-        softmax_scale=config.softmax_scale, causal=config.causal, head_dim_v=config.head_dim_v)
-    return out, lse
+def _bind_decode(config, q, kv_cache, block_table, seq_lens, tile_md, num_splits, *fp8_args):
+    """The decode primitive; for FP8, fp8_args are (descale_q, descale_k) and, with
+    guard_in_metadata, the guard's (kernel_block_table, kernel_seq_lens), else the guard runs
+    here."""
+    params = dict(softmax_scale=config.softmax_scale, causal=config.causal,
+                  head_dim_v=config.head_dim_v)
+    if not config.fp8:
+        return tuple(lowering.mla_decode_p.bind(q, kv_cache, block_table, seq_lens, tile_md,
+                                                num_splits, **params))
+    descales, guarded = fp8_args[:2], fp8_args[2:]
+    kernel_table, kernel_lens = guarded or lowering.bind_fp8_guard(block_table, seq_lens)
+    return tuple(lowering.mla_decode_p.bind(q, kv_cache, kernel_table, kernel_lens, seq_lens,
+                                            tile_md, num_splits, *descales, **params))
 
 
 def _local_metadata(config, seq_lens, s_q, h_q):
@@ -65,7 +78,7 @@ def _q_axes(q_sharding):
     return spec[0], spec[2]  # mesh axes of q's batch and heads dims
 
 
-def _shardings(mesh, batch_axes, head_axes, with_metadata, fp8):
+def _shardings(mesh, batch_axes, head_axes, with_metadata, fp8, guard_in_metadata=False):
     named = lambda *spec: NamedSharding(mesh, P(*spec))
     args = [named(batch_axes, None, head_axes, None), named(), named(batch_axes, None),
             named(batch_axes)]
@@ -73,6 +86,8 @@ def _shardings(mesh, batch_axes, head_axes, with_metadata, fp8):
         args += [named(), named()]
     if fp8:
         args += [named(), named()]
+    if guard_in_metadata:
+        args += [named(batch_axes, None), named(batch_axes)]
     results = (named(batch_axes, None, head_axes, None), named(batch_axes, head_axes, None))
     return tuple(args), results
 
@@ -97,16 +112,17 @@ def _map_sequentially(fn):
 
 @functools.cache
 def partitioned_decode(config):
-    """(q, kv_cache, block_table, seq_lens, tile_md, num_splits[, descale_q, descale_k]) ->
-    (out, lse), shardable; the descales when config.fp8.
+    """(q, kv_cache, block_table, seq_lens, tile_md, num_splits[, descale_q, descale_k[,
+    kernel_block_table, kernel_seq_lens]]) -> (out, lse), shardable; the descales when
+    config.fp8, the guard's copies when config.guard_in_metadata.
 
     The given metadata describes the whole batch and all heads, so it is only valid when the
     partitioner keeps both whole; a split that changes them is refused."""
 
     @custom_partitioning
-    def decode(q, kv_cache, block_table, seq_lens, tile_md, num_splits, *descales):
+    def decode(q, kv_cache, block_table, seq_lens, tile_md, num_splits, *fp8_args):
         return _bind_decode(config, q, kv_cache, block_table, seq_lens, tile_md, num_splits,
-                            *descales)
+                            *fp8_args)
 
     def partition(mesh, arg_shapes, result_shape):
         batch_axes, head_axes = _q_axes(arg_shapes[0].sharding)
@@ -115,10 +131,12 @@ def partitioned_decode(config):
                 "mla_decode: metadata computed for the whole batch and all heads cannot be used "
                 f"with q split along batch ({batch_axes}) or heads ({head_axes}); pass "
                 "metadata=None (computed per device), or call the raw ops inside shard_map")
-        args, results = _shardings(mesh, None, None, with_metadata=True, fp8=config.fp8)
+        args, results = _shardings(mesh, None, None, with_metadata=True, fp8=config.fp8,
+                                   guard_in_metadata=config.guard_in_metadata)
         return mesh, functools.partial(_bind_decode, config), results, args
 
-    rule = _decode_rule(with_metadata=True, fp8=config.fp8)
+    rule = _decode_rule(with_metadata=True, fp8=config.fp8,
+                        guard_in_metadata=config.guard_in_metadata)
     decode.def_partition(partition, sharding_rule=rule,
                          need_replication_factors=_replicated_factors(rule))
     return _map_sequentially(decode)

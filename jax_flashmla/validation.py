@@ -131,7 +131,20 @@ def check_decode_args(q, kv_cache, block_table, seq_lens, head_dim_v, k_scale=No
     return batch, s_q, h_q
 
 
-def check_metadata_matches(metadata, batch, s_q, h_q, fp8):
+def check_metadata_block_table(block_table, seq_lens, fp8):
+    where = "get_mla_metadata"
+    if not fp8:
+        _fail(ValueError, where, "block_table is for fp8=True alone: it lets the metadata carry "
+                                 "the FP8 kernel's guarded copy of the step's block table")
+    check_rank(where, "block_table", block_table, 2, "(batch, max_pages)")
+    check_int32(where, "block_table", block_table)
+    batch = seq_lens.shape[0]
+    if block_table.shape[0] != batch or block_table.shape[1] < 1:
+        _fail(ValueError, where, f"block_table must have shape ({batch}, max_pages >= 1) for "
+                                 f"seq_lens of shape ({batch},); got {tuple(block_table.shape)}")
+
+
+def check_metadata_matches(metadata, block_table, batch, s_q, h_q, fp8):
     where = "mla_decode"
     if metadata.fp8 != fp8:
         # The FP8 kernel reads its own scheduler's rows (another layout): never mix the two.
@@ -145,6 +158,11 @@ def check_metadata_matches(metadata, batch, s_q, h_q, fp8):
     if metadata.num_splits.shape != (batch + 1,):
         _fail(ValueError, where, f"metadata.num_splits must have shape ({batch + 1},) for batch "
                                  f"{batch}; got {tuple(metadata.num_splits.shape)}")
+    guarded = metadata.kernel_block_table
+    if guarded is not None and guarded.shape != block_table.shape:
+        _fail(ValueError, where, f"metadata carries the guarded copy of a block_table of shape "
+                                 f"{tuple(guarded.shape)} (get_mla_metadata(..., block_table=)); "
+                                 f"block_table has shape {tuple(block_table.shape)}")
     md = metadata.tile_scheduler_metadata
     if md.ndim != 2 or md.shape[1] != METADATA_FIELDS:
         _fail(ValueError, where, f"metadata.tile_scheduler_metadata must have shape (num_sm_parts, "

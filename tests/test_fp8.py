@@ -240,40 +240,6 @@ def test_a_step_guards_its_block_table_once():
         np.testing.assert_array_equal(np.asarray(lse), np.asarray(one_lse))
 
 
-def assert_scan_guards_once_and_vmap_maps_the_fp8_decode():
-    """Stacked FP8 layers under lax.scan on the default device, the cache, block table,
-    lengths and metadata given as the step's arguments, as a model gives them: XLA hoists the
-    guard, which depends on nothing the loop changes, out of the loop into the entry
-    computation (once per step, not per layer). Under scan and vmap alike each layer's
-    results equal a call of its own. Shared with tests/test_gpu_fp8.py, which runs it on the
-    GPU. (Closed-over concrete arrays would become constants that XLA's GPU compiler sinks
-    into the loop body, the guard with them.)"""
-    q, kv8, bt, sl = _fp8_inputs(16)
-    scale = jnp.float32(K_SCALE)
-    qs = jnp.stack([fp8.quantize(q * (i + 1), scale) for i in range(3)])
-    md = jf.get_mla_metadata(sl, num_heads_q=16, fp8=True, implementation="flashmla")
-    decode = lambda q, kv, bt, sl, md: jf.mla_decode(q, kv, bt, sl, metadata=md, k_scale=scale,
-                                                     implementation="flashmla")
-    scanned = jax.jit(lambda qs, *step: jax.lax.scan(
-        lambda carry, q: (carry, decode(q, *step)), 0, qs)[1])
-    hlo = scanned.lower(qs, kv8, bt, sl, md).compile().as_text()
-    entry = hlo[hlo.index("\nENTRY"):]
-    entry = entry[:entry.index("\n}")]
-    assert fp8_custom_calls(hlo)[0] == 1 and fp8_custom_calls(entry)[0] == 1
-    mapped = jax.jit(jax.vmap(decode, in_axes=(0, None, None, None, None)))
-    for (out, lse) in (scanned(qs, kv8, bt, sl, md), mapped(qs, kv8, bt, sl, md)):
-        for layer in range(3):
-            one_out, one_lse = decode(qs[layer], kv8, bt, sl, md)
-            np.testing.assert_array_equal(np.asarray(out[layer], np.float32),
-                                          np.asarray(one_out, np.float32))
-            np.testing.assert_array_equal(np.asarray(lse[layer]), np.asarray(one_lse))
-
-
-@pytest.mark.usefixtures("on_cpu")
-def test_scan_over_layers_guards_once_and_vmap_maps_the_fp8_decode():
-    assert_scan_guards_once_and_vmap_maps_the_fp8_decode()
-
-
 def test_the_guard_target_is_its_jax_model():
     """jax_flashmla_fp8_guard on the default device (the CUDA kernel on a GPU) against
     fp8.guard_empty_requests: requests of length 0 as length 1 over page 0, sentinel slots of
