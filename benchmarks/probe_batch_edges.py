@@ -27,7 +27,8 @@ import jax_flashmla as jf
 from jax_flashmla import fp8
 
 from bench_grid import PAGE, Workload
-from timing import batches_in_turns, device_copy, line_fit, size_calls
+from timing import (batches_in_turns, device_copy, fit_sizes, line_fit, paired_ratios,
+                    size_calls)
 from torch_side import FP8, TorchSide
 
 SCALES = (0.25, 1.0, 4.0)
@@ -69,23 +70,23 @@ def copy_variants(work, side):
 def probe(variants, *, target_ms, repeats, max_calls, base):
     """Per variant: batch lengths, per-call ms per length (median over repeats), the ratio to
     `base` per length (median of per-repeat ratios), and the line through the batch times."""
-    calls = {name: size_calls(call, sync, target_ms=target_ms, max_calls=max_calls)[0]
+    sizes = {name: fit_sizes(size_calls(call, sync, target_ms=target_ms, max_calls=max_calls)[0],
+                             SCALES)
              for name, (call, sync) in variants.items()}
-    sizes = {name: [max(3, round(n * s)) for s in SCALES] for name, n in calls.items()}
     runs = [batches_in_turns(variants, sizes, repeat) for repeat in range(repeats)]
+    # name -> per batch length, the seconds per call of each repeat
+    per_call = {name: [[run[name][k] / n for run in runs] for k, n in enumerate(sizes[name])]
+                for name in variants}
     report = {}
     for name in variants:
-        per_call = [[run[name][k] / sizes[name][k] for run in runs] for k in range(len(SCALES))]
         fits = [line_fit(sizes[name], run[name]) for run in runs]
         report[name] = dict(
-            calls=sizes[name], ms=[statistics.median(x) * 1e3 for x in per_call],
+            calls=sizes[name], ms=[statistics.median(x) * 1e3 for x in per_call[name]],
             fit_ms_per_call=statistics.median(f[0] for f in fits) * 1e3,
             fit_ms_per_batch=statistics.median(f[1] for f in fits) * 1e3)
         if name != base:
-            report[name]["vs_" + base] = [
-                statistics.median(a / b for a, b in zip(mine, theirs))
-                for mine, theirs in zip(per_call, [[run[base][k] / sizes[base][k] for run in runs]
-                                                   for k in range(len(SCALES))])]
+            report[name]["vs_" + base] = [paired_ratios(mine, theirs)[0]
+                                          for mine, theirs in zip(per_call[name], per_call[base])]
     return report
 
 

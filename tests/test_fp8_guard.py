@@ -11,15 +11,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_flashmla as jf
 from jax_flashmla import fp8
-from test_fp8 import K_SCALE, _fp8_inputs, fp8_custom_calls
+from test_fp8 import K_SCALE, _fp8_inputs, fp8_custom_calls, on_cpu  # noqa: F401 (a fixture)
 
 LAYERS = 3
-
-
-@pytest.fixture
-def on_cpu():
-    with jax.default_device(jax.devices("cpu")[0]):
-        yield
 
 
 def _entry(hlo):
