@@ -7,8 +7,10 @@ given to jax_flashmla and to the torch op alike in FP8, as SGLang hands it to th
 pure-JAX reference gets it in bf16).
 
 Implementations (--impl):
-  flashmla       jf.mla_decode under jax.jit; metadata computed once, outside the timed region;
-                 lse returned in FlashMLA's layout (jf.lse_format), as the torch op returns it
+  flashmla       jf.mla_decode under jax.jit; metadata computed once per (q, block_table) set,
+                 outside the timed region (for an FP8 cache with the guard for empty requests
+                 in it, as a model's step makes it); lse returned in FlashMLA's layout
+                 (jf.lse_format), as the torch op returns it
   torch          FlashMLA's torch op on the same buffers (dlpack), arguments by schema name (GPU)
   reference      the pure-JAX reference under jax.jit, skipped past --ref-budget-gib
   flashmla_step  one jitted decode step as a model's: get_mla_metadata, then --layers decodes
@@ -22,7 +24,11 @@ keeps the unhidden first dispatch under ~0.5% of it. The implementations take tu
 each repeat, and a ratio to torch is the median of the per-repeat ratios. flashmla and torch
 are also timed over batches of N/2 and 2N calls: the slope of a batch's time over its length
 is the per-call time without what each batch pays once (the first dispatch, the final sync),
-and the ratio of the slopes is reported as the fitted ratio. Call i takes set
+and the ratio of the slopes is reported as the fitted ratio. With --device-time (the default
+on a GPU) the two are timed once more under jax.profiler, batch for batch in turns, by the GPU's
+own timestamps (device_time.py), over batches of N/2 calls: from a batch's first kernel to its
+last, as CUDA events on the stream would be, the gaps between calls included and the batch's first dispatch and final sync
+left out; the ratio of those is the device ratio. Call i takes set
 i mod --rotations of (q, block_table) over one cache, the page order differing between sets,
 so that the L2 keeps nothing useful from one call for the next; a step's layers take set
 0's block table over --rotations caches, each cache's pages in another order. FLOPs and bytes follow
@@ -54,7 +60,8 @@ import jax_flashmla as jf
 from jax_flashmla import fp8
 
 import grid_report
-from timing import batches_in_turns, device_copy, fit_sizes, line_fit, size_calls
+from device_time import device_time_in_turns
+from timing import MIN_CALLS, batches_in_turns, device_copy, fit_sizes, line_fit, size_calls
 from torch_side import FP8, TorchSide
 
 IMPLS = ("flashmla", "torch", "reference", "flashmla_step", "torch_step")
@@ -71,8 +78,11 @@ CPU_GRID = dict(batch=2, s_k=[64, 128], h_q=[16], s_q=[1, 2], layers=2, target_m
 # per repeat; the per-call ones also as the slope over batches of 0.5, 1 and 2 times their
 # calls (as timing.fit_in_turns); flashmla's lse returned as FlashMLA wrote it (lse_format);
 # a step's layers share one block table, each over its own cache.
-TIMING = "in alternating turns, per call fitted, lse as written, step over layer caches"
+TIMING = ("in alternating turns, per call fitted, lse as written, step over layer caches, "
+          "FP8 guard in the metadata")
 FITTED = ("flashmla", "torch")
+# Timed by the GPU's timestamps too, where --device-time (device_time.py).
+DEVICE_TIMED = ("flashmla", "torch")
 # How the FP8 points hand q to jax_flashmla (reports before this key quantized it in the call).
 FP8_Q = "given quantized"
 
@@ -226,15 +236,19 @@ def bench_point(work, dtype, h_q, s_q, impls, args, torch_side, ceiling_gbps):
     # The kernels' q: for an FP8 cache quantized here, once, as the torch side does.
     kernel_qs = qs if k_scale is None else [jax_sync(fp8.quantize(q, k_scale)) for q in qs]
     if "flashmla" in impls:
-        md = jax_sync(jf.get_mla_metadata(sl, num_heads_q=h_q, num_q_tokens=s_q,
-                                          fp8=k_scale is not None, implementation="flashmla"))
+        # A metadata per set, as a model makes one per step for its block table; for an FP8
+        # cache it carries the guard's copies of that table, so the calls guard nothing.
+        fp8_table = lambda bt: dict(fp8=True, block_table=bt) if k_scale is not None else {}
+        mds = [jax_sync(jf.get_mla_metadata(sl, num_heads_q=h_q, num_q_tokens=s_q,
+                                            implementation="flashmla", **fp8_table(bt)))
+               for bt in bts]
         # lse comes back as FlashMLA wrote it, as the torch op returns it (a transposed view
         # for s_q > 1), not transposed by XLA into a new buffer.
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         decode = jax.jit(functools.partial(jf.mla_decode, implementation="flashmla"),
                          out_shardings=(device, jf.lse_format(s_q, device)))
         variants["flashmla"] = (
-            lambda i: decode(kernel_qs[i % rot], kv, bts[i % rot], sl, metadata=md,
+            lambda i: decode(kernel_qs[i % rot], kv, bts[i % rot], sl, metadata=mds[i % rot],
                              k_scale=k_scale),
             jax_sync)
     if "reference" in impls:
@@ -279,6 +293,15 @@ def bench_point(work, dtype, h_q, s_q, impls, args, torch_side, ceiling_gbps):
 
     timed, failed = time_in_turns(variants, target_ms=args.target_ms, repeats=args.repeats,
                                   max_calls=args.max_calls)
+    device_times = {}
+    if args.device_time and set(DEVICE_TIMED) <= set(timed):
+        try:
+            device_times = device_time_in_turns(
+                {name: variants[name] for name in DEVICE_TIMED},
+                {name: max(MIN_CALLS, timed[name]["calls"] // 2) for name in DEVICE_TIMED},
+                args.repeats)
+        except Exception as e:  # the wall-clock figures stand without it
+            point["skipped"]["device_time"] = f"failed: {type(e).__name__}: {str(e)[:400]}"
     for name, e in failed.items():
         point["skipped"][name] = f"failed: {type(e).__name__}: {str(e)[:400]}"
         print(f"{name} failed at b={work.batch} s_k={work.mean_s_k} h_q={h_q} s_q={s_q}:",
@@ -299,11 +322,18 @@ def bench_point(work, dtype, h_q, s_q, impls, args, torch_side, ceiling_gbps):
         if t["fits"]:
             r.update(ms_fitted=statistics.median(slope for slope, _ in t["fits"]) * 1e3,
                      per_batch_ms=statistics.median(edge for _, edge in t["fits"]) * 1e3)
+        if name in device_times:
+            r.update(device_ms=statistics.median(device_times[name]["per_call"]) * 1e3,
+                     device_busy_ms=statistics.median(device_times[name]["busy_per_call"]) * 1e3)
         base = "torch_step" if name.endswith("_step") else "torch"
         if name not in TORCH_IMPLS and base in timed:
             # Per repeat, the two were timed one after the other: the median of those ratios.
             r["vs_torch"] = statistics.median(
                 a / b for a, b in zip(samples, timed[base]["samples"]))
+            if name in device_times:
+                r["vs_torch_device"] = statistics.median(
+                    a / b for a, b in zip(device_times[name]["per_call"],
+                                          device_times[base]["per_call"]))
             if t["fits"] and timed[base]["fits"]:
                 r["vs_torch_fitted"] = statistics.median(
                     a[0] / b[0] for a, b in zip(t["fits"], timed[base]["fits"]))
@@ -364,6 +394,9 @@ def parse_args(on_gpu):
                    help="size of the copy that measures the bandwidth ceiling")
     p.add_argument("--ref-budget-gib", type=float, default=24.0,
                    help="skip the reference where its temporaries would exceed this")
+    p.add_argument("--device-time", type=bool_arg, default=on_gpu,
+                   help="also time flashmla and torch per call by the GPU's timestamps "
+                        "(device_time.py; default: on a GPU)")
     p.add_argument("--deadline-s", type=float, default=None,
                    help="start no new point after this many seconds; the report is still written")
     p.add_argument("--resume", action="store_true",
@@ -404,6 +437,7 @@ def main():
             date=_now(), jax=jax.__version__, dtypes=args.dtype, batch=args.batch,
             layers=args.layers, rotations=args.rotations, target_ms=args.target_ms,
             repeats=args.repeats, timing=TIMING, fp8_q=FP8_Q, impls=args.impl, copy=copy,
+            device_time=args.device_time,
             visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
             **(torch_side.info if torch_side else {})), points=[], not_run=[])
     print(f"device {jax.devices()[0].device_kind}: copy {copy['ceiling_gbps']:.0f} GB/s "

@@ -21,7 +21,7 @@ STYLE = {
 }
 # Settings that must agree for runs to be reported as one grid.
 SHARED_SETTINGS = ("device", "batch", "layers", "rotations", "target_ms", "repeats", "timing",
-                   "fp8_q", "jax", "decode_op")
+                   "fp8_q", "jax", "decode_op", "device_time")
 # "The large shapes", where the issue asks mla_decode to be within 3% of torch-direct per call.
 LARGE_S_K = 8192
 
@@ -80,6 +80,12 @@ def fitted_ratio(point):
     return point["impls"].get("flashmla", {}).get("vs_torch_fitted")
 
 
+def device_ratio(point):
+    """jax_flashmla's per-call device time (the GPU's timestamps, device_time.py) over torch's,
+    the median of per-repeat ratios, or None where the run did not trace them."""
+    return point["impls"].get("flashmla", {}).get("vs_torch_device")
+
+
 def dtype_of(point):
     return point.get("dtype", "bfloat16")  # reports written before FP8 hold bf16 points only
 
@@ -97,6 +103,8 @@ def point_summary(point):
             text += f" x{ratio(point, 'flashmla'):.3f} of torch"
             if fitted_ratio(point) is not None:
                 text += f" (fitted x{fitted_ratio(point):.3f})"
+            if device_ratio(point) is not None:
+                text += f" (device x{device_ratio(point):.3f})"
         if impl == "flashmla_step" and ratio(point, "flashmla_step", "torch_step") is not None:
             text += f" step x{ratio(point, 'flashmla_step', 'torch_step'):.3f} of torch's"
         parts.append(text)
@@ -148,6 +156,11 @@ def _summary_of(meta, points):
            f"{LARGE_S_K}: "
            f"{_stats(fitted_ratio(p) for p in points if p['mean_s_k'] >= LARGE_S_K)}."]
           if any(fitted_ratio(p) is not None for p in points) else []),
+        *([f"- The same by device time (the GPU's timestamps from a batch's first kernel to its "
+           f"last, as CUDA events on the stream): {_stats(device_ratio(p) for p in points)}; at "
+           f"mean s_k ≥ {LARGE_S_K}: "
+           f"{_stats(device_ratio(p) for p in points if p['mean_s_k'] >= LARGE_S_K)}."]
+          if any(device_ratio(p) is not None for p in points) else []),
         f"- Decode step of {meta['layers']} layers (metadata once per step), jax_flashmla / "
         f"torch loop: {_stats(ratio(p, 'flashmla_step', 'torch_step') for p in points)}.",
         f"- Pure-JAX reference / jax_flashmla: "
@@ -181,6 +194,9 @@ def write_markdown(results, path):
         f"{meta['rotations']} (q, block_table) sets rotated; N calls then a device sync, median of "
         f"{meta['repeats']} repeats of ~{meta['target_ms']:g} ms"
         + _timing_text(meta.get("timing", ""))
+        + ("; per call also by device time: jax_flashmla and torch traced (jax.profiler) over a "
+           "batch each in turns per repeat, the GPU's timestamps from the batch's first kernel "
+           "to its last over its calls" if meta.get("device_time") else "")
         + ". GB/s and TFLOPS by FlashMLA's formulas; per-layer figures for the steps.",
         "",
         f"Device copy (read + write, {copy['mib']} MiB): {copy_text} GB/s; ceiling "
@@ -197,22 +213,22 @@ def write_markdown(results, path):
         "over the torch loop's).",
         "",
         "| cache | lengths | s_q | h_q | mean s_k | jax_flashmla ms | torch ms | ratio | "
-        "fitted ratio | GB/s | of copy | TFLOPS | reference ms | step ms/layer (jax / torch) "
-        "| step ratio |",
+        "fitted ratio | device ratio | GB/s | of copy | TFLOPS | reference ms | step ms/layer "
+        "(jax / torch) | step ratio |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-        "| ---: | ---: |",
+        "| ---: | ---: | ---: |",
     ]
     order = dtypes_of(results)
     key = lambda p: (order.index(dtype_of(p)), p["varlen"], p["s_q"], p["h_q"], p["mean_s_k"])
     for p in sorted(points, key=key):
         r, step_r = ratio(p, "flashmla"), ratio(p, "flashmla_step", "torch_step")
-        fitted = fitted_ratio(p)
+        fitted, device = fitted_ratio(p), device_ratio(p)
         lines.append(" | ".join([
             "| fp8" if dtype_of(p) != "bfloat16" else "| bf16",
             "varlen" if p["varlen"] else "fixed", str(p["s_q"]), str(p["h_q"]),
             str(p["mean_s_k"]),
             _cell(p, "flashmla", "ms", ".4f"), _cell(p, "torch", "ms", ".4f"),
-            "–" if r is None else f"{r:.3f}", "–" if fitted is None else f"{fitted:.3f}",
+            *("–" if x is None else f"{x:.3f}" for x in (r, fitted, device)),
             _cell(p, "flashmla", "gbps", ".4g"),
             _cell(p, "flashmla", "of_copy", ".0%"), _cell(p, "flashmla", "tflops", ".4g"),
             _cell(p, "reference", "ms", ".4f"),
@@ -246,6 +262,9 @@ def _timing_text(timing):
     if "step over layer caches" in timing:
         text += ("; a step's layers, as a model's, share one block table (set 0's), each over "
                  "a cache of its own (the pages rolled), so an FP8 step guards once")
+    if "FP8 guard in the metadata" in timing:
+        text += ("; jax_flashmla's FP8 calls get a metadata per set made with its block table "
+                 "(the guard for empty requests in it, as a step's), so they guard nothing")
     return text
 
 

@@ -19,9 +19,7 @@ under jax.profiler, then reports:
 """
 import argparse
 import collections
-import glob
 import statistics
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -29,44 +27,9 @@ import jax.numpy as jnp
 import jax_flashmla as jf
 from jax_flashmla import fp8
 
-# Planes and lines of an XSpace (tsl/profiler/utils/xplane_schema.h).
-GPU_PLANE_PREFIX = "/device:GPU:"
-CUPTI_PLANE = "/host:CUPTI"
-HOST_PLANE = "/host:CPU"
-GPU_SUMMARY_LINES = ("XLA Modules", "XLA Ops", "Steps", "Launch Stats", "TensorFlow Ops",
-                     "Source code", "Framework Name Scope", "XLA TraceMe")
+from device_time import profile_options, traced
+
 GAPS_SHOWN = 4
-
-
-class Event(collections.namedtuple("Event", "start end name line stats")):
-    @property
-    def correlation(self):
-        return self.stats.get("correlation_id")
-
-
-def events_of(plane, keep_line=lambda name: True):
-    return [Event(e.start_ns, e.start_ns + e.duration_ns, e.name, line.name, dict(e.stats))
-            for line in plane.lines if keep_line(line.name) for e in line.events]
-
-
-def traced(run, options):
-    """(GPU activities, driver API calls, XLA's host annotations) of one run, time-sorted."""
-    with tempfile.TemporaryDirectory() as log_dir:
-        with jax.profiler.trace(log_dir, profiler_options=options):
-            run()
-        (path,) = glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True)
-        data = jax.profiler.ProfileData.from_file(path)
-    gpu, api, host = [], [], []
-    for plane in data.planes:
-        if plane.name.startswith(GPU_PLANE_PREFIX):
-            gpu += events_of(plane, lambda name: name not in GPU_SUMMARY_LINES)
-        elif plane.name == CUPTI_PLANE:
-            api += events_of(plane)
-        elif plane.name == HOST_PLANE:
-            host += events_of(plane, lambda name: name != "python")
-    if not gpu:
-        raise RuntimeError("the trace holds no GPU activity (is CUPTI available?)")
-    return tuple(sorted(events, key=lambda e: e.start) for events in (gpu, api, host))
 
 
 def per_call(events, calls):
@@ -170,8 +133,6 @@ def main():
     from bench_decode import _inputs
     from timing import device_copy
 
-    options = jax.profiler.ProfileOptions()
-    options.python_tracer_level = 0
     q, kv, bt, sl = _inputs(args.batch, args.s_k, args.h_q, 1)
     jax_sync, variants = jax.block_until_ready, {}
     side = None
@@ -213,7 +174,7 @@ def main():
                f"{jax.devices()[0].device_kind}"]
     for name, run in variants.items():
         run()  # compiles and warms up outside the trace
-        reports.append(summarize(name, *traced(run, options), args.calls))
+        reports.append(summarize(name, *traced(run, profile_options()), args.calls))
         print(reports[-1], flush=True)
     if args.out:
         with open(args.out, "w") as f:

@@ -27,9 +27,13 @@ __global__ void GuardEmptyRequestsKernel(const int32_t* seq_lens, const int32_t*
 }
 
 // 16-byte stores where a request's out is a whole number of them (always, for 512-wide rows).
+// Launched as a programmatic dependent of the decode's last kernel (LaunchClearEmptyRequests):
+// it waits here until that kernel, and so the whole decode, has finished and its writes are
+// visible, and only its launch overlaps the decode's tail.
 __global__ void ClearEmptyRequestsKernel(const int32_t* seq_lens, void* out,
                                          int64_t out_per_request, float* lse,
                                          int64_t lse_per_request) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   const int64_t request = blockIdx.x;
   if (seq_lens[request] != 0) return;
   const int64_t out_bytes = out_per_request * 2;  // bfloat16
@@ -62,9 +66,20 @@ cudaError_t LaunchClearEmptyRequests(const int32_t* seq_lens, int64_t batch, voi
                                      int64_t out_per_request, float* lse,
                                      int64_t lse_per_request, cudaStream_t stream) {
   if (batch == 0) return cudaSuccess;
-  ClearEmptyRequestsKernel<<<static_cast<unsigned>(batch), kThreads, 0, stream>>>(
-      seq_lens, out, out_per_request, lse, lse_per_request);
-  return cudaGetLastError();
+  // Programmatic dependent launch (Hopper): the GPU may launch this grid while the previous
+  // one on the stream drains, instead of after it; the kernel's griddepcontrol.wait keeps
+  // the order of their memory effects.
+  cudaLaunchAttribute dependent_launch = {};
+  dependent_launch.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  dependent_launch.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(batch));
+  config.blockDim = dim3(kThreads);
+  config.stream = stream;
+  config.attrs = &dependent_launch;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, ClearEmptyRequestsKernel, seq_lens, out, out_per_request,
+                            lse, lse_per_request);
 }
 
 }  // namespace jax_flashmla

@@ -66,7 +66,10 @@ def test_cpu_grid_writes_its_report(tmp_path):
     assert meta["fp8_q"] == "given quantized" and "given to both in FP8" in markdown
     assert "Pure-JAX reference / jax_flashmla: median" in markdown
     assert meta["timing"] == ("in alternating turns, per call fitted, lse as written, step over "
-                              "layer caches")
+                              "layer caches, FP8 guard in the metadata")
+    assert "a metadata per set made with its block table" in markdown
+    # No GPU timestamps to time by on CPU.
+    assert meta["device_time"] is False and "device_ms" not in p["impls"]["flashmla"]
     assert "the implementations in turns" in markdown and "per call also fitted" in markdown
     for name in ("grid_gbps", "grid_tflops", "grid_fp8_gbps", "grid_fp8_tflops"):
         png = (tmp_path / f"{name}.png").read_bytes()
