@@ -25,13 +25,14 @@ each repeat, and a ratio to torch is the median of the per-repeat ratios. flashm
 are also timed over batches of N/2 and 2N calls: the slope of a batch's time over its length
 is the per-call time without what each batch pays once (the first dispatch, the final sync),
 and the ratio of the slopes is reported as the fitted ratio. With --device-time (the default
-on a GPU) the two are timed once more under jax.profiler, batch for batch in turns, by the GPU's
-own timestamps (device_time.py), over batches of N/2 calls: from a batch's first kernel to its
-last, as CUDA events on the stream would be, the gaps between calls included and the batch's first dispatch and final sync
-left out; the ratio of those is the device ratio. Call i takes set
-i mod --rotations of (q, block_table) over one cache, the page order differing between sets,
-so that the L2 keeps nothing useful from one call for the next; a step's layers take set
-0's block table over --rotations caches, each cache's pages in another order. FLOPs and bytes follow
+on a GPU) the two are timed once more under jax.profiler, in turns, by the GPU's own timestamps
+(device_time.py): batches of device_time.QUEUED_CALLS calls queued behind a long matrix
+product, from its end to the batch's last kernel's end, as CUDA events on the stream would be;
+the gaps between calls are in it, the host's dispatch (which the profiler slows) and the final
+sync are not; the ratio of those is the device ratio. Call i takes set i mod --rotations of
+(q, block_table) over one cache, the page order differing between sets, so that the L2 keeps
+nothing useful from one call for the next; a step's layers take set 0's block table over
+--rotations caches, each cache's pages in another order. FLOPs and bytes follow
 FlashMLA's test; GB/s is also given as a fraction of a device-to-device copy measured in the
 same run (bytes read + written).
 
@@ -60,8 +61,8 @@ import jax_flashmla as jf
 from jax_flashmla import fp8
 
 import grid_report
-from device_time import device_time_in_turns
-from timing import MIN_CALLS, batches_in_turns, device_copy, fit_sizes, line_fit, size_calls
+from device_time import device_time_in_turns, matmul_blockers
+from timing import batches_in_turns, device_copy, fit_sizes, line_fit, size_calls
 from torch_side import FP8, TorchSide
 
 IMPLS = ("flashmla", "torch", "reference", "flashmla_step", "torch_step")
@@ -220,8 +221,9 @@ def decode_step(qs, caches, block_table, seq_lens, k_scale):
             for q, kv in zip(qs, caches)]
 
 
-def bench_point(work, dtype, h_q, s_q, impls, args, torch_side, ceiling_gbps):
-    """Times the chosen implementations at one grid point, in turns; returns its JSON record."""
+def bench_point(work, dtype, h_q, s_q, impls, args, torch_side, ceiling_gbps, blockers=None):
+    """Times the chosen implementations at one grid point, in turns; returns its JSON record.
+    With blockers (device_time.matmul_blockers), flashmla and torch also by device time."""
     rot, layers = args.rotations, args.layers
     qs = work.queries(h_q, s_q, rot)
     flops, nbytes = flashmla_work(work.batch, work.sum_s_k, h_q, s_q, dtype)
@@ -294,12 +296,13 @@ def bench_point(work, dtype, h_q, s_q, impls, args, torch_side, ceiling_gbps):
     timed, failed = time_in_turns(variants, target_ms=args.target_ms, repeats=args.repeats,
                                   max_calls=args.max_calls)
     device_times = {}
-    if args.device_time and set(DEVICE_TIMED) <= set(timed):
+    if blockers and set(DEVICE_TIMED) <= set(timed):
         try:
             device_times = device_time_in_turns(
-                {name: variants[name] for name in DEVICE_TIMED},
-                {name: max(MIN_CALLS, timed[name]["calls"] // 2) for name in DEVICE_TIMED},
-                args.repeats)
+                {name: (*variants[name], blockers[side])
+                 for name, side in zip(DEVICE_TIMED, ("jax", "torch"))}, args.repeats)
+            point["checks"]["device_time_kernels"] = {
+                name: device_times[name]["kernels"] for name in DEVICE_TIMED}
         except Exception as e:  # the wall-clock figures stand without it
             point["skipped"]["device_time"] = f"failed: {type(e).__name__}: {str(e)[:400]}"
     for name, e in failed.items():
@@ -406,6 +409,8 @@ def parse_args(on_gpu):
     args = p.parse_args()
     if not on_gpu and set(args.impl) & set(TORCH_IMPLS):
         p.error(f"{TORCH_IMPLS} need a Hopper GPU with FlashMLA's kernels and the CUDA bridge")
+    if not on_gpu and args.device_time:
+        p.error("--device-time needs a GPU (it reads the GPU's timestamps)")
     return args
 
 
@@ -440,6 +445,7 @@ def main():
             device_time=args.device_time,
             visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
             **(torch_side.info if torch_side else {})), points=[], not_run=[])
+    blockers = matmul_blockers(torch_side.torch) if args.device_time else None
     print(f"device {jax.devices()[0].device_kind}: copy {copy['ceiling_gbps']:.0f} GB/s "
           f"({json.dumps(copy)})", flush=True)
     done_before = {_key(p) for p in results["points"]}
@@ -463,7 +469,7 @@ def main():
                 work = Workload(args.batch, mean_s_k, varlen, max(args.s_q), args.rotations,
                                 seed=2 * mean_s_k + varlen)
             point = bench_point(work, dtype, h_q, s_q, args.impl, args, torch_side,
-                                copy["ceiling_gbps"])
+                                copy["ceiling_gbps"], blockers)
             results["points"].append(point)
             elapsed = time.perf_counter() - started
             print(f"[{len(results['points'])}/{total} {elapsed:.0f}s] {label}: "

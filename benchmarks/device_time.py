@@ -3,17 +3,20 @@ around a batch of calls would measure, for jax and torch alike. torch's events c
 jitted call (XLA runs it on a stream of its own), but XLA's CUPTI tracer (jax.profiler) records
 every GPU activity in the process, torch's too, and the host's annotations on the same clock.
 
-A batch's device time runs from its first GPU activity's start to its last one's end. It holds
-every gap between the calls inside the batch (XLA's between executions among them), and not
-what a wall-clock batch also charges to its calls: the first dispatch before the GPU starts and
-the sync's wake-up after it ends. Batches are told apart by a host annotation around each."""
+Each batch starts with a blocker, one long matrix product on the stream the calls use, and the
+host queues all the batch's calls behind it before the GPU reaches them. The batch's device
+time runs from the blocker's end to its last activity's end: every gap between its calls (XLA's
+between executions among them) and nothing of the host's dispatch, which the profiler slows,
+nor of the final sync. Batches are told apart by host annotations around them."""
 import collections
+import gc
 import glob
 import tempfile
 
 import jax
+import jax.numpy as jnp
 
-from timing import timed_batch, turn_order
+from timing import turn_order
 
 # Planes and lines of an XSpace (tsl/profiler/utils/xplane_schema.h).
 GPU_PLANE_PREFIX = "/device:GPU:"
@@ -21,8 +24,16 @@ CUPTI_PLANE = "/host:CUPTI"
 HOST_PLANE = "/host:CPU"
 GPU_SUMMARY_LINES = ("XLA Modules", "XLA Ops", "Steps", "Launch Stats", "TensorFlow Ops",
                      "Source code", "Framework Name Scope", "XLA TraceMe")
-# The host annotation around batch k is named BATCH_ANNOTATION + str(k).
+# Batch k runs inside the host annotation BATCH_ANNOTATION + str(k), its blocker and calls
+# (not the sync) inside QUEUED_ANNOTATION + str(k).
 BATCH_ANNOTATION = "jax_flashmla timed batch "
+QUEUED_ANNOTATION = "jax_flashmla queued batch "
+# Calls per batch: XLA keeps at most 32 executions of a device in flight (the trace's
+# ComputeSemaphoreAcquire [capacity=32]), so this many, with the blocker, are all queued at once.
+QUEUED_CALLS = 24
+# The blocker's matrices are this square, in bf16: ~12 ms on an H200, the host's time to queue
+# QUEUED_CALLS jitted calls several times over, even under the profiler (~0.1-0.2 ms a call).
+BLOCKER_SIZE = 16384
 
 
 class Event(collections.namedtuple("Event", "start end name line stats")):
@@ -64,64 +75,99 @@ def traced(run, options, keep_host_line=lambda name: name != "python"):
     return tuple(sorted(events, key=lambda e: e.start) for events in (gpu, api, host))
 
 
-Span = collections.namedtuple("Span", "span_ns busy_ns activities")
+Batch = collections.namedtuple("Batch", "span_ns busy_ns activities host_ahead blocker first")
 
 
-def spans_in_windows(gpu, windows):
-    """For each (start, end) window, the GPU activities that start inside it: from the first's
-    start to the last's end, the time the GPU was busy with one of them (overlaps counted
-    once), and how many there were."""
-    spans = []
-    for window_start, window_end in windows:
-        inside = sorted((e for e in gpu if window_start <= e.start < window_end),
-                        key=lambda e: e.start)
-        if not inside:
-            spans.append(Span(0, 0, 0))
-            continue
-        busy, cursor = 0, inside[0].start
-        for e in inside:
-            start = max(e.start, cursor)
-            if e.end > start:
-                busy += e.end - start
-                cursor = e.end
-        spans.append(Span(max(e.end for e in inside) - inside[0].start, busy, len(inside)))
-    return spans
+def batch_after_blocker(gpu, window, queued_until):
+    """One batch from the GPU activities that start inside window (start, end): the longest of
+    them is the blocker, the batch is every one after it in start order. Returns its span from
+    the blocker's end to its last activity's end, the time within that the GPU was busy with
+    them (overlaps counted once), how many there are, whether the host had queued them all (at
+    queued_until) before the blocker ended, and the names of the blocker and of the first."""
+    inside = sorted((e for e in gpu if window[0] <= e.start < window[1]), key=lambda e: e.start)
+    if not inside:
+        raise RuntimeError(f"no GPU activity in the batch's window {window}")
+    blocker = max(range(len(inside)), key=lambda k: inside[k].end - inside[k].start)
+    begin = inside[blocker].end
+    batch = inside[blocker + 1:]
+    busy, cursor = 0, begin
+    for e in batch:
+        start = max(e.start, cursor)
+        if e.end > start:
+            busy += e.end - start
+            cursor = e.end
+    end = max((e.end for e in batch), default=begin)
+    return Batch(end - begin, busy, len(batch), queued_until < begin, inside[blocker].name,
+                 batch[0].name if batch else None)
 
 
-def batch_windows(host, batches):
-    """The (start, end) of the host annotations around batches 0, ..., batches - 1."""
-    windows = {int(e.name[len(BATCH_ANNOTATION):]): (e.start, e.end)
-               for e in host if e.name.startswith(BATCH_ANNOTATION)}
+def annotated_windows(host, prefix, batches):
+    """The (start, end) of the host annotations prefix + "0" to prefix + str(batches - 1)."""
+    windows = {int(e.name[len(prefix):]): (e.start, e.end)
+               for e in host if e.name.startswith(prefix)}
     if sorted(windows) != list(range(batches)):
-        raise RuntimeError(f"the trace holds the annotations of batches {sorted(windows)}, not "
-                           f"of 0 to {batches - 1}")
+        raise RuntimeError(f"the trace holds the annotations {prefix!r} of batches "
+                           f"{sorted(windows)}, not of 0 to {batches - 1}")
     return [windows[k] for k in range(batches)]
 
 
-def device_time_in_turns(variants, calls, repeats):
-    """variants: name -> (call taking the call's index, sync); calls: name -> calls per batch.
-    Under one trace, every repeat runs a batch of each variant in turn (timing.turn_order),
-    each inside its own host annotation. Returns name -> dict(per_call, busy_per_call): seconds
-    of device time per call, one sample per repeat (its batch's span over its calls), and of
-    that the time the GPU was busy."""
+def matmul_blockers(torch=None):
+    """name -> a blocker: "jax" enqueues one matrix product on XLA's stream, "torch" (given
+    the torch module) the same on torch's current stream. Each returns its result, to be
+    kept alive until the batch's sync."""
+    shape = (BLOCKER_SIZE, BLOCKER_SIZE)
+    a, b = (jax.random.normal(jax.random.key(i), shape, jnp.bfloat16) for i in range(2))
+    product = jax.jit(jnp.matmul)
+    jax.block_until_ready(product(a, b))
+    blockers = dict(jax=lambda: product(a, b))
+    if torch is not None:
+        ta, tb = torch.from_dlpack(a), torch.from_dlpack(b)
+        blockers["torch"] = lambda: torch.matmul(ta, tb)
+    return blockers
+
+
+def device_time_in_turns(variants, repeats, calls=QUEUED_CALLS):
+    """variants: name -> (call taking the call's index, sync, blocker). Under one trace, every
+    repeat runs a batch of each variant in turn (timing.turn_order): its blocker, then `calls`
+    calls queued behind it, then the sync, each batch inside host annotations. Returns name ->
+    dict(per_call, busy_per_call, kernels): seconds of device time per call, one sample per
+    repeat, of that the time the GPU was busy, and the names of a batch's blocker and first
+    activity. Raises where the host had not queued a batch's calls
+    before its blocker ended (the GPU would then have timed the host)."""
     order = []
 
     def run():
         for repeat in range(repeats):
             for name in turn_order(variants, repeat):
-                call, sync = variants[name]
+                call, sync, blocker = variants[name]
                 with jax.profiler.TraceAnnotation(f"{BATCH_ANNOTATION}{len(order)}"):
-                    timed_batch(call, sync, calls[name])
+                    with jax.profiler.TraceAnnotation(f"{QUEUED_ANNOTATION}{len(order)}"):
+                        blocked = blocker()
+                        for i in range(calls):
+                            result = call(i)
+                    sync(result)
+                del blocked
                 order.append(name)
 
-    # The annotations are on the Python thread's line, which the tracer names "python".
-    gpu, _, host = traced(run, profile_options(), keep_host_line=lambda name: True)
-    spans = spans_in_windows(gpu, batch_windows(host, len(order)))
+    collecting = gc.isenabled()
+    gc.disable()  # as in timing.timed_batch: no collection pauses the host mid-batch
+    try:
+        # The annotations are on the Python thread's line, which the tracer names "python".
+        gpu, _, host = traced(run, profile_options(), keep_host_line=lambda name: True)
+    finally:
+        if collecting:
+            gc.enable()
+    windows = annotated_windows(host, BATCH_ANNOTATION, len(order))
+    queued = annotated_windows(host, QUEUED_ANNOTATION, len(order))
     result = {name: dict(per_call=[], busy_per_call=[]) for name in variants}
-    for name, span in zip(order, spans):
-        if span.activities < calls[name]:
-            raise RuntimeError(f"{name}: {span.activities} GPU activities in a batch of "
-                               f"{calls[name]} calls")
-        result[name]["per_call"].append(span.span_ns / 1e9 / calls[name])
-        result[name]["busy_per_call"].append(span.busy_ns / 1e9 / calls[name])
+    for name, window, (_, queued_until) in zip(order, windows, queued):
+        batch = batch_after_blocker(gpu, window, queued_until)
+        if not batch.host_ahead:
+            raise RuntimeError(f"{name}: the host queued its calls after the blocker ended")
+        if batch.activities < calls:
+            raise RuntimeError(f"{name}: {batch.activities} GPU activities in a batch of "
+                               f"{calls} calls")
+        result[name]["per_call"].append(batch.span_ns / 1e9 / calls)
+        result[name]["busy_per_call"].append(batch.busy_ns / 1e9 / calls)
+        result[name]["kernels"] = dict(blocker=batch.blocker[:120], first=batch.first[:120])
     return result

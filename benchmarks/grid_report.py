@@ -156,8 +156,8 @@ def _summary_of(meta, points):
            f"{LARGE_S_K}: "
            f"{_stats(fitted_ratio(p) for p in points if p['mean_s_k'] >= LARGE_S_K)}."]
           if any(fitted_ratio(p) is not None for p in points) else []),
-        *([f"- The same by device time (the GPU's timestamps from a batch's first kernel to its "
-           f"last, as CUDA events on the stream): {_stats(device_ratio(p) for p in points)}; at "
+        *([f"- The same by device time (the GPU's timestamps over calls queued ahead of the GPU, "
+           f"as CUDA events on the stream): {_stats(device_ratio(p) for p in points)}; at "
            f"mean s_k ≥ {LARGE_S_K}: "
            f"{_stats(device_ratio(p) for p in points if p['mean_s_k'] >= LARGE_S_K)}."]
           if any(device_ratio(p) is not None for p in points) else []),
@@ -194,9 +194,10 @@ def write_markdown(results, path):
         f"{meta['rotations']} (q, block_table) sets rotated; N calls then a device sync, median of "
         f"{meta['repeats']} repeats of ~{meta['target_ms']:g} ms"
         + _timing_text(meta.get("timing", ""))
-        + ("; per call also by device time: jax_flashmla and torch traced (jax.profiler) over a "
-           "batch each in turns per repeat, the GPU's timestamps from the batch's first kernel "
-           "to its last over its calls" if meta.get("device_time") else "")
+        + ("; per call also by device time: jax_flashmla and torch traced (jax.profiler) in "
+           "turns, each repeat a batch of calls queued behind a long matrix product, the GPU's "
+           "timestamps from its end to the batch's last kernel's over the calls"
+           if meta.get("device_time") else "")
         + ". GB/s and TFLOPS by FlashMLA's formulas; per-layer figures for the steps.",
         "",
         f"Device copy (read + write, {copy['mib']} MiB): {copy_text} GB/s; ceiling "
