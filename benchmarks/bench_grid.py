@@ -26,8 +26,8 @@ are also timed over batches of N/2 and 2N calls: the slope of a batch's time ove
 is the per-call time without what each batch pays once (the first dispatch, the final sync),
 and the ratio of the slopes is reported as the fitted ratio. With --device-time (the default
 on a GPU) the two are timed once more under jax.profiler, in turns, by the GPU's own timestamps
-(device_time.py): batches of device_time.QUEUED_CALLS calls queued behind a long matrix
-product, from its end to the batch's last kernel's end, as CUDA events on the stream would be;
+(device_time.py): batches of device_time.QUEUED_CALLS calls queued behind a long spinning
+kernel, from its end to the batch's last kernel's end, as CUDA events on the stream would be;
 the gaps between calls are in it, the host's dispatch (which the profiler slows) and the final
 sync are not; the ratio of those is the device ratio. Call i takes set i mod --rotations of
 (q, block_table) over one cache, the page order differing between sets, so that the L2 keeps
@@ -61,7 +61,7 @@ import jax_flashmla as jf
 from jax_flashmla import fp8
 
 import grid_report
-from device_time import device_time_in_turns, matmul_blockers
+from device_time import QUEUED_CALLS, device_time_in_turns, spin_blockers
 from timing import batches_in_turns, device_copy, fit_sizes, line_fit, size_calls
 from torch_side import FP8, TorchSide
 
@@ -84,6 +84,8 @@ TIMING = ("in alternating turns, per call fitted, lse as written, step over laye
 FITTED = ("flashmla", "torch")
 # Timed by the GPU's timestamps too, where --device-time (device_time.py).
 DEVICE_TIMED = ("flashmla", "torch")
+# Its batches are short (device_time.QUEUED_CALLS calls): more of them, for a steadier median.
+DEVICE_REPEATS_PER_REPEAT = 3
 # How the FP8 points hand q to jax_flashmla (reports before this key quantized it in the call).
 FP8_Q = "given quantized"
 
@@ -223,7 +225,7 @@ def decode_step(qs, caches, block_table, seq_lens, k_scale):
 
 def bench_point(work, dtype, h_q, s_q, impls, args, torch_side, ceiling_gbps, blockers=None):
     """Times the chosen implementations at one grid point, in turns; returns its JSON record.
-    With blockers (device_time.matmul_blockers), flashmla and torch also by device time."""
+    With blockers (device_time.spin_blockers), flashmla and torch also by device time."""
     rot, layers = args.rotations, args.layers
     qs = work.queries(h_q, s_q, rot)
     flops, nbytes = flashmla_work(work.batch, work.sum_s_k, h_q, s_q, dtype)
@@ -300,7 +302,8 @@ def bench_point(work, dtype, h_q, s_q, impls, args, torch_side, ceiling_gbps, bl
         try:
             device_times = device_time_in_turns(
                 {name: (*variants[name], blockers[side])
-                 for name, side in zip(DEVICE_TIMED, ("jax", "torch"))}, args.repeats)
+                 for name, side in zip(DEVICE_TIMED, ("jax", "torch"))},
+                DEVICE_REPEATS_PER_REPEAT * args.repeats)
             point["checks"]["device_time_kernels"] = {
                 name: device_times[name]["kernels"] for name in DEVICE_TIMED}
         except Exception as e:  # the wall-clock figures stand without it
@@ -442,10 +445,11 @@ def main():
             date=_now(), jax=jax.__version__, dtypes=args.dtype, batch=args.batch,
             layers=args.layers, rotations=args.rotations, target_ms=args.target_ms,
             repeats=args.repeats, timing=TIMING, fp8_q=FP8_Q, impls=args.impl, copy=copy,
-            device_time=args.device_time,
+            device_time=args.device_time and dict(
+                batches=DEVICE_REPEATS_PER_REPEAT * args.repeats, calls=QUEUED_CALLS),
             visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
             **(torch_side.info if torch_side else {})), points=[], not_run=[])
-    blockers = matmul_blockers(torch_side.torch) if args.device_time else None
+    blockers = spin_blockers(torch_side.torch) if args.device_time else None
     print(f"device {jax.devices()[0].device_kind}: copy {copy['ceiling_gbps']:.0f} GB/s "
           f"({json.dumps(copy)})", flush=True)
     done_before = {_key(p) for p in results["points"]}

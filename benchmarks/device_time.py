@@ -3,7 +3,7 @@ around a batch of calls would measure, for jax and torch alike. torch's events c
 jitted call (XLA runs it on a stream of its own), but XLA's CUPTI tracer (jax.profiler) records
 every GPU activity in the process, torch's too, and the host's annotations on the same clock.
 
-Each batch starts with a blocker, one long matrix product on the stream the calls use, and the
+Each batch starts with a blocker, one long spinning kernel on the stream the calls use, and the
 host queues all the batch's calls behind it before the GPU reaches them. The batch's device
 time runs from the blocker's end to its last activity's end: every gap between its calls (XLA's
 between executions among them) and nothing of the host's dispatch, which the profiler slows,
@@ -12,6 +12,7 @@ import collections
 import gc
 import glob
 import tempfile
+import time
 
 import jax
 import jax.numpy as jnp
@@ -31,9 +32,9 @@ QUEUED_ANNOTATION = "jax_flashmla queued batch "
 # Calls per batch: XLA keeps at most 32 executions of a device in flight (the trace's
 # ComputeSemaphoreAcquire [capacity=32]), so this many, with the blocker, are all queued at once.
 QUEUED_CALLS = 24
-# The blocker's matrices are this square, in bf16: ~12 ms on an H200, the host's time to queue
-# QUEUED_CALLS jitted calls several times over, even under the profiler (~0.1-0.2 ms a call).
-BLOCKER_SIZE = 16384
+# Seconds a blocker lasts: the host's time to queue QUEUED_CALLS jitted calls several times
+# over, even under the profiler (0.1-0.2 ms a call on the H200).
+BLOCKER_S = 0.01
 
 
 class Event(collections.namedtuple("Event", "start end name line stats")):
@@ -111,18 +112,44 @@ def annotated_windows(host, prefix, batches):
     return [windows[k] for k in range(batches)]
 
 
-def matmul_blockers(torch=None):
-    """name -> a blocker: "jax" enqueues one matrix product on XLA's stream, "torch" (given
-    the torch module) the same on torch's current stream. Each returns its result, to be
-    kept alive until the batch's sync."""
-    shape = (BLOCKER_SIZE, BLOCKER_SIZE)
-    a, b = (jax.random.normal(jax.random.key(i), shape, jnp.bfloat16) for i in range(2))
-    product = jax.jit(jnp.matmul)
-    jax.block_until_ready(product(a, b))
-    blockers = dict(jax=lambda: product(a, b))
+def _spin_kernel(iterations):
+    """A jitted Pallas kernel of one program that runs a chain of `iterations` dependent
+    multiply-adds: GPU time at almost no power, one activity on XLA's stream."""
+    from jax.experimental import pallas as pl
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = jax.lax.fori_loop(0, iterations, lambda i, acc: acc * 0.999999 + 1e-6,
+                                       x_ref[...])
+    return jax.jit(pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((32,), jnp.float32)))
+
+
+def _lasting(make, run, sync, seconds):
+    """make(n)'s blocker with n doubled from 2**22 until run(blocker) lasts `seconds` (wall
+    clock, its dispatch included)."""
+    n = 2**22
+    while True:
+        blocker = make(n)
+        sync(run(blocker))  # compiles
+        start = time.perf_counter()
+        sync(run(blocker))
+        if time.perf_counter() - start >= seconds or n >= 2**30:
+            return blocker
+        n *= 2
+
+
+def spin_blockers(torch=None):
+    """name -> a blocker: "jax" a spinning kernel on XLA's stream (Pallas), "torch" (given
+    the torch module) torch.cuda._sleep on torch's current stream; each lasts BLOCKER_S and
+    returns what must stay alive until the batch's sync. Spinning, not a matrix product: after
+    one at full power the GPU's clocks differed from batch to batch (the H200, 5% either way in
+    the next calls' kernels)."""
+    x = jnp.zeros((32,), jnp.float32)
+    spin = _lasting(_spin_kernel, lambda kernel: kernel(x), jax.block_until_ready, BLOCKER_S)
+    blockers = dict(jax=lambda: spin(x))
     if torch is not None:
-        ta, tb = torch.from_dlpack(a), torch.from_dlpack(b)
-        blockers["torch"] = lambda: torch.matmul(ta, tb)
+        cycles = _lasting(lambda n: n, torch.cuda._sleep, lambda _: torch.cuda.synchronize(),
+                          BLOCKER_S)
+        blockers["torch"] = lambda: torch.cuda._sleep(cycles)
     return blockers
 
 

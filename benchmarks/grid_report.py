@@ -194,10 +194,7 @@ def write_markdown(results, path):
         f"{meta['rotations']} (q, block_table) sets rotated; N calls then a device sync, median of "
         f"{meta['repeats']} repeats of ~{meta['target_ms']:g} ms"
         + _timing_text(meta.get("timing", ""))
-        + ("; per call also by device time: jax_flashmla and torch traced (jax.profiler) in "
-           "turns, each repeat a batch of calls queued behind a long matrix product, the GPU's "
-           "timestamps from its end to the batch's last kernel's over the calls"
-           if meta.get("device_time") else "")
+        + _device_time_text(meta.get("device_time"))
         + ". GB/s and TFLOPS by FlashMLA's formulas; per-layer figures for the steps.",
         "",
         f"Device copy (read + write, {copy['mib']} MiB): {copy_text} GB/s; ceiling "
@@ -267,6 +264,16 @@ def _timing_text(timing):
         text += ("; jax_flashmla's FP8 calls get a metadata per set made with its block table "
                  "(the guard for empty requests in it, as a step's), so they guard nothing")
     return text
+
+
+def _device_time_text(device_time):
+    """How the run timed by the GPU's timestamps (meta["device_time"]), in words."""
+    if not device_time:
+        return ""
+    return (f"; per call also by device time: jax_flashmla and torch traced (jax.profiler) in "
+            f"turns, {device_time['batches']} batches each of {device_time['calls']} calls "
+            "queued behind a long spinning kernel, the GPU's timestamps from its end to the "
+            "batch's last kernel's over the calls")
 
 
 def _parts_lines(meta):

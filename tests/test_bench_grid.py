@@ -146,6 +146,17 @@ def test_parts_run_apart_merge_into_one_report(tmp_path):
     with pytest.raises(ValueError, match="repeats"):
         grid_report.merge([first, other])
 
+    # A GPU run's device time (bench_grid's --device-time), in the table and the summary.
+    timed = json.loads(parts[0].read_text())
+    timed["meta"]["device_time"] = dict(batches=15, calls=24)
+    for point in timed["points"]:  # these parts ran the reference alone
+        point["impls"]["flashmla"] = dict(point["impls"]["reference"], vs_torch_device=1.0126)
+    grid_report.write_markdown(timed, str(tmp_path / "timed.md"))
+    markdown = (tmp_path / "timed.md").read_text()
+    assert "15 batches each of 24 calls queued behind a long spinning kernel" in markdown
+    assert "The same by device time" in markdown and "median 1.013" in markdown
+    assert "| fitted ratio | device ratio |" in markdown and "| 1.013 |" in markdown
+
 
 def test_fit_separates_the_cost_per_call_from_the_cost_per_batch(monkeypatch):
     """timing.fit_in_turns on a fake clock: each batch costs 30 units once and 2 per call."""
