@@ -329,10 +329,10 @@ def bench_point(work, dtype, h_q, s_q, impls, args, torch_side, ceiling_gbps, bl
             r.update(ms_fitted=statistics.median(slope for slope, _ in t["fits"]) * 1e3,
                      per_batch_ms=statistics.median(edge for _, edge in t["fits"]) * 1e3)
         if name in device_times:
-            per_call = device_times[name]["per_call"]
-            r.update(device_ms=statistics.median(per_call) * 1e3,
+            device_samples = device_times[name]["per_call"]
+            r.update(device_ms=statistics.median(device_samples) * 1e3,
                      device_busy_ms=statistics.median(device_times[name]["busy_per_call"]) * 1e3,
-                     device_repeats_ms=[x * 1e3 for x in per_call])
+                     device_repeats_ms=[x * 1e3 for x in device_samples])
         base = "torch_step" if name.endswith("_step") else "torch"
         if name not in TORCH_IMPLS and base in timed:
             # Per repeat, the two were timed one after the other: the median of those ratios.
