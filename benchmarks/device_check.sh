@@ -32,6 +32,8 @@
 #                mode on GPU 1 (GRID_ARGS, GRID_NAME)
 #     batch_edges  probe_batch_edges.py: the per-call ratio over batches of ~12, 50 and 200 ms,
 #                jax synced its own way and device-wide (~2 min)
+#     xla_floor  probe_batch_edges.py --device-time: decodes and jitted copies against torch's
+#                by device time, XLA's idle time between executions included (~1 min)
 #     set:NAME=VALUE  exports NAME=VALUE for the modes after it (e.g. an XLA or jax setting)
 #     decode_h16 bench_decode.py at h_q=16 alone, 3 runs
 #     client_pair  pair: decode_h16 and trace on GPU 0; the same and gpu_bf16 on GPU 1 with
@@ -211,6 +213,9 @@ for mode in "${modes[@]}"; do
   batch_edges)
     timeout 300 python3 benchmarks/probe_batch_edges.py --out "$out/batch_edges.json" \
       2>&1 | tee "$out/batch_edges.txt" ;;
+  xla_floor)
+    timeout 240 python3 benchmarks/probe_batch_edges.py --device-time \
+      --out "$out/xla_floor.json" 2>&1 | tee "$out/xla_floor.txt" ;;
   guard_step)
     timeout 240 python3 benchmarks/bench_fp8.py --guard-step --out "$out/guard_step.json" \
       2>&1 | tee "$out/guard_step.txt" ;;

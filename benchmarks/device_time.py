@@ -159,8 +159,8 @@ def device_time_in_turns(variants, repeats, calls=QUEUED_CALLS):
     calls queued behind it, then the sync, each batch inside host annotations. Returns name ->
     dict(per_call, busy_per_call, kernels): seconds of device time per call, one sample per
     repeat, of that the time the GPU was busy, and the names of a batch's blocker and first
-    activity. Raises where the host had not queued a batch's calls
-    before its blocker ended (the GPU would then have timed the host)."""
+    activity. Raises where the host had not queued a batch's calls before its blocker ended
+    (the GPU would then have timed the host)."""
     order = []
 
     def run():

@@ -13,6 +13,10 @@ the grid's fits put jax's at ~0.5-1 ms a batch and torch's at or below 0, i.e. 1
 and, as a floor with no custom call, a jitted device copy of the cache against torch's copy_.
 Prints and writes (--out) per-call ms and the ratio to torch per batch length, and the line
 through each variant's batch times (slope: the per-call time; intercept: the per-batch cost).
+With --device-time it times instead, at the same points, jax against torch and the jitted copy
+against copy_ by device time (device_time.py: calls queued behind a spinning kernel, the GPU's
+timestamps), which no batch edge reaches: what XLA's time between executions costs a decode,
+and a plain copy of about its length.
 
     python3 benchmarks/probe_batch_edges.py --out benchmarks/results/batch_edges_h200.json
 """
@@ -27,6 +31,7 @@ import jax_flashmla as jf
 from jax_flashmla import fp8
 
 from bench_grid import PAGE, Workload
+from device_time import device_time_in_turns, spin_blockers
 from timing import (batches_in_turns, device_copy, fit_sizes, line_fit, paired_ratios,
                     size_calls)
 from torch_side import FP8, TorchSide
@@ -90,6 +95,22 @@ def probe(variants, *, target_ms, repeats, max_calls, base):
     return report
 
 
+def device_probe(variants, base, blockers, repeats):
+    """Per variant but jax_device_sync (the same calls as jax): device ms per call and busy ms
+    (medians over the batches), and the ratio to `base` (the median of per-batch ratios)."""
+    sides = {name: (*variants[name], blockers["torch" if name.startswith("torch") else "jax"])
+             for name in variants if name != "jax_device_sync"}
+    times = device_time_in_turns(sides, repeats)
+    report = {name: dict(device_ms=statistics.median(t["per_call"]) * 1e3,
+                         device_busy_ms=statistics.median(t["busy_per_call"]) * 1e3)
+              for name, t in times.items()}
+    for name in report:
+        if name != base:
+            report[name]["device_vs_" + base] = paired_ratios(times[name]["per_call"],
+                                                              times[base]["per_call"])[0]
+    return report
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -98,9 +119,13 @@ def main():
     p.add_argument("--max-calls", type=int, default=1000)
     p.add_argument("--rotations", type=int, default=4)
     p.add_argument("--out", default=None)
+    p.add_argument("--device-time", action="store_true",
+                   help="time by device time instead of over batch lengths")
     args = p.parse_args()
     side = TorchSide()
+    blockers = spin_blockers(side.torch) if args.device_time else None
     results = dict(scales=SCALES, target_ms=args.target_ms, repeats=args.repeats,
+                   device_time=args.device_time,
                    device=jax.devices()[0].device_kind, points=[])
     for dtype, s_k, h_q in POINTS:
         work = Workload(128, s_k, False, 1, args.rotations, seed=2 * s_k)
@@ -110,6 +135,12 @@ def main():
             jobs.append((f"copy of the s_k={s_k} cache", "torch_copy",
                          lambda: copy_variants(work, side)))
         for label, base, make_variants in jobs:
+            if args.device_time:
+                report = device_probe(make_variants(), base, blockers, 3 * args.repeats)
+                results["points"].append(dict(label=label, dtype=dtype, s_k=s_k, h_q=h_q,
+                                              **report))
+                print(label, json.dumps(report), flush=True)
+                continue
             report = probe(make_variants(), target_ms=args.target_ms, repeats=args.repeats,
                            max_calls=args.max_calls, base=base)
             results["points"].append(dict(label=label, dtype=dtype, s_k=s_k, h_q=h_q,
