@@ -44,7 +44,9 @@ POINTS = (("bfloat16", 4096, 16), ("bfloat16", 8192, 16), ("bfloat16", 16384, 12
 
 
 def variants_at(work, dtype, h_q, side, rotations):
-    """name -> (call taking the call's index, sync): the per-call variants of one point."""
+    """name -> (call taking the call's index, sync): the per-call variants of one point. With
+    an FP8 cache the metadata carries no block table, so each call guards its own (session 7's
+    way; bench_grid now gives each set a metadata that carries it)."""
     qs = work.queries(h_q, 1, rotations)
     kv, bts, sl = work.cache(dtype), work.block_tables, work.seq_lens
     k_scale = work.k_scale if dtype == FP8 else None
