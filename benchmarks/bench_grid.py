@@ -55,20 +55,18 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jax_flashmla as jf
 from jax_flashmla import fp8
 
 import grid_report
 from device_time import QUEUED_CALLS, device_time_in_turns, spin_blockers
-from timing import batches_in_turns, device_copy, fit_sizes, line_fit, size_calls
+from timing import device_copy, time_in_turns
 from torch_side import FP8, TorchSide
+from workload import D_QK, D_V, Workload
 
 IMPLS = ("flashmla", "torch", "reference", "flashmla_step", "torch_step")
 TORCH_IMPLS = ("torch", "torch_step")
-PAGE = 64
-D_QK, D_V = 576, 512
 # FlashMLA's own grid (tests/test_flash_mla_decoding.py's benchmark), and a tiny one for CI.
 GPU_GRID = dict(batch=128, s_k=[1024, 4096, 8192, 16384], h_q=[16, 32, 64, 128], s_q=[1, 2],
                 layers=8, target_ms=50.0, repeats=5, copy_mib=1024)
@@ -90,37 +88,6 @@ DEVICE_REPEATS_PER_REPEAT = 3
 FP8_Q = "given quantized"
 
 
-def time_in_turns(variants, *, target_ms, repeats, max_calls):
-    """variants: name -> (call, sync). Sizes each, then times them in turns within every
-    repeat, so that the GPU's clocks drifting under sustained load hit all alike (ratios are
-    then taken per repeat; the order reverses every other repeat). A variant that raises is
-    dropped. Returns (name -> dict(samples, calls, first, fits), name -> the error of a
-    dropped variant); samples are seconds per call over a batch of `calls`, and for the FITTED
-    variants fits holds (seconds per call, seconds per batch) of the line through batches of
-    timing.FIT_SCALES times their calls."""
-    timed, failed = {}, {}
-    for name, (call, sync) in variants.items():
-        try:
-            calls, first = size_calls(call, sync, target_ms=target_ms, max_calls=max_calls)
-            timed[name] = dict(samples=[], calls=calls, first=first, fits=[])
-        except Exception as e:  # one failing implementation should not cost the whole point
-            failed[name] = e
-    sizes = {name: fit_sizes(t["calls"]) if name in FITTED else [t["calls"]]
-             for name, t in timed.items()}
-    for repeat in range(repeats):
-        # Each length in turn for all, the order reversed every other repeat: neither side
-        # of a ratio always runs first, and batches of one length run close together.
-        totals = batches_in_turns({name: variants[name] for name in timed}, sizes, repeat,
-                                  failed)
-        for name in set(timed) - set(totals):
-            del timed[name]
-        for name, t in timed.items():
-            t["samples"].append(totals[name][sizes[name].index(t["calls"])] / t["calls"])
-            if name in FITTED:
-                t["fits"].append(line_fit(sizes[name], totals[name]))
-    return timed, failed
-
-
 def flashmla_work(batch, sum_s_k, h_q, s_q, dtype):
     """FlashMLA's FLOPs and bytes of one decode (its tests' formulas): the cache and q in the
     cache's dtype (1 byte in FP8), out in bf16."""
@@ -128,68 +95,6 @@ def flashmla_work(batch, sum_s_k, h_q, s_q, dtype):
     element = 1 if dtype == FP8 else 2
     nbytes = element * (sum_s_k * D_QK + batch * s_q * h_q * D_QK) + 2 * batch * s_q * h_q * D_V
     return flops, nbytes
-
-
-class Workload:
-    """One cache of bf16 pages for (batch, mean s_k, varlen), shared by every (h_q, s_q), and
-    `rotations` block tables over it, each a different random page order; the same cache in
-    FP8 when asked for, with one per-tensor scale (amax / 448, as a static k scale)."""
-
-    def __init__(self, batch, mean_s_k, varlen, min_len, rotations, seed):
-        rng = np.random.default_rng(seed)
-        if varlen:  # as FlashMLA's test: max(normal(mean, mean / 2), s_q)
-            lens = np.maximum(rng.normal(mean_s_k, mean_s_k / 2, batch), min_len)
-        else:
-            lens = np.full(batch, mean_s_k)
-        self.seq_lens_np = lens.astype(np.int32)
-        pages = -(-self.seq_lens_np // PAGE)
-        num_pages, width = int(pages.sum()), int(pages.max())
-        self.block_tables = []
-        for _ in range(rotations):
-            order = rng.permutation(num_pages).astype(np.int32)
-            table = np.zeros((batch, width), np.int32)  # slots past a request's pages: never read
-            for i, chunk in enumerate(np.split(order, np.cumsum(pages)[:-1])):
-                table[i, :len(chunk)] = chunk
-            self.block_tables.append(jnp.asarray(table))
-        # FlashMLA's tests' data scale: normal / 10, clipped to [-1, 1].
-        self.key = jax.random.key(seed)
-        kv = jax.random.normal(self.key, (num_pages, PAGE, 1, D_QK), jnp.bfloat16) / 10
-        self.kv = jax.block_until_ready(jnp.clip(kv, -1, 1))
-        self.k_scale = (jnp.max(jnp.abs(self.kv)).astype(jnp.float32) / fp8.FP8_MAX)
-        self._kv_fp8 = None
-        self._layer_caches = {}
-        self.seq_lens = jnp.asarray(self.seq_lens_np)
-        self.batch, self.mean_s_k, self.varlen = batch, mean_s_k, varlen
-        self.sum_s_k = int(self.seq_lens_np.sum())
-
-    def cache(self, dtype):
-        if dtype != FP8:
-            return self.kv
-        if self._kv_fp8 is None:
-            self._kv_fp8 = jax.block_until_ready(jax.jit(fp8.quantize)(self.kv, self.k_scale))
-        return self._kv_fp8
-
-    def layer_caches(self, dtype, count):
-        """`count` caches for a step's layers over block_tables[0]: the cache with its pages
-        rolled by a different offset each, so that no layer reads what the one before left
-        in the L2."""
-        if dtype not in self._layer_caches:
-            cache, pages = self.cache(dtype), self.kv.shape[0]
-            self._layer_caches[dtype] = [
-                jax.block_until_ready(jnp.roll(cache, j * pages // count, axis=0))
-                for j in range(count)]
-        return self._layer_caches[dtype]
-
-    def queries(self, h_q, s_q, rotations):
-        keys = jax.random.split(jax.random.fold_in(self.key, h_q * 8 + s_q), rotations)
-        shape = (self.batch, s_q, h_q, D_QK)
-        return [jnp.clip(jax.random.normal(k, shape, jnp.bfloat16) / 10, -1, 1) for k in keys]
-
-    def reference_bytes(self, h_q, s_q):
-        """A rough peak of the reference's temporaries: gathered and masked keys (bf16), float32
-        values, and ~4 float32 score-sized arrays (scores, mask, exp, weights)."""
-        tokens = self.batch * self.block_tables[0].shape[1] * PAGE
-        return tokens * (2 * D_QK * 2 + D_QK * 4 + D_V * 4 + 4 * h_q * s_q * 4)
 
 
 def copy_bandwidth(mib, target_ms, repeats, torch_side):
@@ -202,7 +107,8 @@ def copy_bandwidth(mib, target_ms, repeats, torch_side):
         src = [torch_side.torch.from_dlpack(x) for x in xs]
         dst = torch_side.torch.empty_like(src[0])
         variants["torch"] = (lambda i: dst.copy_(src[i % 2]), torch_side.sync)
-    timed, failed = time_in_turns(variants, target_ms=target_ms, repeats=repeats, max_calls=1000)
+    timed, failed = time_in_turns(variants, target_ms=target_ms, repeats=repeats, max_calls=1000,
+                                  fitted=())
     if failed:
         raise RuntimeError(f"the copy benchmark failed: {failed}")
     result = dict(mib=mib, **{f"{name}_gbps": traffic / statistics.median(t["samples"]) / 1e9
@@ -296,7 +202,7 @@ def bench_point(work, dtype, h_q, s_q, impls, args, torch_side, ceiling_gbps, bl
         per_call["torch_step"] = layers
 
     timed, failed = time_in_turns(variants, target_ms=args.target_ms, repeats=args.repeats,
-                                  max_calls=args.max_calls)
+                                  max_calls=args.max_calls, fitted=FITTED)
     device_times = {}
     if blockers and set(DEVICE_TIMED) <= set(timed):
         try:

@@ -30,11 +30,11 @@ import jax
 import jax_flashmla as jf
 from jax_flashmla import fp8
 
-from bench_grid import PAGE, Workload
 from device_time import device_time_in_turns, spin_blockers
 from timing import (batches_in_turns, device_copy, fit_sizes, line_fit, paired_ratios,
                     size_calls)
 from torch_side import FP8, TorchSide
+from workload import PAGE, Workload
 
 SCALES = (0.25, 1.0, 4.0)
 # (cache dtype, mean s_k, h_q) at b=128, s_q=1, fixed lengths: the grid's points where the

@@ -146,6 +146,37 @@ def fit_in_turns(variants, *, repeats, warmup, scales=FIT_SCALES):
     return fits
 
 
+def time_in_turns(variants, *, target_ms, repeats, max_calls, fitted):
+    """variants: name -> (call, sync). Sizes each, then times them in turns within every
+    repeat, so that the GPU's clocks drifting under sustained load hit all alike (ratios are
+    then taken per repeat; the order reverses every other repeat). A variant that raises is
+    dropped. Returns (name -> dict(samples, calls, first, fits), name -> the error of a
+    dropped variant); samples are seconds per call over a batch of `calls`, and for the
+    variants named in `fitted` fits holds (seconds per call, seconds per batch) of the line
+    through batches of FIT_SCALES times their calls."""
+    timed, failed = {}, {}
+    for name, (call, sync) in variants.items():
+        try:
+            calls, first = size_calls(call, sync, target_ms=target_ms, max_calls=max_calls)
+            timed[name] = dict(samples=[], calls=calls, first=first, fits=[])
+        except Exception as e:  # one failing implementation should not cost the whole point
+            failed[name] = e
+    sizes = {name: fit_sizes(t["calls"]) if name in fitted else [t["calls"]]
+             for name, t in timed.items()}
+    for repeat in range(repeats):
+        # Each length in turn for all, the order reversed every other repeat: neither side
+        # of a ratio always runs first, and batches of one length run close together.
+        totals = batches_in_turns({name: variants[name] for name in timed}, sizes, repeat,
+                                  failed)
+        for name in set(timed) - set(totals):
+            del timed[name]
+        for name, t in timed.items():
+            t["samples"].append(totals[name][sizes[name].index(t["calls"])] / t["calls"])
+            if name in fitted:
+                t["fits"].append(line_fit(sizes[name], totals[name]))
+    return timed, failed
+
+
 def paired_ratios(numerator, denominator):
     """Per repeat, a / b of two variants timed back to back: (median, min, max)."""
     ratios = sorted(a / b for a, b in zip(numerator, denominator))

@@ -193,12 +193,13 @@ def test_the_steps_layers_share_one_guard_as_a_models_do():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     try:
         import bench_grid
+        import workload
     finally:
         sys.path.pop(0)
     from test_fp8 import fp8_custom_calls
 
     with jax.default_device(jax.devices("cpu")[0]):
-        work = bench_grid.Workload(2, 128, True, 1, 3, seed=0)
+        work = workload.Workload(2, 128, True, 1, 3, seed=0)
         caches = work.layer_caches("float8_e4m3fn", 3)
         assert len({int(c.unsafe_buffer_pointer()) for c in caches}) == 3
         # Layer j's cache is the first one's pages rolled: the same rows in another order.
