@@ -61,7 +61,7 @@ from jax_flashmla import fp8
 
 import grid_report
 from device_time import QUEUED_CALLS, device_time_in_turns, spin_blockers
-from timing import device_copy, time_in_turns
+from timing import device_copy, paired_ratios, time_in_turns
 from torch_side import FP8, TorchSide
 from workload import D_QK, D_V, Workload
 
@@ -242,15 +242,13 @@ def bench_point(work, dtype, h_q, s_q, impls, args, torch_side, ceiling_gbps, bl
         base = "torch_step" if name.endswith("_step") else "torch"
         if name not in TORCH_IMPLS and base in timed:
             # Per repeat, the two were timed one after the other: the median of those ratios.
-            r["vs_torch"] = statistics.median(
-                a / b for a, b in zip(samples, timed[base]["samples"]))
+            r["vs_torch"] = paired_ratios(samples, timed[base]["samples"])[0]
             if name in device_times:
-                r["vs_torch_device"] = statistics.median(
-                    a / b for a, b in zip(device_times[name]["per_call"],
-                                          device_times[base]["per_call"]))
+                r["vs_torch_device"] = paired_ratios(device_times[name]["per_call"],
+                                                     device_times[base]["per_call"])[0]
             if t["fits"] and timed[base]["fits"]:
-                r["vs_torch_fitted"] = statistics.median(
-                    a[0] / b[0] for a, b in zip(t["fits"], timed[base]["fits"]))
+                r["vs_torch_fitted"] = paired_ratios([slope for slope, _ in t["fits"]],
+                                                     [slope for slope, _ in timed[base]["fits"]])[0]
     _check_outputs(point, {name: t["first"] for name, t in timed.items()}, torch_side)
     return point
 

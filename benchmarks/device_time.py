@@ -156,11 +156,14 @@ def spin_blockers(torch=None):
 def device_time_in_turns(variants, repeats, calls=QUEUED_CALLS):
     """variants: name -> (call taking the call's index, sync, blocker). Under one trace, every
     repeat runs a batch of each variant in turn (timing.turn_order): its blocker, then `calls`
-    calls queued behind it, then the sync, each batch inside host annotations. Returns name ->
+    calls queued behind it, then the sync, each batch inside host annotations; a call of each
+    variant first, outside the trace, so that no compilation holds the host back. Returns name ->
     dict(per_call, busy_per_call, kernels): seconds of device time per call, one sample per
     repeat, of that the time the GPU was busy, and the names of a batch's blocker and first
     activity. Raises where the host had not queued a batch's calls before its blocker ended
     (the GPU would then have timed the host)."""
+    for call, sync, _ in variants.values():
+        sync(call(0))
     order = []
 
     def run():

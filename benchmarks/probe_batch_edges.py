@@ -102,8 +102,6 @@ def device_probe(variants, base, blockers, repeats):
     (medians over the batches), and the ratio to `base` (the median of per-batch ratios)."""
     sides = {name: (*variants[name], blockers["torch" if name.startswith("torch") else "jax"])
              for name in variants if name != "jax_device_sync"}
-    for call, sync, _ in sides.values():  # compiles: the host must queue without stalls
-        sync(call(0))
     times = device_time_in_turns(sides, repeats)
     report = {name: dict(device_ms=statistics.median(t["per_call"]) * 1e3,
                          device_busy_ms=statistics.median(t["busy_per_call"]) * 1e3)
