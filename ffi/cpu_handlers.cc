@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <string>
 
+#include "operands.h"
 #include "reference_mla.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -43,7 +44,9 @@ ffi::Error RunDecode(ffi::AnyBuffer q, ffi::AnyBuffer kv_cache, ffi::Buffer<ffi:
                      ffi::Buffer<ffi::S32> tile_scheduler_metadata,
                      ffi::Buffer<ffi::S32> num_splits, float softmax_scale, bool causal,
                      ElementType in_type, ElementType out_type, float q_scale, float k_scale,
-                     ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::F32> lse) {
+                     ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::F32> lse,
+                     ffi::ResultBuffer<ffi::F32> out_accum,
+                     ffi::ResultBuffer<ffi::F32> lse_accum) {
   const auto q_dims = q.dimensions();
   const auto kv_dims = kv_cache.dimensions();
   const auto bt_dims = block_table.dimensions();
@@ -66,11 +69,19 @@ ffi::Error RunDecode(ffi::AnyBuffer q, ffi::AnyBuffer kv_cache, ffi::Buffer<ffi:
       num_split_entries != problem.batch + 1 || md_dims[1] != kMetadataFields ||
       problem.head_dim_v > problem.head_dim)
     return ffi::Error::InvalidArgument("mla_decode operands have inconsistent shapes");
+  const int64_t accum_rows = problem.batch + problem.num_parts;
+  const int64_t rows_per_request = problem.seqlen_q * problem.heads_q;
+  if (static_cast<int64_t>(lse_accum->element_count()) != accum_rows * rows_per_request ||
+      static_cast<int64_t>(out_accum->element_count()) !=
+          accum_rows * rows_per_request * problem.head_dim_v)
+    return ffi::Error::InvalidArgument(
+        "out_accum and lse_accum must hold batch + num_sm_parts splits");
   const std::string message = DecodeReference(
       problem, q.untyped_data(), kv_cache.untyped_data(), block_table.typed_data(),
       seq_lens.typed_data(),
       reinterpret_cast<const SchedulerRow*>(tile_scheduler_metadata.typed_data()),
-      num_splits.typed_data(), out->untyped_data(), lse->typed_data());
+      num_splits.typed_data(), out->untyped_data(), lse->typed_data(),
+      SplitAccumulators{out_accum->typed_data(), lse_accum->typed_data(), accum_rows});
   if (!message.empty()) return ffi::Error::InvalidArgument(message);
   return ffi::Error::Success();
 }
@@ -79,8 +90,9 @@ ffi::Error MlaDecodeCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
                             ffi::Buffer<ffi::S32> block_table, ffi::Buffer<ffi::S32> seq_lens,
                             ffi::Buffer<ffi::S32> tile_scheduler_metadata,
                             ffi::Buffer<ffi::S32> num_splits, float softmax_scale, bool causal,
-                            ffi::Result<ffi::AnyBuffer> out,
-                            ffi::ResultBuffer<ffi::F32> lse) {
+                            ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::F32> lse,
+                            ffi::ResultBuffer<ffi::F32> out_accum,
+                            ffi::ResultBuffer<ffi::F32> lse_accum) {
   if (q.element_type() != kv_cache.element_type() || q.element_type() != out->element_type())
     return ffi::Error::InvalidArgument("q, kv_cache and out must share one dtype");
   ElementType dtype;
@@ -92,7 +104,8 @@ ffi::Error MlaDecodeCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
     return ffi::Error::InvalidArgument("q must be bfloat16 or float16");
   }
   return RunDecode(q, kv_cache, block_table, seq_lens, tile_scheduler_metadata, num_splits,
-                   softmax_scale, causal, dtype, dtype, 1.f, 1.f, out, lse);
+                   softmax_scale, causal, dtype, dtype, 1.f, 1.f, out, lse, out_accum,
+                   lse_accum);
 }
 
 // The CUDA target's guard (ffi/fp8_guard.h), so that both platforms run the same custom calls:
@@ -129,8 +142,9 @@ ffi::Error MlaDecodeFp8CpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
                                ffi::Buffer<ffi::S32> tile_scheduler_metadata,
                                ffi::Buffer<ffi::S32> num_splits, ffi::Buffer<ffi::F32> descale_q,
                                ffi::Buffer<ffi::F32> descale_k, float softmax_scale, bool causal,
-                               ffi::Result<ffi::AnyBuffer> out,
-                               ffi::ResultBuffer<ffi::F32> lse) {
+                               ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::F32> lse,
+                               ffi::ResultBuffer<ffi::F32> out_accum,
+                               ffi::ResultBuffer<ffi::F32> lse_accum) {
   if (q.element_type() != ffi::DataType::F8E4M3FN ||
       kv_cache.element_type() != ffi::DataType::F8E4M3FN)
     return ffi::Error::InvalidArgument("q and kv_cache of the FP8 decode must be float8_e4m3fn");
@@ -143,51 +157,22 @@ ffi::Error MlaDecodeFp8CpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
   return RunDecode(q, kv_cache, kernel_block_table, seq_lens, tile_scheduler_metadata,
                    num_splits, softmax_scale, causal, ElementType::kFloat8E4M3FN,
                    ElementType::kBFloat16,
-                   descale_q.typed_data()[0], descale_k.typed_data()[0], out, lse);
+                   descale_q.typed_data()[0], descale_k.typed_data()[0], out, lse, out_accum,
+                   lse_accum);
 }
 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaMetadataCpu, MlaMetadataCpuImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // seq_lens
-                                  .Ret<ffi::Buffer<ffi::S32>>()     // tile_scheduler_metadata
-                                  .Ret<ffi::Buffer<ffi::S32>>());   // num_splits
+                              BindMetadataResults(BindMetadataOperands(ffi::Ffi::Bind())));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaDecodeCpu, MlaDecodeCpuImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()            // q
-                                  .Arg<ffi::AnyBuffer>()            // kv_cache
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // block_table
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // seq_lens
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // tile_scheduler_metadata
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // num_splits
-                                  .Attr<float>("softmax_scale")
-                                  .Attr<bool>("causal")
-                                  .Ret<ffi::AnyBuffer>()            // out
-                                  .Ret<ffi::Buffer<ffi::F32>>());   // lse
+                              BindDecodeResults(BindDecodeOperands(ffi::Ffi::Bind())));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kFp8GuardCpu, Fp8GuardCpuImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()       // block_table
-                                  .Arg<ffi::Buffer<ffi::S32>>()       // seq_lens
-                                  .Ret<ffi::Buffer<ffi::S32>>()       // kernel_block_table
-                                  .Ret<ffi::Buffer<ffi::S32>>());     // kernel_seq_lens
+                              BindFp8GuardResults(BindFp8GuardOperands(ffi::Ffi::Bind())));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaDecodeFp8Cpu, MlaDecodeFp8CpuImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()              // q
-                                  .Arg<ffi::AnyBuffer>()              // kv_cache
-                                  .Arg<ffi::Buffer<ffi::S32>>()       // kernel_block_table
-                                  .Arg<ffi::Buffer<ffi::S32>>()       // kernel_seq_lens
-                                  .Arg<ffi::Buffer<ffi::S32>>()       // seq_lens
-                                  .Arg<ffi::Buffer<ffi::S32>>()       // tile_scheduler_metadata
-                                  .Arg<ffi::Buffer<ffi::S32>>()       // num_splits
-                                  .Arg<ffi::Buffer<ffi::F32>>()       // descale_q
-                                  .Arg<ffi::Buffer<ffi::F32>>()       // descale_k
-                                  .Attr<float>("softmax_scale")
-                                  .Attr<bool>("causal")
-                                  .Ret<ffi::AnyBuffer>()              // out
-                                  .Ret<ffi::Buffer<ffi::F32>>());     // lse
+                              BindDecodeResults(BindDecodeFp8Operands(ffi::Ffi::Bind())));
 
 }  // namespace jax_flashmla

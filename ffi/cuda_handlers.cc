@@ -2,12 +2,8 @@
 
 #include <cuda_runtime_api.h>
 
-#include <array>
-#include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <exception>
-#include <numeric>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -18,7 +14,8 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "fp8_guard.h"
-#include "result_lending.h"
+#include "operands.h"
+#include "buffer_lending.h"
 #include "torch_bridge.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -75,51 +72,28 @@ OpArgs DecodeArgs(int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
   return args;
 }
 
-// The dimensions of `t` from the outermost in memory to the innermost (for a tensor over a
-// whole buffer, the order in which it is contiguous).
-std::vector<int64_t> MemoryOrder(const at::Tensor& t) {
-  std::vector<int64_t> order(t.dim());
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return t.stride(a) > t.stride(b); });
-  return order;
-}
-
-// How the ops' results reached XLA's buffers since the module was loaded.
-std::atomic<int64_t> results_in_place{0};
-std::atomic<int64_t> results_copied{0};
-
-// Runs `op` with XLA's result buffers (tensors in the layouts the lowering declared) lent to
-// its allocations (result_lending.h); then copies with one kernel whatever did not land in its
-// buffer in its layout, honouring the strides the op returned. The op returns its two results
-// in the order of `buffers`.
-void RunIntoResults(std::string_view op, const OpArgs& args, cudaStream_t stream,
-                    const std::array<at::Tensor, 2>& buffers,
-                    const std::array<const char*, 2>& names) {
+// Runs `op` with XLA's buffers `buffers` (tensors in the layouts the lowering declared; the
+// op's results first, then its scratch) lent to its allocations, every other allocation refused
+// (result_lending.h); checks that the op's results are those buffers, in their layouts.
+void RunInBuffers(std::string_view op, const OpArgs& args, const std::vector<at::Tensor>& buffers,
+                  const std::vector<const char*>& result_names) {
   std::vector<at::Tensor> results;
   {
-    LendResultBuffers lending({buffers[0], buffers[1]});
+    LendBuffers lending(buffers, op);
     results = CallTorchOp(op, args);
   }
-  if (results.size() < 2)
-    throw std::runtime_error(std::string("expected (") + names[0] + ", " + names[1] + ")");
-  StridedCopy copies[2] = {};
-  for (int i = 0; i < 2; ++i) {
-    if (IsResultBuffer(results[i], buffers[i])) {
-      ++results_in_place;
-      continue;
-    }
-    // The copies must not overwrite a result that lives in a lent buffer: move it aside
-    // (torch's copy, ordered on this stream before the copy kernel).
-    if (LivesIn(results[i], buffers[0]) || LivesIn(results[i], buffers[1]))
-      results[i] = results[i].clone();
-    // PlanResultCopy wants a contiguous destination: both in the order dst lies in memory.
-    const std::vector<int64_t> order = MemoryOrder(buffers[i]);
-    copies[i] = PlanResultCopy(results[i].permute(order), buffers[i].permute(order), names[i]);
-    ++results_copied;
-  }
-  ThrowOnError(LaunchStridedCopies(copies[0], copies[1], stream),
-               "copying FlashMLA's results into XLA's buffers");
+  if (results.size() < result_names.size())
+    throw std::runtime_error(std::string(op) + " returned " + std::to_string(results.size()) +
+                             " tensors, fewer than jax_flashmla's " +
+                             std::to_string(result_names.size()) + " results");
+  for (size_t i = 0; i < result_names.size(); ++i)
+    if (!IsBuffer(results[i], buffers[i]))
+      throw std::runtime_error(std::string(op) + " returned its " + result_names[i] +
+                               " elsewhere than in XLA's buffer, or in another layout (shape " +
+                               c10::str(results[i].sizes()) + ", strides " +
+                               c10::str(results[i].strides()) + "; XLA's buffer: shape " +
+                               c10::str(buffers[i].sizes()) + ", strides " +
+                               c10::str(buffers[i].strides()) + ")");
 }
 
 ffi::Error MlaMetadataCudaImpl(cudaStream_t stream, int32_t device,
@@ -135,43 +109,52 @@ ffi::Error MlaMetadataCudaImpl(cudaStream_t stream, int32_t device,
     Slot(args, OpArg::kNumHeadsK) = num_heads_k;
     Slot(args, OpArg::kNumHeadsQ) = num_heads_q;
     Slot(args, OpArg::kIsFp8) = false;
-    const at::Tensor metadata = Wrap(*tile_scheduler_metadata, device);
-    RunIntoResults(op, args, stream, {metadata, Wrap(*num_splits, device)},
-                   {"tile_scheduler_metadata", "num_splits"});
-    // The scheduler leaves the rows' last fields unwritten (uninitialised memory);
-    // zeroing them keeps XLA's buffer deterministic.
-    metadata.narrow(1, written_fields, metadata.size(1) - written_fields).zero_();
+    RunInBuffers(op, args, {Wrap(*tile_scheduler_metadata, device), Wrap(*num_splits, device)},
+                 {"tile_scheduler_metadata", "num_splits"});
+    // The scheduler leaves the rows' last fields unwritten (uninitialised memory); zeroing
+    // them keeps XLA's buffer deterministic.
+    const auto dims = tile_scheduler_metadata->dimensions();
+    const size_t row_bytes = dims[1] * sizeof(int32_t);
+    const size_t written_bytes = written_fields * sizeof(int32_t);
+    if (dims[0] > 0 && written_bytes < row_bytes)
+      ThrowOnError(cudaMemset2DAsync(reinterpret_cast<char*>(tile_scheduler_metadata->untyped_data()) +
+                                         written_bytes,
+                                     row_bytes, 0, row_bytes - written_bytes, dims[0], stream),
+                   "zeroing the scheduler rows' unused fields");
   });
 }
 
-// lse's buffer as the lowering lays it out (lowering._result_layouts): for s_q > 1, FlashMLA's
-// (b, s_q, h_q) memory seen as (b, h_q, s_q), just what the op returns (a transposed view).
-at::Tensor WrapLse(ffi::ResultBuffer<ffi::F32> lse, int32_t device) {
-  const at::Tensor buffer = Wrap(*lse, device);
-  const int64_t batch = buffer.size(0), h_q = buffer.size(1), s_q = buffer.size(2);
-  return s_q == 1 ? buffer : buffer.view({batch, s_q, h_q}).transpose(1, 2);
-}
-
-// FlashMLA allocates out and lse itself (its ops take no output buffers): both allocations get
-// XLA's result buffers, where the op writes them in place.
-void RunDecode(std::string_view op, const OpArgs& args, cudaStream_t stream, int32_t device,
-               ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::F32> lse) {
-  RunIntoResults(op, args, stream, {Wrap(*out, device), WrapLse(lse, device)}, {"out", "lse"});
+// What the decode ops write, as the lowering lays it out: out; lse (b, h_q, s_q) as FlashMLA's
+// (b, s_q, h_q) memory, which the op returns as a transposed view for s_q > 1
+// (lowering._result_layouts); then the split-KV accumulators, which FlashMLA allocates after
+// its results.
+std::vector<at::Tensor> DecodeBuffers(int32_t device, ffi::Result<ffi::AnyBuffer> out,
+                                      ffi::ResultBuffer<ffi::F32> lse,
+                                      ffi::ResultBuffer<ffi::F32> out_accum,
+                                      ffi::ResultBuffer<ffi::F32> lse_accum) {
+  const at::Tensor lse_buffer = Wrap(*lse, device);
+  const int64_t batch = lse_buffer.size(0), h_q = lse_buffer.size(1), s_q = lse_buffer.size(2);
+  return {Wrap(*out, device),
+          s_q == 1 ? lse_buffer : lse_buffer.view({batch, s_q, h_q}).transpose(1, 2),
+          Wrap(*out_accum, device), Wrap(*lse_accum, device)};
 }
 
 ffi::Error MlaDecodeCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
                              ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> block_table,
                              ffi::Buffer<ffi::S32> seq_lens,
                              ffi::Buffer<ffi::S32> tile_scheduler_metadata,
-                             ffi::Buffer<ffi::S32> num_splits, std::string_view op,
-                             float softmax_scale, bool causal, ffi::Result<ffi::AnyBuffer> out,
-                             ffi::ResultBuffer<ffi::F32> lse) {
+                             ffi::Buffer<ffi::S32> num_splits, float softmax_scale, bool causal,
+                             std::string_view op, ffi::Result<ffi::AnyBuffer> out,
+                             ffi::ResultBuffer<ffi::F32> lse,
+                             ffi::ResultBuffer<ffi::F32> out_accum,
+                             ffi::ResultBuffer<ffi::F32> lse_accum) {
   return OnXlaStream(stream, device, op, [&] {
     OpArgs args = DecodeArgs(device, q, kv_cache, Wrap(block_table, device),
                              Wrap(seq_lens, device), tile_scheduler_metadata, num_splits,
                              softmax_scale, causal, out->dimensions().back());
     Slot(args, OpArg::kIsFp8) = false;
-    RunDecode(op, args, stream, device, out, lse);
+    RunInBuffers(op, args, DecodeBuffers(device, out, lse, out_accum, lse_accum),
+                 {"out", "lse"});
   });
 }
 
@@ -205,17 +188,19 @@ ffi::Error MlaDecodeFp8CudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuf
                                 ffi::Buffer<ffi::S32> seq_lens,
                                 ffi::Buffer<ffi::S32> tile_scheduler_metadata,
                                 ffi::Buffer<ffi::S32> num_splits, ffi::Buffer<ffi::F32> descale_q,
-                                ffi::Buffer<ffi::F32> descale_k, std::string_view op,
-                                float softmax_scale, bool causal,
-                                ffi::Result<ffi::AnyBuffer> out,
-                                ffi::ResultBuffer<ffi::F32> lse) {
+                                ffi::Buffer<ffi::F32> descale_k, float softmax_scale, bool causal,
+                                std::string_view op, ffi::Result<ffi::AnyBuffer> out,
+                                ffi::ResultBuffer<ffi::F32> lse,
+                                ffi::ResultBuffer<ffi::F32> out_accum,
+                                ffi::ResultBuffer<ffi::F32> lse_accum) {
   return OnXlaStream(stream, device, op, [&] {
     OpArgs args = DecodeArgs(device, q, kv_cache, Wrap(kernel_block_table, device),
                              Wrap(kernel_seq_lens, device), tile_scheduler_metadata, num_splits,
                              softmax_scale, causal, out->dimensions().back());
     Slot(args, OpArg::kDescaleQ) = Wrap(descale_q, device);
     Slot(args, OpArg::kDescaleK) = Wrap(descale_k, device);
-    RunDecode(op, args, stream, device, out, lse);
+    RunInBuffers(op, args, DecodeBuffers(device, out, lse, out_accum, lse_accum),
+                 {"out", "lse"});
     const int64_t batch = seq_lens.element_count();
     if (batch > 0)
       ThrowOnError(LaunchClearEmptyRequests(seq_lens.typed_data(), batch, out->untyped_data(),
@@ -225,66 +210,35 @@ ffi::Error MlaDecodeFp8CudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuf
   });
 }
 
-}  // namespace
-
-DecodeResultCounts DecodeResultCountsSoFar() {
-  return {results_in_place.load(), results_copied.load()};
+auto CudaContext() {
+  return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>();
 }
 
+}  // namespace
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaMetadataCuda, MlaMetadataCudaImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // seq_lens
-                                  .Attr<std::string_view>("op")
-                                  .Attr<int64_t>("num_q_tokens_per_head_k")
-                                  .Attr<int64_t>("num_heads_k")
-                                  .Attr<int64_t>("num_heads_q")
-                                  .Attr<int64_t>("written_fields")
-                                  .Ret<ffi::Buffer<ffi::S32>>()     // tile_scheduler_metadata
-                                  .Ret<ffi::Buffer<ffi::S32>>());   // num_splits
+                              BindMetadataResults(BindMetadataOperands(CudaContext())
+                                                      .Attr<std::string_view>("op")
+                                                      .Attr<int64_t>("num_q_tokens_per_head_k")
+                                                      .Attr<int64_t>("num_heads_k")
+                                                      .Attr<int64_t>("num_heads_q")
+                                                      .Attr<int64_t>("written_fields")),
+                              {kCudaTargetTraits});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaDecodeCuda, MlaDecodeCudaImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()            // q
-                                  .Arg<ffi::AnyBuffer>()            // kv_cache
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // block_table
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // seq_lens
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // tile_scheduler_metadata
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // num_splits
-                                  .Attr<std::string_view>("op")
-                                  .Attr<float>("softmax_scale")
-                                  .Attr<bool>("causal")
-                                  .Ret<ffi::AnyBuffer>()            // out
-                                  .Ret<ffi::Buffer<ffi::F32>>());   // lse
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    kMlaDecodeCuda, MlaDecodeCudaImpl,
+    BindDecodeResults(BindDecodeOperands(CudaContext()).Attr<std::string_view>("op")),
+    {kCudaTargetTraits});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kFp8GuardCuda, Fp8GuardCudaImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // block_table
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // seq_lens
-                                  .Ret<ffi::Buffer<ffi::S32>>()     // kernel_block_table
-                                  .Ret<ffi::Buffer<ffi::S32>>());   // kernel_seq_lens
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    kFp8GuardCuda, Fp8GuardCudaImpl,
+    BindFp8GuardResults(
+        BindFp8GuardOperands(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())),
+    {kCudaTargetTraits});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaDecodeFp8Cuda, MlaDecodeFp8CudaImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()            // q
-                                  .Arg<ffi::AnyBuffer>()            // kv_cache
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // kernel_block_table
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // kernel_seq_lens
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // seq_lens
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // tile_scheduler_metadata
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // num_splits
-                                  .Arg<ffi::Buffer<ffi::F32>>()     // descale_q
-                                  .Arg<ffi::Buffer<ffi::F32>>()     // descale_k
-                                  .Attr<std::string_view>("op")
-                                  .Attr<float>("softmax_scale")
-                                  .Attr<bool>("causal")
-                                  .Ret<ffi::AnyBuffer>()            // out
-                                  .Ret<ffi::Buffer<ffi::F32>>());   // lse
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    kMlaDecodeFp8Cuda, MlaDecodeFp8CudaImpl,
+    BindDecodeResults(BindDecodeFp8Operands(CudaContext()).Attr<std::string_view>("op")),
+    {kCudaTargetTraits});
 
 }  // namespace jax_flashmla

@@ -3,19 +3,14 @@
 #ifndef JAX_FLASHMLA_FFI_CUDA_HANDLERS_H_
 #define JAX_FLASHMLA_FFI_CUDA_HANDLERS_H_
 
-#include <cstdint>
-
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_flashmla {
 
-// How many of the decodes' results (out and lse, each counted) FlashMLA wrote straight into
-// XLA's buffers, and how many were copied there, since the module was loaded.
-struct DecodeResultCounts {
-  int64_t in_place;
-  int64_t copied;
-};
-DecodeResultCounts DecodeResultCountsSoFar();
+// Every CUDA target launches the same device work for the same shapes and attributes,
+// allocates nothing and never waits for the host: XLA may capture it into a command buffer
+// (a CUDA graph) and replay it. Compiled into each handler and given to XLA at registration.
+inline constexpr xla::ffi::Traits kCudaTargetTraits = xla::ffi::Traits::kCmdBufferCompatible;
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaDecodeCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaDecodeFp8Cuda);

@@ -1,9 +1,11 @@
 // The CUDA extension module. It links torch, so jax_flashmla imports it only after torch
 // and the FlashMLA kernel library are loaded, when the GPU path is first lowered.
+#include <cstdint>
+
 #include <nanobind/nanobind.h>
 
-#include "nb_capsule.h"
 #include "cuda_handlers.h"
+#include "nb_capsule.h"
 
 namespace nb = nanobind;
 
@@ -19,14 +21,8 @@ NB_MODULE(_cuda, m) {
     targets["jax_flashmla_fp8_guard"] = EncapsulateFfiHandler(kFp8GuardCuda);
     return targets;
   });
-  // For tests and benchmarks: whether FlashMLA's results land in XLA's buffers.
-  m.def("decode_result_counts", []() {
-    const DecodeResultCounts counts = DecodeResultCountsSoFar();
-    nb::dict result;
-    result["in_place"] = counts.in_place;
-    result["copied"] = counts.copied;
-    return result;
-  });
+  // The XLA FFI handler traits of every target above (XLA_FFI_Handler_TraitsBits).
+  m.attr("target_traits") = static_cast<uint32_t>(kCudaTargetTraits);
 }
 
 }  // namespace

@@ -123,7 +123,7 @@ void ScheduleDecode(const int32_t* seq_lens, int64_t batch, int64_t num_parts,
 std::string DecodeReference(const DecodeProblem& p, const void* q, const void* kv_cache,
                             const int32_t* block_table, const int32_t* seq_lens,
                             const SchedulerRow* rows, const int32_t* num_splits, void* out,
-                            float* lse) {
+                            float* lse, const SplitAccumulators& accum) {
   const int64_t rows_per_req = p.seqlen_q * p.heads_q;  // (query token, head) pairs
   const int64_t total_splits = num_splits[p.batch];
   for (int64_t r = 0; r < p.batch; ++r) {
@@ -133,9 +133,16 @@ std::string DecodeReference(const DecodeProblem& p, const void* q, const void* k
     if (num_splits[r + 1] < num_splits[r])
       return "num_splits is not a non-decreasing prefix sum; was it computed for these seq_lens?";
   }
+  if (num_splits[0] != 0 || total_splits > accum.splits)
+    return "num_splits schedules " + std::to_string(total_splits) + " splits from " +
+           std::to_string(num_splits[0]) + "; at most batch + num_sm_parts = " +
+           std::to_string(accum.splits) + " from 0 fit; was it computed for these seq_lens?";
   // Partial results of every split: normalised output and LSE per (query token, head).
-  std::vector<float> part_out(total_splits * rows_per_req * p.head_dim_v, 0.f);
-  std::vector<float> part_lse(total_splits * rows_per_req, -std::numeric_limits<float>::infinity());
+  float* part_out = accum.out;
+  float* part_lse = accum.lse;
+  std::fill(part_out, part_out + total_splits * rows_per_req * p.head_dim_v, 0.f);
+  std::fill(part_lse, part_lse + total_splits * rows_per_req,
+            -std::numeric_limits<float>::infinity());
   std::vector<float> q_row(p.head_dim), key(kPageSize * p.head_dim);
   std::vector<float> q_req(rows_per_req * p.head_dim);
   std::vector<RowState> state(rows_per_req);
@@ -150,7 +157,8 @@ std::string DecodeReference(const DecodeProblem& p, const void* q, const void* k
       const int64_t last = std::min<int64_t>(r == row.end_req ? row.end_block : blocks, blocks);
       if (first >= last) continue;
       const int64_t split = num_splits[r] + (r == row.begin_req ? row.begin_split : 0);
-      if (split >= num_splits[r + 1]) return "tile_scheduler_metadata does not match num_splits";
+      if (first < 0 || split < num_splits[r] || split >= num_splits[r + 1])
+        return "tile_scheduler_metadata does not match num_splits";
 
       for (int64_t i = 0; i < rows_per_req * p.head_dim; ++i)
         q_req[i] = LoadElement(q, r * rows_per_req * p.head_dim + i, p.in_type) * p.q_scale;

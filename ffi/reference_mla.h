@@ -57,17 +57,26 @@ struct DecodeProblem {
 // The value of an e4m3fn byte (NaN for 0x7f and 0xff).
 float Float8E4M3FNToFloat(uint8_t bits);
 
+// The split-KV accumulators, one row per split, as FlashMLA's: out_accum (splits, seqlen_q *
+// heads_q, head_dim_v) and lse_accum (splits, seqlen_q * heads_q) float32, splits = batch +
+// num_parts (at most that many splits are scheduled).
+struct SplitAccumulators {
+  float* out;
+  float* lse;
+  int64_t splits;
+};
+
 // Runs the decode. Inputs are row-major: q (batch, seqlen_q, heads_q, head_dim),
 // kv_cache (num_pages, 64, 1, head_dim), block_table (batch, max_pages),
 // seq_lens (batch), rows (num_parts), num_splits (batch + 1). Outputs: out
 // (batch, seqlen_q, heads_q, head_dim_v) row-major, lse (batch, heads_q, seqlen_q) laid out
 // as FlashMLA lays it out, seqlen_q outside heads_q (row-major (batch, seqlen_q, heads_q); the
-// custom call declares that layout, lowering.py).
+// custom call declares that layout, lowering.py); the splits' partial results in `accum`.
 // Returns an empty string on success, otherwise what was wrong with the inputs.
 std::string DecodeReference(const DecodeProblem& p, const void* q, const void* kv_cache,
                             const int32_t* block_table, const int32_t* seq_lens,
                             const SchedulerRow* rows, const int32_t* num_splits, void* out,
-                            float* lse);
+                            float* lse, const SplitAccumulators& accum);
 
 }  // namespace jax_flashmla
 

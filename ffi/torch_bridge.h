@@ -1,6 +1,6 @@
 // Calls FlashMLA's compiled torch ops on XLA's buffers: wraps buffers as tensors without a
-// copy, fills an op's arguments by name from its schema (the schemas differ between kernel
-// releases), and plans the copies of what the op returns into XLA's result buffers.
+// copy, and fills an op's arguments by name from its schema (the schemas differ between kernel
+// releases).
 #ifndef JAX_FLASHMLA_FFI_TORCH_BRIDGE_H_
 #define JAX_FLASHMLA_FFI_TORCH_BRIDGE_H_
 
@@ -12,7 +12,6 @@
 #include <ATen/core/ivalue.h>
 #include <ATen/core/Tensor.h>
 
-#include "result_copy.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_flashmla {
@@ -49,12 +48,6 @@ std::vector<at::Tensor> CallTorchOp(std::string_view qualified_name, const OpArg
 // A tensor over an XLA buffer on CUDA device `device` (no copy; XLA keeps ownership).
 at::Tensor WrapBuffer(void* data, xla::ffi::Span<const int64_t> dims,
                       xla::ffi::DataType dtype, int device);
-
-// Plans the copy of `src` (any strides) into the XLA buffer `dst` as one half of
-// LaunchStridedCopies (16-byte units where the innermost dimension is contiguous and aligned,
-// elements otherwise), after checking that the op returned the shape and dtype that JAX was
-// told at trace time.
-StridedCopy PlanResultCopy(const at::Tensor& src, const at::Tensor& dst, const char* what);
 
 }  // namespace jax_flashmla
 

@@ -144,9 +144,23 @@ def ensure_cuda_targets():
             "jax_flashmla was built without its CUDA bridge (jax_flashmla._cuda): reinstall it "
             "where a CUDA build of torch and the CUDA toolkit are present, e.g. "
             "`pip install --no-build-isolation -e .`") from e
+    _set_up_torch_cuda()
+    # The targets' traits (command-buffer compatible) are compiled into their handlers; XLA
+    # takes them from the registration.
     for name, capsule in _cuda.registrations().items():
-        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+        jax.ffi.register_ffi_target(name, capsule, platform="CUDA", traits=_cuda.target_traits)
     return ops
+
+
+def _set_up_torch_cuda():
+    """torch's one-time CUDA work, done here rather than inside a call that XLA may be
+    capturing into a CUDA graph: its CUDA state and allocator, and the properties of every
+    device (which FlashMLA's ops read on each call)."""
+    import torch
+
+    torch.cuda.init()
+    for index in range(torch.cuda.device_count()):
+        torch.cuda.get_device_properties(index)
 
 
 @functools.cache

@@ -4,12 +4,14 @@ On CUDA the custom call runs FlashMLA's kernels (jax_flashmla/kernels.py finds a
 and registers the CUDA targets, when a CUDA lowering first happens); on CPU it runs the C++
 model of FlashMLA in ffi/reference_mla.cc. vmap maps sequentially over the batched axis.
 
-For FlashMLA's FP8 decode (q and the cache in float8_e4m3fn, out bfloat16) the decode
-primitive lowers to its own target (the FP8 op takes the scales as tensors) and takes the
-operands (q, kv_cache, kernel_block_table, kernel_seq_lens, seq_lens, tile_scheduler_metadata,
-num_splits, descale_q, descale_k): the kernel's block table and lengths are the FP8 guard
-primitive's, which hands the kernel requests of length 0 as length 1 (ffi/fp8_guard.h); the
-descales are (1,) float32.
+Each custom call's operands are named once here (DECODE_OPERANDS, ...) and in
+ffi/operands.h for the C++ handlers. The decode's results are out, lse and FlashMLA's split-KV
+accumulators (out_accum, lse_accum), scratch that XLA allocates so that the kernel allocates
+nothing itself; bind_decode drops them. For FlashMLA's FP8 decode (q and the cache in
+float8_e4m3fn, out bfloat16) the decode primitive lowers to its own target (the FP8 op takes
+the scales as tensors): the kernel's block table and lengths are the FP8 guard primitive's,
+which hands the kernel requests of length 0 as length 1 (ffi/fp8_guard.h); the descales are
+(1,) float32.
 """
 import functools
 
@@ -78,22 +80,42 @@ def _guard_abstract(block_table, seq_lens):
             jax.core.ShapedArray(seq_lens.shape, jnp.int32))
 
 
+DECODE_OPERANDS = ("q", "kv_cache", "block_table", "seq_lens", "tile_scheduler_metadata",
+                   "num_splits")
+DECODE_FP8_OPERANDS = ("q", "kv_cache", "kernel_block_table", "kernel_seq_lens", "seq_lens",
+                       "tile_scheduler_metadata", "num_splits", "descale_q", "descale_k")
+
+
+def decode_operands(fp8):
+    return DECODE_FP8_OPERANDS if fp8 else DECODE_OPERANDS
+
+
+def bind_decode(*operands, fp8, softmax_scale, causal, head_dim_v):
+    """(out, lse) of the decode primitive on decode_operands(fp8)."""
+    out, lse, _, _ = mla_decode_p.bind(*operands, fp8=fp8, softmax_scale=softmax_scale,
+                                       causal=causal, head_dim_v=head_dim_v)
+    return out, lse
+
+
 @mla_decode_p.def_abstract_eval
-def _decode_abstract(q, *operands, softmax_scale, causal, head_dim_v):
-    batch, s_q, h_q, _ = q.shape
-    out_dtype = jnp.bfloat16 if _is_fp8_decode((q, *operands)) else q.dtype
+def _decode_abstract(*operands, fp8, softmax_scale, causal, head_dim_v):
+    names = decode_operands(fp8)
+    if len(operands) != len(names):
+        raise TypeError(f"the decode primitive takes {names}; got {len(operands)} operands")
+    named = dict(zip(names, operands))
+    batch, s_q, h_q, _ = named["q"].shape
+    splits = batch + named["tile_scheduler_metadata"].shape[0]
+    out_dtype = jnp.bfloat16 if fp8 else named["q"].dtype
     return (jax.core.ShapedArray((batch, s_q, h_q, head_dim_v), out_dtype),
-            jax.core.ShapedArray((batch, h_q, s_q), jnp.float32))
+            jax.core.ShapedArray((batch, h_q, s_q), jnp.float32),
+            jax.core.ShapedArray((splits, h_q, s_q, head_dim_v), jnp.float32),  # out_accum
+            jax.core.ShapedArray((splits, h_q, s_q), jnp.float32))  # lse_accum
 
 
 @mla_metadata_p.def_abstract_eval
 def _metadata_abstract(seq_lens, *, num_heads_q, num_q_tokens, num_heads_k, num_sm_parts, fp8):
     return (jax.core.ShapedArray((num_sm_parts, METADATA_FIELDS), jnp.int32),
             jax.core.ShapedArray((seq_lens.shape[0] + 1,), jnp.int32))
-
-
-def _is_fp8_decode(args):
-    return len(args) == 9  # with kernel_block_table, kernel_seq_lens, descale_q, descale_k
 
 
 def lse_minor_to_major(s_q):
@@ -103,20 +125,21 @@ def lse_minor_to_major(s_q):
 
 
 def _result_layouts(ctx):
-    """out row-major; lse in FlashMLA's layout, so that FlashMLA writes it in place and XLA
-    transposes it only where it is read (nowhere, when a model drops it)."""
-    lse_layout = lse_minor_to_major(ctx.avals_in[0].shape[1])
-    return None if lse_layout is None else [None, lse_layout]
+    """out and the accumulators row-major; lse in FlashMLA's layout, so that FlashMLA writes it
+    in place and XLA transposes it only where it is read (nowhere, when a model drops it)."""
+    lse_layout = lse_minor_to_major(ctx.avals_out[1].shape[2])
+    return None if lse_layout is None else [None, lse_layout, None, None]
 
 
-def _lower_decode(ctx, args, **attributes):
-    target = DECODE_FP8_TARGET if _is_fp8_decode(args) else DECODE_TARGET
+def _lower_decode(ctx, args, fp8, **attributes):
+    target = DECODE_FP8_TARGET if fp8 else DECODE_TARGET
     return jax.ffi.ffi_lowering(target, result_layouts=_result_layouts(ctx))(ctx, *args,
                                                                              **attributes)
 
 
-def _decode_cpu(ctx, *args, softmax_scale, causal, head_dim_v):
-    return _lower_decode(ctx, args, softmax_scale=np.float32(softmax_scale), causal=bool(causal))
+def _decode_cpu(ctx, *args, fp8, softmax_scale, causal, head_dim_v):
+    return _lower_decode(ctx, args, fp8, softmax_scale=np.float32(softmax_scale),
+                         causal=bool(causal))
 
 
 def _fp8_op(ops, name):
@@ -127,10 +150,9 @@ def _fp8_op(ops, name):
     return op
 
 
-def _decode_cuda(ctx, *args, softmax_scale, causal, head_dim_v):
+def _decode_cuda(ctx, *args, fp8, softmax_scale, causal, head_dim_v):
     ops = kernels.ensure_cuda_targets()
-    return _lower_decode(ctx, args,
-                         op=_fp8_op(ops, "decode_fp8") if _is_fp8_decode(args) else ops.decode,
+    return _lower_decode(ctx, args, fp8, op=_fp8_op(ops, "decode_fp8") if fp8 else ops.decode,
                          softmax_scale=np.float32(softmax_scale), causal=bool(causal))
 
 

@@ -56,15 +56,15 @@ def _bind_decode(config, q, kv_cache, block_table, seq_lens, tile_md, num_splits
     """The decode primitive; for FP8, fp8_args are (descale_q, descale_k) and, with
     guard_in_metadata, the guard's (kernel_block_table, kernel_seq_lens), else the guard runs
     here."""
-    params = dict(softmax_scale=config.softmax_scale, causal=config.causal,
+    params = dict(fp8=config.fp8, softmax_scale=config.softmax_scale, causal=config.causal,
                   head_dim_v=config.head_dim_v)
     if not config.fp8:
-        return tuple(lowering.mla_decode_p.bind(q, kv_cache, block_table, seq_lens, tile_md,
-                                                num_splits, **params))
+        return lowering.bind_decode(q, kv_cache, block_table, seq_lens, tile_md, num_splits,
+                                    **params)
     descales, guarded = fp8_args[:2], fp8_args[2:]
     kernel_table, kernel_lens = guarded or lowering.bind_fp8_guard(block_table, seq_lens)
-    return tuple(lowering.mla_decode_p.bind(q, kv_cache, kernel_table, kernel_lens, seq_lens,
-                                            tile_md, num_splits, *descales, **params))
+    return lowering.bind_decode(q, kv_cache, kernel_table, kernel_lens, seq_lens, tile_md,
+                                num_splits, *descales, **params)
 
 
 def _local_metadata(config, seq_lens, s_q, h_q):

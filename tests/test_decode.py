@@ -90,7 +90,8 @@ def test_lse_stays_in_flashmlas_layout_until_read(s_q):
     out_only = jax.jit(lambda *a: jf.mla_decode(*a, implementation="flashmla")[0])
     hlo = out_only.lower(q, kv, bt, sl).compile().as_text()
     layout = "{1,2,0}" if s_q > 1 else "{2,1,0}"
-    assert f"f32[2,16,{s_q}]{layout}) custom-call(" in hlo
+    # The call's results: out, lse, then FlashMLA's split-KV accumulators.
+    assert f"f32[2,16,{s_q}]{layout}, f32[134,16,{s_q},512]{{3,2,1,0}}, f32[134,16,{s_q}]{{2,1,0}}) custom-call(" in hlo
     assert "copy" not in hlo
     _, lse = _decode((q, kv, bt, sl), "flashmla")
     _, ref_lse = _decode((q, kv, bt, sl), "reference")

@@ -104,9 +104,9 @@ def test_an_error_inside_the_op_is_a_python_exception():
     sl = jnp.asarray(sl)
     md = jf.get_mla_metadata(sl, num_heads_q=16)
     with pytest.raises(Exception, match="failed"):
-        out, _ = lowering.mla_decode_p.bind(q, kv, jnp.asarray(bt), sl, md.tile_scheduler_metadata,
-                                            md.num_splits, softmax_scale=0.1, causal=True,
-                                            head_dim_v=256)
+        out, _ = lowering.bind_decode(q, kv, jnp.asarray(bt), sl, md.tile_scheduler_metadata,
+                                      md.num_splits, fp8=False, softmax_scale=0.1, causal=True,
+                                      head_dim_v=256)
         out.block_until_ready()
     # The process and the GPU are still usable afterwards.
     out, lse = jf.mla_decode(q, kv, jnp.asarray(bt), sl, metadata=md)

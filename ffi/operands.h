@@ -1,0 +1,82 @@
+// The operands, attributes and results of each custom call, stated once for the CPU and the
+// CUDA handlers (jax_flashmla/lowering.py states them once for Python). A platform's handler
+// binds its context first (CUDA: the stream and the device), then everything here, then its own
+// attributes (CUDA: the torch op's name), then the results; its function takes them in that
+// order.
+#ifndef JAX_FLASHMLA_FFI_OPERANDS_H_
+#define JAX_FLASHMLA_FFI_OPERANDS_H_
+
+#include <utility>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_flashmla {
+
+namespace ffi = xla::ffi;
+
+template <typename Binding>
+auto BindMetadataOperands(Binding binding) {
+  return std::move(binding).template Arg<ffi::Buffer<ffi::S32>>();  // seq_lens
+}
+
+template <typename Binding>
+auto BindMetadataResults(Binding binding) {
+  return std::move(binding).template Ret<ffi::Buffer<ffi::S32>>()   // tile_scheduler_metadata
+      .template Ret<ffi::Buffer<ffi::S32>>();            // num_splits
+}
+
+template <typename Binding>
+auto BindDecodeOperands(Binding binding) {
+  return std::move(binding).template Arg<ffi::AnyBuffer>()          // q
+      .template Arg<ffi::AnyBuffer>()                    // kv_cache
+      .template Arg<ffi::Buffer<ffi::S32>>()             // block_table
+      .template Arg<ffi::Buffer<ffi::S32>>()             // seq_lens
+      .template Arg<ffi::Buffer<ffi::S32>>()             // tile_scheduler_metadata
+      .template Arg<ffi::Buffer<ffi::S32>>()             // num_splits
+      .template Attr<float>("softmax_scale")
+      .template Attr<bool>("causal");
+}
+
+// The FP8 decode reads the guard's copies of the block table and the lengths, and takes the
+// per-tensor scales of q and the cache as (1,) float32 buffers.
+template <typename Binding>
+auto BindDecodeFp8Operands(Binding binding) {
+  return std::move(binding).template Arg<ffi::AnyBuffer>()          // q
+      .template Arg<ffi::AnyBuffer>()                    // kv_cache
+      .template Arg<ffi::Buffer<ffi::S32>>()             // kernel_block_table
+      .template Arg<ffi::Buffer<ffi::S32>>()             // kernel_seq_lens
+      .template Arg<ffi::Buffer<ffi::S32>>()             // seq_lens
+      .template Arg<ffi::Buffer<ffi::S32>>()             // tile_scheduler_metadata
+      .template Arg<ffi::Buffer<ffi::S32>>()             // num_splits
+      .template Arg<ffi::Buffer<ffi::F32>>()             // descale_q
+      .template Arg<ffi::Buffer<ffi::F32>>()             // descale_k
+      .template Attr<float>("softmax_scale")
+      .template Attr<bool>("causal");
+}
+
+// out and lse, then FlashMLA's split-KV accumulators: out_accum (batch + num_sm_parts, h_q,
+// s_q, 512) and lse_accum (batch + num_sm_parts, h_q, s_q) float32, scratch that XLA owns, so
+// that a decode allocates no memory of its own (and can be captured in a command buffer).
+template <typename Binding>
+auto BindDecodeResults(Binding binding) {
+  return std::move(binding).template Ret<ffi::AnyBuffer>()          // out
+      .template Ret<ffi::Buffer<ffi::F32>>()             // lse
+      .template Ret<ffi::Buffer<ffi::F32>>()             // out_accum
+      .template Ret<ffi::Buffer<ffi::F32>>();            // lse_accum
+}
+
+template <typename Binding>
+auto BindFp8GuardOperands(Binding binding) {
+  return std::move(binding).template Arg<ffi::Buffer<ffi::S32>>()   // block_table
+      .template Arg<ffi::Buffer<ffi::S32>>();            // seq_lens
+}
+
+template <typename Binding>
+auto BindFp8GuardResults(Binding binding) {
+  return std::move(binding).template Ret<ffi::Buffer<ffi::S32>>()   // kernel_block_table
+      .template Ret<ffi::Buffer<ffi::S32>>();            // kernel_seq_lens
+}
+
+}  // namespace jax_flashmla
+
+#endif  // JAX_FLASHMLA_FFI_OPERANDS_H_
