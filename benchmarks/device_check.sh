@@ -34,6 +34,9 @@
 #                jax synced its own way and device-wide (~2 min)
 #     xla_floor  probe_batch_edges.py --device-time: decodes and jitted copies against torch's
 #                by device time, XLA's idle time between executions included (~1 min)
+#     capture    the command-buffer tests (test_gpu_capture.py), the bf16 and FP8 op tests
+#     step       bench_step.py; STEP_ARGS (e.g. "--part 0/2"), STEP_NAME (step_h200),
+#                STEP_DEADLINE_S (default 540)
 #     set:NAME=VALUE  exports NAME=VALUE for the modes after it (e.g. an XLA or jax setting)
 #     decode_h16 bench_decode.py at h_q=16 alone, 3 runs
 #     client_pair  pair: decode_h16 and trace on GPU 0; the same and gpu_bf16 on GPU 1 with
@@ -136,6 +139,13 @@ for mode in "${modes[@]}"; do
     pytest_logged pytest_decode_quick.txt 300 tests/test_decode.py -k "not fp32_reference" \
       tests/test_speculative.py tests/test_transforms.py ;;
   multi) pytest_logged pytest_multi.txt 200 tests/test_gpu_multi.py ;;
+  capture)
+    pytest_logged pytest_capture.txt 300 tests/test_gpu_capture.py tests/test_gpu.py \
+      tests/test_gpu_fp8.py ;;
+  step)
+    timeout $((${STEP_DEADLINE_S:-540} + 60)) python3 benchmarks/bench_step.py \
+      --deadline-s "${STEP_DEADLINE_S:-540}" --out "$out/${STEP_NAME:-step_h200}" \
+      ${STEP_ARGS:-} 2>&1 | tee "$out/step.txt" | cut -c1-400 | tail -60 ;;
   stack_tests) stack_tests ;;
   more_tests) more_tests ;;
   fp8)

@@ -9,7 +9,8 @@ namespace jax_flashmla {
 
 // Every CUDA target launches the same device work for the same shapes and attributes,
 // allocates nothing and never waits for the host: XLA may capture it into a command buffer
-// (a CUDA graph) and replay it. Compiled into each handler and given to XLA at registration.
+// (a CUDA graph) and replay it. Compiled into each handler, whose metadata XLA reads when the
+// target is registered.
 inline constexpr xla::ffi::Traits kCudaTargetTraits = xla::ffi::Traits::kCmdBufferCompatible;
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaDecodeCuda);

@@ -1,7 +1,5 @@
 // The CUDA extension module. It links torch, so jax_flashmla imports it only after torch
 // and the FlashMLA kernel library are loaded, when the GPU path is first lowered.
-#include <cstdint>
-
 #include <nanobind/nanobind.h>
 
 #include "cuda_handlers.h"
@@ -21,8 +19,6 @@ NB_MODULE(_cuda, m) {
     targets["jax_flashmla_fp8_guard"] = EncapsulateFfiHandler(kFp8GuardCuda);
     return targets;
   });
-  // The XLA FFI handler traits of every target above (XLA_FFI_Handler_TraitsBits).
-  m.attr("target_traits") = static_cast<uint32_t>(kCudaTargetTraits);
 }
 
 }  // namespace

@@ -4,14 +4,15 @@ from jax_flashmla.allocator import OutOfPagesError, PageAllocator
 from jax_flashmla.block_table import PAD_PAGE, block_table_from_pages, build_block_table
 from jax_flashmla.cache import PagedKVCache, token_slots, write_kv
 from jax_flashmla.context_parallel import dcp_mla_decode, dcp_write_kv, merge_attention_states
-from jax_flashmla.ops import MLAMetadata, get_mla_metadata, lse_format, mla_decode
+from jax_flashmla.ops import (LOOP_STEP_COMPILER_OPTIONS, MLAMetadata, get_mla_metadata, lse_format,
+                              mla_decode)
 from jax_flashmla.reference import mla_decode_reference
 from jax_flashmla.serving import bucket_for, decode_loop, decode_step, pad_batch, write_prompt
 from jax_flashmla.speculative import (multi_step_draft, multi_step_draft_metadata, target_verify,
                                       target_verify_metadata)
 
 __all__ = [
-    "MLAMetadata", "OutOfPagesError", "PAD_PAGE", "PageAllocator", "PagedKVCache",
+    "LOOP_STEP_COMPILER_OPTIONS", "MLAMetadata", "OutOfPagesError", "PAD_PAGE", "PageAllocator", "PagedKVCache",
     "block_table_from_pages", "bucket_for", "build_block_table", "dcp_mla_decode", "dcp_write_kv",
     "decode_loop", "decode_step", "get_mla_metadata", "lse_format", "merge_attention_states",
     "mla_decode", "mla_decode_reference", "multi_step_draft", "multi_step_draft_metadata",

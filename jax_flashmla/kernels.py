@@ -145,10 +145,10 @@ def ensure_cuda_targets():
             "where a CUDA build of torch and the CUDA toolkit are present, e.g. "
             "`pip install --no-build-isolation -e .`") from e
     _set_up_torch_cuda()
-    # The targets' traits (command-buffer compatible) are compiled into their handlers; XLA
-    # takes them from the registration.
+    # The targets' traits (command-buffer compatible) are compiled into their handlers, where
+    # XLA reads them when they are registered.
     for name, capsule in _cuda.registrations().items():
-        jax.ffi.register_ffi_target(name, capsule, platform="CUDA", traits=_cuda.target_traits)
+        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
     return ops
 
 

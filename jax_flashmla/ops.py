@@ -12,6 +12,18 @@ from jax_flashmla.reference import mla_decode_reference
 
 IMPLEMENTATIONS = ("flashmla", "reference")
 
+# Compiler options for a jitted decode step whose layers are a loop (lax.scan, fori_loop):
+# XLA's default command-buffer types (jax 0.11) plus WHILE, and command buffers however few
+# their commands, so that the loop runs as one CUDA graph (a conditional node whose body XLA
+# captures once, custom calls included) instead of launching each layer's kernels and custom
+# calls from the host. A step written out layer by layer is captured with XLA's defaults.
+# Use: jax.jit(step, compiler_options=jax_flashmla.LOOP_STEP_COMPILER_OPTIONS).
+LOOP_STEP_COMPILER_OPTIONS = {
+    "xla_gpu_enable_command_buffer":
+        "FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL,CONDITIONAL,DYNAMIC_SLICE_FUSION,WHILE",
+    "xla_gpu_graph_min_graph_size": 1,
+}
+
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["tile_scheduler_metadata", "num_splits", "kernel_block_table",

@@ -1,0 +1,321 @@
+"""A model's decode step as a serving loop runs it: L layers, each writing every request's new
+576-wide rows into that layer's cache (write_kv) and then decoding (mla_decode), the metadata
+once per step, a sync after each step.
+
+The layers' caches are one array, as a JAX model holds them: all layers' pages in one
+(L * P, 64, 1, 576) cache, layer l's pages at l * P onwards, its block table the step's
+plus l * P; and each layer's q is made from the layer before's out (its 512 latent columns
+and the layer's own 64 rope columns), so that every layer is live and the step has one output.
+jax_flashmla runs it jitted three ways: that stacked cache under lax.scan (with
+jax_flashmla.LOOP_STEP_COMPILER_OPTIONS) and unrolled over the layers, and with one cache array
+per layer. Beside those: the same step of FlashMLA's torch ops (an indexed write of the rows,
+the decode, the concatenation) captured in a torch CUDA graph and replayed, as SGLang serves
+decode, and eagerly; and the per-layer step with a trivial fusion in place of each decode,
+which is what JAX itself costs for that many arrays.
+
+Reported per point: µs per layer (the median step's wall clock / L) and the GPU's span per
+layer (first kernel's start to last kernel's end of a step, from the profiler's trace), and
+whether the jitted steps' out is bit-identical to the torch step's. On CPU (--tiny) it runs a
+small configuration through the C++ target, without torch.
+
+  python benchmarks/bench_step.py --out benchmarks/results/step_h200
+"""
+import argparse
+import concurrent.futures
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# The GPU span is read from a profile, which must not change how the step runs.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_enable_command_buffers_during_profiling=true").strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jax_flashmla as jf  # noqa: E402
+from jax_flashmla import fp8  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from device_time import profile_options, traced  # noqa: E402
+from step_report import write_report  # noqa: E402
+
+PAGE, D_QK, D_V = 64, 576, 512
+FP8 = "float8_e4m3fn"
+JAX_LAYOUTS = ("scan", "unrolled", "per_layer")
+GRID_B = (1, 4, 16, 32, 64, 128)
+GRID_S_K = (1024, 4096, 16384)
+GRID_H_Q = (16, 128)
+EXTRA_B = (1, 16, 128)  # FP8 and s_q = 2, at s_k = 4096
+PROFILED_STEPS = 3
+
+
+def grid_points():
+    points = [(b, s_k, h, 1, "bfloat16") for s_k in GRID_S_K for h in GRID_H_Q for b in GRID_B]
+    for h in GRID_H_Q:
+        for b in EXTRA_B:
+            points += [(b, 4096, h, 1, FP8), (b, 4096, h, 2, "bfloat16"), (b, 4096, h, 2, FP8)]
+    return points
+
+
+class Point:
+    """One configuration's inputs: the stacked cache of L layers (P pages each, a random base
+    cache shifted by a page per layer), the step's block table (a random page order) and
+    lengths (all s_k), each layer's rows, rope columns and first q."""
+
+    def __init__(self, b, s_k, h_q, s_q, dtype, layers, cache_gb, seed=0):
+        self.b, self.s_k, self.h_q, self.s_q, self.dtype = b, s_k, h_q, s_q, dtype
+        pages_per_request = -(-s_k // PAGE)
+        self.pages = b * pages_per_request
+        itemsize = 1 if dtype == FP8 else 2
+        layer_bytes = self.pages * PAGE * D_QK * itemsize
+        self.layers = max(1, min(layers, int(cache_gb * 2**30 // layer_bytes)))
+        rng = np.random.default_rng(seed)
+        order = rng.permutation(self.pages).astype(np.int32)
+        self.block_table = jnp.asarray(order.reshape(b, pages_per_request))
+        self.seq_lens = jnp.full((b,), s_k, jnp.int32)
+        # The new tokens are each request's last s_q.
+        positions = s_k - s_q + jnp.arange(s_q, dtype=jnp.int32)
+        self.slots = jf.token_slots(self.block_table, jnp.broadcast_to(positions, (b, s_q)))
+        keys = jax.random.split(jax.random.key(seed), 4)
+        self.k_scale = jnp.float32(1 / 400) if dtype == FP8 else None
+        base = jnp.clip(jax.random.normal(keys[0], (self.pages, PAGE, 1, D_QK), jnp.float32)
+                        / 10, -1, 1)
+        base = fp8.quantize(base, self.k_scale) if dtype == FP8 else base.astype(jnp.bfloat16)
+        self.base = jax.block_until_ready(base)
+        self.rows = jax.random.normal(keys[1], (self.layers, b, s_q, D_QK), jnp.bfloat16) / 10
+        self.rope = jax.random.normal(keys[2], (self.layers, b, s_q, h_q, D_QK - D_V),
+                                      jnp.bfloat16) / 10
+        self.q0 = jax.random.normal(keys[3], (b, s_q, h_q, D_QK), jnp.bfloat16) / 10
+        self.softmax_scale = 192 ** -0.5
+
+    def stacked_cache(self):
+        """All layers' pages in one cache: layer l's are the base cache rolled by l pages."""
+        L, base = self.layers, self.base
+        return jax.jit(lambda: jnp.concatenate([jnp.roll(base, l, axis=0) for l in range(L)]))()
+
+    def layer_caches(self):
+        return [jax.jit(lambda l=l: jnp.roll(self.base, l, axis=0))() for l in range(self.layers)]
+
+
+def _layer(p, cache, offset, q, rows, md):
+    """One layer on a cache whose layer pages start at page `offset`: the write, then the
+    decode through the step's block table shifted there."""
+    cache = jf.write_kv(cache, p.slots + offset * PAGE, kv=rows, scale=p.k_scale)
+    if p.dtype == FP8:
+        out, _ = jf.mla_decode(q, cache, p.block_table + offset, p.seq_lens, metadata=md,
+                               softmax_scale=p.softmax_scale, k_scale=p.k_scale)
+    else:
+        out, _ = jf.mla_decode(q, cache, p.block_table + offset, p.seq_lens, metadata=md,
+                               softmax_scale=p.softmax_scale)
+    return cache, out
+
+
+def _next_q(out, rope):
+    return jnp.concatenate([out.astype(jnp.bfloat16), rope], axis=-1)
+
+
+def _metadata(p):
+    return jf.get_mla_metadata(p.seq_lens, num_heads_q=p.h_q, num_q_tokens=p.s_q,
+                               fp8=p.dtype == FP8)
+
+
+def jax_steps(p):
+    """{layout: (jitted step, its arguments maker)}; each step returns (caches, last out)."""
+    def scan_step(stack, rows, rope, q):
+        md = _metadata(p)
+
+        def body(carry, xs):
+            stack, q = carry
+            layer, rows_l, rope_l = xs
+            stack, out = _layer(p, stack, layer * p.pages, q, rows_l, md)
+            return (stack, _next_q(out, rope_l)), None
+        (stack, q), _ = jax.lax.scan(body, (stack, q),
+                                     (jnp.arange(p.layers, dtype=jnp.int32), rows, rope))
+        return stack, q[..., :D_V]
+
+    def unrolled_step(stack, rows, rope, q):
+        md = _metadata(p)
+        for layer in range(p.layers):
+            stack, out = _layer(p, stack, layer * p.pages, q, rows[layer], md)
+            q = _next_q(out, rope[layer])
+        return stack, q[..., :D_V]
+
+    def per_layer_step(caches, rows, rope, q):
+        md = _metadata(p)
+        caches = list(caches)
+        for layer in range(p.layers):
+            caches[layer], out = _layer(p, caches[layer], 0, q, rows[layer], md)
+            q = _next_q(out, rope[layer])
+        return caches, q[..., :D_V]
+
+    def trivial_step(caches, rows, rope, q):
+        """per_layer_step with a fusion in place of each decode."""
+        caches = list(caches)
+        for layer in range(p.layers):
+            caches[layer] = jf.write_kv(caches[layer], p.slots, kv=rows[layer], scale=p.k_scale)
+            q = _next_q(q[..., :D_V] * 0.5, rope[layer])
+        return caches, q[..., :D_V]
+
+    jit = lambda f, **kw: jax.jit(f, donate_argnums=0, **kw)
+    return {"scan": (jit(scan_step, compiler_options=jf.LOOP_STEP_COMPILER_OPTIONS),
+                     p.stacked_cache),
+            "unrolled": (jit(unrolled_step), p.stacked_cache),
+            "per_layer": (jit(per_layer_step), p.layer_caches),
+            "per_layer_trivial": (jit(trivial_step), p.layer_caches)}
+
+
+def time_steps(run, steps, warmup=3):
+    """Wall clock (µs) of each of `steps` steps, each synced; after `warmup` steps."""
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        run()
+        times.append((time.perf_counter() - start) * 1e6)
+    return times
+
+
+def gpu_span_us(runs):
+    """{name: median GPU span (µs) of a step}: PROFILED_STEPS of each run, under one trace, each
+    inside a host annotation; a step's span is its first GPU activity's start to its last's
+    end."""
+    def all_runs():
+        for name, run in runs.items():
+            for k in range(PROFILED_STEPS):
+                with jax.profiler.TraceAnnotation(f"step {name} {k}"):
+                    run()
+    gpu, _, host = traced(all_runs, profile_options())
+    spans = {}
+    for name in runs:
+        per_step = []
+        for k in range(PROFILED_STEPS):
+            (window,) = [(e.start, e.end) for e in host if e.name == f"step {name} {k}"]
+            inside = [e for e in gpu if window[0] <= e.start < window[1]]
+            if inside:
+                per_step.append((max(e.end for e in inside) - min(e.start for e in inside)) / 1e3)
+        spans[name] = statistics.median(per_step) if per_step else None
+    return spans
+
+
+def run_point(p, steps, torch_side):
+    record = dict(b=p.b, s_k=p.s_k, h_q=p.h_q, s_q=p.s_q, dtype=p.dtype, layers=p.layers)
+    runs, outs = {}, {}
+    if torch_side is not None:
+        torch_runs, torch_out = torch_side.steps(p)
+        runs.update(torch_runs)
+    variants = jax_steps(p)
+    args = (p.rows, p.rope, p.q0)
+    # Variants of one cache layout share its arrays (each donates and returns them): every
+    # step writes the same rows to the same slots, so they hold the same values for each.
+    made = {make: make() for _, make in variants.values()}
+    state = {name: made[make] for name, (_, make) in variants.items()}
+    # Compiling the variants at once: XLA compiles on other threads than Python's.
+    with concurrent.futures.ThreadPoolExecutor(len(variants)) as pool:
+        start = time.perf_counter()
+        compiled = dict(zip(variants, pool.map(
+            lambda name: variants[name][0].lower(state[name], *args).compile(), variants)))
+        record["compile_s"] = round(time.perf_counter() - start, 1)
+
+    def runner(name):
+        make = variants[name][1]
+
+        def run():
+            made[make], outs[name] = compiled[name](made[make], *args)
+            jax.block_until_ready(outs[name])
+        return run
+
+    for name in variants:
+        runs[name] = runner(name)
+    wall = {name: statistics.median(time_steps(run, steps)) / p.layers
+            for name, run in runs.items()}
+    on_gpu = jax.default_backend() == "gpu"
+    span = {name: (s / p.layers if s is not None else None)
+            for name, s in (gpu_span_us(runs) if on_gpu else dict.fromkeys(runs)).items()}
+    for name in runs:
+        key = "jax_" + name if name in variants else name
+        record[f"{key}_us"] = round(wall[name], 2)
+        record[f"{key}_gpu_us"] = None if span[name] is None else round(span[name], 2)
+    first = np.asarray(outs[JAX_LAYOUTS[0]], np.float32)
+    record["layouts_agree"] = all(np.array_equal(np.asarray(outs[name], np.float32), first)
+                                  for name in JAX_LAYOUTS[1:])
+    if torch_side is not None:
+        expected = np.asarray(torch_out(), np.float32)
+        for name in JAX_LAYOUTS:
+            record[f"{name}_out_identical"] = bool(np.array_equal(
+                np.asarray(outs[name], np.float32), expected))
+    return record
+
+
+def records_by_layout(raw):
+    """The issue's records: one per (point, jax layout)."""
+    records = []
+    for r in raw:
+        base = {k: r[k] for k in ("b", "s_k", "h_q", "s_q", "dtype", "layers", "compile_s")}
+        for layout in JAX_LAYOUTS:
+            rec = dict(base, layout=layout, jax_us=r[f"jax_{layout}_us"],
+                       jax_gpu_us=r[f"jax_{layout}_gpu_us"])
+            for key in ("torch_graph", "torch_eager"):
+                if f"{key}_us" in r:
+                    rec[f"{key}_us"] = r[f"{key}_us"]
+                    rec[f"{key}_gpu_us"] = r[f"{key}_gpu_us"]
+            if "torch_graph_us" in r:
+                rec["vs_torch_graph"] = round(rec["jax_us"] / r["torch_graph_us"], 3)
+                rec["out_identical"] = r[f"{layout}_out_identical"]
+            if layout == "per_layer":
+                rec["trivial_fusion_us"] = r["jax_per_layer_trivial_us"]
+            records.append(rec)
+    return records
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=61, help="layers per step (default 61)")
+    parser.add_argument("--cache-gb", type=float, default=30,
+                        help="GiB for one copy of the layers' caches, fewer layers where L do "
+                             "not fit (default 30; the stacked and per-layer caches and "
+                             "torch's are three copies)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per variant")
+    parser.add_argument("--points", default="grid",
+                        help="'grid' (the whole grid), or b,s_k,h_q,s_q,dtype;... (default grid)")
+    parser.add_argument("--part", default="0/1",
+                        help="K/N: run every N-th point from the K-th (default 0/1, all)")
+    parser.add_argument("--deadline-s", type=float, default=None,
+                        help="start no point after this many seconds (default: none)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="a small configuration on the default device, without torch")
+    parser.add_argument("--out", default=None, help="path prefix of the .json/.md/.png results")
+    args = parser.parse_args()
+    if args.tiny:
+        points, torch_side = [(2, 128, 16, 1, "bfloat16"), (2, 128, 16, 2, FP8)], None
+    else:
+        from torch_step import TorchStep
+        torch_side = TorchStep()
+        points = grid_points() if args.points == "grid" else [
+            (*map(int, p.split(",")[:4]), p.split(",")[4]) for p in args.points.split(";")]
+    k, n = map(int, args.part.split("/"))
+    start, raw = time.perf_counter(), []
+    for b, s_k, h_q, s_q, dtype in points[k::n]:
+        if args.deadline_s is not None and time.perf_counter() - start > args.deadline_s:
+            print(f"deadline: stopped before b={b} s_k={s_k} h_q={h_q} s_q={s_q} {dtype}")
+            break
+        p = Point(b, s_k, h_q, s_q, dtype, 3 if args.tiny else args.layers, args.cache_gb)
+        raw.append(run_point(p, 3 if args.tiny else args.steps, torch_side))
+        print(json.dumps(raw[-1]), flush=True)
+        del p
+        result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
+                      host=platform.node(), records=records_by_layout(raw), raw=raw,
+                      torch=None if torch_side is None else torch_side.info)
+        if args.out:  # after every point, so that a run cut short keeps what it measured
+            write_report(result, args.out)
+    return result
+
+
+if __name__ == "__main__":
+    main()

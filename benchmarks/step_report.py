@@ -1,0 +1,107 @@
+"""bench_step.py's results as JSON, a markdown table and a plot (µs per layer against b).
+
+  python benchmarks/step_report.py --merge OUT PART.json [PART.json ...]
+joins parts that ran separately into OUT.{json,md,png}."""
+import argparse
+import json
+
+VARIANTS = (("jax_scan", "jax_flashmla, stacked, lax.scan"),
+            ("jax_unrolled", "jax_flashmla, stacked, unrolled"),
+            ("jax_per_layer", "jax_flashmla, a cache per layer"),
+            ("torch_graph", "torch, CUDA graph"),
+            ("torch_eager", "torch, eager"))
+BAR_SHORT, BAR_LONG, LONG_STEP_US = 1.15, 1.05, 2000
+
+
+def bar(record):
+    """The ratio to the torch graph that the point must meet: 1.05 where the graph's whole
+    step takes at least 2 ms, 1.15 where it is shorter."""
+    graph_step = record["torch_graph_us"] * record["layers"]
+    return BAR_LONG if graph_step >= LONG_STEP_US else BAR_SHORT
+
+
+def _fmt(value):
+    return "-" if value is None else f"{value:.1f}"
+
+
+def markdown(result):
+    lines = [f"# A model's decode step, µs per layer ({result['device']}, jax {result['jax']})",
+             "",
+             "Wall clock of the median step / layers (GPU span per layer in brackets). Ratio: "
+             "jax_flashmla's stacked layouts against the torch CUDA graph; bar 1.05 where the "
+             "graph's step takes >= 2 ms, else 1.15. `trivial` is the per-layer step with a "
+             "fusion in place of each decode (what JAX costs for that many arrays).", "",
+             "| b | s_k | h_q | s_q | cache | L | scan | unrolled | per layer | trivial | "
+             "torch graph | torch eager | scan ratio | unrolled ratio | bar | out identical |",
+             "| " + " | ".join(["---"] * 16) + " |"]
+    for r in result["raw"]:
+        cells = [str(r[k]) for k in ("b", "s_k", "h_q", "s_q")]
+        cells += ["fp8" if r["dtype"] == "float8_e4m3fn" else "bf16", str(r["layers"])]
+        for key, _ in VARIANTS[:3]:
+            cells.append(f"{_fmt(r.get(key + '_us'))} ({_fmt(r.get(key + '_gpu_us'))})")
+        cells.append(_fmt(r.get("jax_per_layer_trivial_us")))
+        for key, _ in VARIANTS[3:]:
+            cells.append(f"{_fmt(r.get(key + '_us'))} ({_fmt(r.get(key + '_gpu_us'))})")
+        if "torch_graph_us" in r:
+            cells += [f"{r['jax_scan_us'] / r['torch_graph_us']:.3f}",
+                      f"{r['jax_unrolled_us'] / r['torch_graph_us']:.3f}", f"{bar(r):.2f}",
+                      "yes" if all(r[f"{lay}_out_identical"] for lay in
+                                   ("scan", "unrolled", "per_layer")) else "NO"]
+        else:
+            cells += ["-", "-", "-", "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["raw"] if r["s_q"] == 1 and r["dtype"] == "bfloat16"]
+    panels = sorted({(r["s_k"], r["h_q"]) for r in rows})
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6), squeeze=False)
+    for ax, (s_k, h_q) in zip(axes[0], panels):
+        points = sorted((r for r in rows if (r["s_k"], r["h_q"]) == (s_k, h_q)),
+                        key=lambda r: r["b"])
+        for key, label in VARIANTS:
+            if all(key + "_us" in r for r in points):
+                ax.plot([r["b"] for r in points], [r[key + "_us"] for r in points], "o-",
+                        label=label, markersize=3)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"s_k={s_k}, h_q={h_q}, bf16")
+        ax.set_xlabel("batch")
+        ax.set_ylabel("µs per layer")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def write_report(result, prefix):
+    with open(prefix + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    with open(prefix + ".md", "w") as f:
+        f.write(markdown(result))
+    plot(result, prefix + ".png")
+
+
+def merge(parts):
+    merged = dict(parts[0])
+    for key in ("records", "raw"):
+        merged[key] = [r for part in parts for r in part[key]]
+    return merged
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--merge", nargs="+", required=True, metavar="PATH",
+                        help="OUT prefix, then the parts' JSON files")
+    args = parser.parse_args()
+    parts = []
+    for path in args.merge[1:]:
+        with open(path) as f:
+            parts.append(json.load(f))
+    write_report(merge(parts), args.merge[0])

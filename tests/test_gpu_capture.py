@@ -1,0 +1,192 @@
+"""On the GPU machine: the CUDA custom calls inside XLA's command buffers (CUDA graphs).
+
+XLA captures each command-buffer-compatible custom call by running its handler under stream
+capture, and replays the captured graph while the call's buffer addresses stay the same. So a
+replay must equal FlashMLA called from torch with whatever values the buffers then hold, and a
+step whose buffers moved must be captured anew."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flashmla as jf
+from jax_flashmla import fp8, kernels, lowering
+from oracle import make_decode_inputs
+from torch_direct import torch_decode
+
+pytestmark = pytest.mark.gpu
+
+LAYERS = 3
+SCALE = 576 ** -0.5
+K_SCALE = np.float32(1 / 400)
+
+
+def _computations(hlo):
+    """{computation name: its text} of an HLO module's text."""
+    found, name, lines = {}, None, []
+    for line in hlo.splitlines():
+        header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if header:
+            name, lines = header.group(1), []
+        elif line == "}" and name is not None:
+            found[name] = "\n".join(lines)
+            name = None
+        elif name is not None:
+            lines.append(line)
+    return found
+
+
+def _targets_in_command_buffers(hlo):
+    """The custom-call targets of the computations that XLA made into command buffers."""
+    computations = _computations(hlo)
+    buffers = [text for name, text in computations.items() if name.startswith("command_buffer")]
+    assert buffers, f"no command buffer in the compiled module: {sorted(computations)}"
+    return {t for text in buffers for t in re.findall(r'custom_call_target="(\w+)"', text)}
+
+
+def _step_inputs(seed, *, batch, s_q, h_q, fp8_cache=False):
+    """q per layer, caches per layer, block table, lengths: FlashMLA-style inputs (NaN in unused
+    rows and pages, sentinel slots past each request's pages)."""
+    q, kv, bt, sl = make_decode_inputs(np.random.default_rng(seed), batch=batch, s_q=s_q,
+                                       h_q=h_q, mean_sk=700, varlen=True, dtype=jnp.float32)
+    qs, caches = [], []
+    for layer in range(LAYERS):  # other values per layer, one block table
+        qs.append(jnp.roll(q, layer, axis=0).astype(jnp.bfloat16))
+        layer_kv = kv * (1 - layer / 8)
+        caches.append(fp8.quantize(layer_kv, jnp.float32(K_SCALE)) if fp8_cache
+                      else layer_kv.astype(jnp.bfloat16))
+    return jnp.stack(qs), caches, jnp.asarray(bt), jnp.asarray(sl)
+
+
+def _unrolled_step(fp8_cache):
+    def step(qs, caches, bt, sl):
+        md = jf.get_mla_metadata(sl, num_heads_q=qs.shape[3], num_q_tokens=qs.shape[2],
+                                 fp8=fp8_cache, block_table=bt if fp8_cache else None)
+        scale = dict(k_scale=jnp.float32(K_SCALE)) if fp8_cache else {}
+        return [jf.mla_decode(qs[i], caches[i], bt, sl, metadata=md, softmax_scale=SCALE,
+                              **scale) for i in range(len(caches))]
+    return step
+
+
+def _expected(qs, caches, bt, sl, fp8_cache):
+    scale = dict(k_scale=K_SCALE) if fp8_cache else {}
+    return [torch_decode(fp8.quantize(qs[i], jnp.float32(K_SCALE)) if fp8_cache else qs[i],
+                         caches[i], bt, sl, softmax_scale=SCALE, **scale)
+            for i in range(len(caches))]
+
+
+def _assert_bit_identical(results, expected):
+    for (out, lse), (t_out, t_lse) in zip(results, expected):
+        np.testing.assert_array_equal(np.asarray(out, np.float32), t_out)
+        np.testing.assert_array_equal(np.asarray(lse), t_lse)
+
+
+@pytest.mark.parametrize("fp8_cache", [False, True], ids=["bf16", "fp8"])
+def test_the_custom_calls_are_captured_in_a_command_buffer(fp8_cache):
+    qs, caches, bt, sl = _step_inputs(0, batch=4, s_q=1, h_q=16, fp8_cache=fp8_cache)
+    hlo = jax.jit(_unrolled_step(fp8_cache)).lower(qs, caches, bt, sl).compile().as_text()
+    targets = _targets_in_command_buffers(hlo)
+    decode = lowering.DECODE_FP8_TARGET if fp8_cache else lowering.DECODE_TARGET
+    assert {decode, lowering.METADATA_TARGET} <= targets, targets
+    if fp8_cache:
+        assert lowering.FP8_GUARD_TARGET in targets
+
+
+@pytest.mark.parametrize("fp8_cache", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("s_q,h_q", [(1, 128), (2, 64)])
+def test_replays_with_new_values_and_addresses_equal_torch(fp8_cache, s_q, h_q):
+    """One executable run on buffers at new addresses (XLA captures again), on the first ones
+    again (it may replay its graph), and on new arrays made after others were freed (new
+    values, often at freed addresses): every run bit-identical to FlashMLA called from torch."""
+    step = jax.jit(_unrolled_step(fp8_cache))
+    first = _step_inputs(1, batch=9, s_q=s_q, h_q=h_q, fp8_cache=fp8_cache)
+    second = _step_inputs(2, batch=9, s_q=s_q, h_q=h_q, fp8_cache=fp8_cache)
+    for inputs in (first, second, first):
+        _assert_bit_identical(step(*inputs), _expected(*inputs, fp8_cache))
+    del second
+    third = _step_inputs(3, batch=9, s_q=s_q, h_q=h_q, fp8_cache=fp8_cache)
+    _assert_bit_identical(step(*third), _expected(*third, fp8_cache))
+
+
+@pytest.mark.parametrize("loop", ["scan", "fori_loop"])
+def test_a_loop_over_stacked_layers_with_a_donated_cache_equals_torch(loop):
+    """Layers as a loop over one stacked cache, written in place each step (donated), as a
+    model holds them; three steps on one executable."""
+    h_q, s_q = 32, 1
+
+    def step(qs, stack, rows, slots, bt, sl):
+        md = jf.get_mla_metadata(sl, num_heads_q=h_q, num_q_tokens=s_q)
+
+        def layer(cache, q, row):
+            cache = jf.write_kv(cache, slots, kv=row)
+            return cache, jf.mla_decode(q, cache, bt, sl, metadata=md, softmax_scale=SCALE)
+
+        if loop == "scan":
+            def body(_, xs):
+                cache, q, row = xs
+                cache, (out, lse) = layer(cache, q, row)
+                return None, (cache, out, lse)
+            _, (stack, outs, lses) = jax.lax.scan(body, None, (stack, qs, rows))
+        else:
+            outs = jnp.zeros(qs.shape[:-1] + (512,), jnp.bfloat16)
+            lses = jnp.zeros((LAYERS, qs.shape[1], h_q, s_q), jnp.float32)
+
+            def body(i, carry):
+                stack, outs, lses = carry
+                cache, (out, lse) = layer(stack[i], qs[i], rows[i])
+                return stack.at[i].set(cache), outs.at[i].set(out), lses.at[i].set(lse)
+            stack, outs, lses = jax.lax.fori_loop(0, LAYERS, body, (stack, outs, lses))
+        return stack, outs, lses
+
+    run = jax.jit(step, donate_argnums=1)
+    qs, caches, bt, sl = _step_inputs(4, batch=5, s_q=s_q, h_q=h_q)
+    stack = jnp.stack(caches)
+    rng = np.random.default_rng(4)
+    for _ in range(3):
+        rows = jnp.asarray(rng.normal(0, 0.1, (LAYERS, 5, 576)), jnp.bfloat16)
+        slots = jf.token_slots(bt, sl - 1)  # each request's last token, rewritten
+        before = np.asarray(stack).copy()
+        stack, outs, lses = run(qs, stack, rows, slots, bt, sl)
+        written = [np.asarray(jf.write_kv(jnp.asarray(before[i]), slots, kv=rows[i]))
+                   for i in range(LAYERS)]
+        expected = _expected(qs, [jnp.asarray(w) for w in written], bt, sl, False)
+        _assert_bit_identical(list(zip(outs, lses)), expected)
+        np.testing.assert_array_equal(np.asarray(stack).view(np.uint16),
+                                      np.stack(written).view(np.uint16))
+        qs = qs[::-1]
+
+
+def test_an_allocation_outside_xla_buffers_is_refused():
+    """The decode's custom call with a split-KV accumulator one row short: FlashMLA's
+    allocation of it matches no buffer XLA gave it, and the call fails naming the size,
+    instead of taking memory from torch."""
+    q, kv, bt, sl = make_decode_inputs(np.random.default_rng(5), batch=3, s_q=1, h_q=16,
+                                       mean_sk=300, varlen=False, dtype=jnp.bfloat16)
+    bt, sl = jnp.asarray(bt), jnp.asarray(sl)
+    md = jf.get_mla_metadata(sl, num_heads_q=16)
+    ops = kernels.ensure_cuda_targets()
+    splits = 3 + md.tile_scheduler_metadata.shape[0] - 1
+    call = jax.ffi.ffi_call(lowering.DECODE_TARGET, (
+        jax.ShapeDtypeStruct((3, 1, 16, 512), jnp.bfloat16),
+        jax.ShapeDtypeStruct((3, 16, 1), jnp.float32),
+        jax.ShapeDtypeStruct((splits, 16, 1, 512), jnp.float32),
+        jax.ShapeDtypeStruct((splits, 16, 1), jnp.float32)))
+    with pytest.raises(Exception, match="asked torch's CUDA allocator for"):
+        jax.block_until_ready(call(q, kv, bt, sl, md.tile_scheduler_metadata, md.num_splits,
+                                   op=ops.decode, softmax_scale=np.float32(SCALE),
+                                   causal=True))
+    # The process and the GPU are still usable afterwards.
+    out, lse = jf.mla_decode(q, kv, bt, sl, metadata=md)
+    _assert_bit_identical([(out, lse)], [torch_decode(q, kv, bt, sl, softmax_scale=SCALE)])
+
+
+def test_metadata_at_a_batch_whose_two_results_have_one_size():
+    """h_q=128 on 132 SMs: 66 SM parts, so at batch 527 tile_scheduler_metadata (66, 8) and
+    num_splits (528,) are both 2112 bytes; each still lands in its own buffer."""
+    sl = jnp.asarray(np.random.default_rng(6).integers(1, 200, 527), jnp.int32)
+    md = jax.jit(lambda s: jf.get_mla_metadata(s, num_heads_q=128))(sl)
+    assert md.tile_scheduler_metadata.shape == (66, 8)
+    assert int(md.num_splits[0]) == 0 and int(md.num_splits[-1]) >= 527
+    assert (np.diff(np.asarray(md.num_splits)) >= 1).all()
