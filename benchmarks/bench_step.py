@@ -52,15 +52,15 @@ GRID_B = (1, 4, 16, 32, 64, 128)
 GRID_S_K = (1024, 4096, 16384)
 GRID_H_Q = (16, 128)
 EXTRA_B = (1, 16, 128)  # FP8 and s_q = 2, at s_k = 4096
-PROFILED_STEPS = 3
+PROFILED_STEPS = 2
 
 
 def grid_points():
-    points = [(b, s_k, h, 1, "bfloat16") for s_k in GRID_S_K for h in GRID_H_Q for b in GRID_B]
-    for h in GRID_H_Q:
-        for b in EXTRA_B:
-            points += [(b, 4096, h, 1, FP8), (b, 4096, h, 2, "bfloat16"), (b, 4096, h, 2, FP8)]
-    return points
+    """s_k = 4096 first, then FP8 and s_q = 2 there, then the other lengths."""
+    bf16 = lambda s_k: [(b, s_k, h, 1, "bfloat16") for h in GRID_H_Q for b in GRID_B]
+    extra = [(b, 4096, h, s_q, dtype) for h in GRID_H_Q for b in EXTRA_B
+             for s_q, dtype in ((1, FP8), (2, "bfloat16"), (2, FP8))]
+    return bf16(4096) + extra + [p for s_k in GRID_S_K if s_k != 4096 for p in bf16(s_k)]
 
 
 class Point:
@@ -100,7 +100,8 @@ class Point:
         return jax.jit(lambda: jnp.concatenate([jnp.roll(base, l, axis=0) for l in range(L)]))()
 
     def layer_caches(self):
-        return [jax.jit(lambda l=l: jnp.roll(self.base, l, axis=0))() for l in range(self.layers)]
+        roll = jax.jit(lambda base, layer: jnp.roll(base, layer, axis=0))
+        return [roll(self.base, jnp.int32(layer)) for layer in range(self.layers)]
 
 
 def _layer(p, cache, offset, q, rows, md):

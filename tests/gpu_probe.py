@@ -1,0 +1,80 @@
+"""Run by tests/test_gpu_capture.py in a process of its own (XLA's log settings must be set
+before JAX starts, and a failure must not take the test session down):
+  python tests/gpu_probe.py capture bf16|fp8   a 3-layer step, run three times
+  python tests/gpu_probe.py refuse decode|metadata
+                                                a custom call whose scratch or result buffer
+                                                is one element short of what FlashMLA allocates
+Prints what it found, last line "done"."""
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_flashmla as jf
+from jax_flashmla import kernels, lowering
+
+LAYERS = 3
+
+
+def capture(dtype):
+    fp8 = dtype == "fp8"
+    rng = np.random.default_rng(0)
+    sl = jnp.asarray(rng.integers(1, 500, 4), jnp.int32)
+    bt = jnp.asarray(rng.permutation(32).reshape(4, 8), jnp.int32)
+    cache = jnp.asarray(rng.normal(0, 0.1, (32, 64, 1, 576)), jnp.bfloat16)
+    scale = jnp.float32(1 / 400)
+    if fp8:
+        cache = jf.fp8.quantize(cache, scale)
+    qs = jnp.asarray(rng.normal(0, 0.1, (LAYERS, 4, 1, 16, 576)), jnp.bfloat16)
+
+    @jax.jit
+    def step(qs, cache, bt, sl):
+        md = jf.get_mla_metadata(sl, num_heads_q=16, fp8=fp8, block_table=bt if fp8 else None)
+        extra = dict(k_scale=scale) if fp8 else {}
+        return [jf.mla_decode(qs[i], cache, bt, sl, metadata=md, **extra)[0]
+                for i in range(LAYERS)]
+
+    for _ in range(3):
+        jax.block_until_ready(step(qs, cache, bt, sl))
+
+
+def refuse(target):
+    rng = np.random.default_rng(1)
+    sl = jnp.asarray(rng.integers(1, 300, 3), jnp.int32)
+    bt = jnp.asarray(rng.permutation(15).reshape(3, 5), jnp.int32)
+    md = jf.get_mla_metadata(sl, num_heads_q=16)
+    ops = kernels.ensure_cuda_targets()
+    parts = md.tile_scheduler_metadata.shape[0]
+    if target == "metadata":
+        call = jax.ffi.ffi_call(lowering.METADATA_TARGET, (
+            jax.ShapeDtypeStruct((parts, 8), jnp.int32),
+            jax.ShapeDtypeStruct((3,), jnp.int32)))  # num_splits is (batch + 1,)
+        result = call(sl, op=ops.metadata, num_q_tokens_per_head_k=np.int64(16),
+                      num_heads_k=np.int64(1), num_heads_q=np.int64(16),
+                      written_fields=np.int64(7))
+    else:
+        q = jnp.asarray(rng.normal(0, 0.1, (3, 1, 16, 576)), jnp.bfloat16)
+        cache = jnp.asarray(rng.normal(0, 0.1, (15, 64, 1, 576)), jnp.bfloat16)
+        splits = 3 + parts - 1  # one split short
+        call = jax.ffi.ffi_call(lowering.DECODE_TARGET, (
+            jax.ShapeDtypeStruct((3, 1, 16, 512), jnp.bfloat16),
+            jax.ShapeDtypeStruct((3, 16, 1), jnp.float32),
+            jax.ShapeDtypeStruct((splits, 16, 1, 512), jnp.float32),
+            jax.ShapeDtypeStruct((splits, 16, 1), jnp.float32)))
+        result = call(q, cache, bt, sl, md.tile_scheduler_metadata, md.num_splits,
+                      op=ops.decode, softmax_scale=np.float32(0.1), causal=True)
+    try:
+        jax.block_until_ready(result)
+        print("not refused")
+    except Exception as e:  # noqa: BLE001 - the error's text is what is probed
+        print("refused:", str(e).replace("\n", " "))
+    # The process and the GPU are still usable afterwards.
+    out, lse = jf.mla_decode(jnp.zeros((3, 1, 16, 576), jnp.bfloat16),
+                             jnp.zeros((15, 64, 1, 576), jnp.bfloat16), bt, sl)
+    print("after:", bool(np.isfinite(np.asarray(lse)).all()))
+
+
+if __name__ == "__main__":
+    {"capture": capture, "refuse": refuse}[sys.argv[1]](sys.argv[2])
+    print("done")
