@@ -126,8 +126,9 @@ def _metadata(p):
                                fp8=p.dtype == FP8)
 
 
-def jax_steps(p):
-    """{layout: (jitted step, its arguments maker)}; each step returns (caches, last out)."""
+def jax_steps(p, xla_options=None):
+    """{layout: (jitted step, its arguments maker)}; each step returns (caches, last out).
+    xla_options: more compiler options for every jitted step."""
     def scan_step(stack, rows, rope, q):
         md = _metadata(p)
 
@@ -163,9 +164,10 @@ def jax_steps(p):
             q = _next_q(q[..., :D_V] * 0.5, rope[layer])
         return caches, q[..., :D_V]
 
-    jit = lambda f, **kw: jax.jit(f, donate_argnums=0, **kw)
-    return {"scan": (jit(scan_step, compiler_options=jf.LOOP_STEP_COMPILER_OPTIONS),
-                     p.stacked_cache),
+    extra = dict(xla_options or {})
+    jit = lambda f, options=None: jax.jit(f, donate_argnums=0,
+                                          compiler_options={**(options or {}), **extra} or None)
+    return {"scan": (jit(scan_step, jf.LOOP_STEP_COMPILER_OPTIONS), p.stacked_cache),
             "unrolled": (jit(unrolled_step), p.stacked_cache),
             "per_layer": (jit(per_layer_step), p.layer_caches),
             "per_layer_trivial": (jit(trivial_step), p.layer_caches)}
@@ -205,13 +207,13 @@ def gpu_span_us(runs):
     return spans
 
 
-def run_point(p, steps, torch_side):
+def run_point(p, steps, torch_side, xla_options=None):
     record = dict(b=p.b, s_k=p.s_k, h_q=p.h_q, s_q=p.s_q, dtype=p.dtype, layers=p.layers)
     runs, outs = {}, {}
     if torch_side is not None:
         torch_runs, torch_out = torch_side.steps(p)
         runs.update(torch_runs)
-    variants = jax_steps(p)
+    variants = jax_steps(p, xla_options)
     args = (p.rows, p.rope, p.q0)
     # Variants of one cache layout share its arrays (each donates and returns them): every
     # step writes the same rows to the same slots, so they hold the same values for each.
@@ -289,6 +291,8 @@ def main():
                         help="K/N: run every N-th point from the K-th (default 0/1, all)")
     parser.add_argument("--deadline-s", type=float, default=None,
                         help="start no point after this many seconds (default: none)")
+    parser.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
+                        help="a compiler option for every jitted step (repeatable)")
     parser.add_argument("--tiny", action="store_true",
                         help="a small configuration on the default device, without torch")
     parser.add_argument("--out", default=None, help="path prefix of the .json/.md/.png results")
@@ -300,6 +304,7 @@ def main():
         torch_side = TorchStep()
         points = grid_points() if args.points == "grid" else [
             (*map(int, p.split(",")[:4]), p.split(",")[4]) for p in args.points.split(";")]
+    xla_options = dict(option.split("=", 1) for option in args.xla_option)
     k, n = map(int, args.part.split("/"))
     start, raw = time.perf_counter(), []
     for b, s_k, h_q, s_q, dtype in points[k::n]:
@@ -307,11 +312,11 @@ def main():
             print(f"deadline: stopped before b={b} s_k={s_k} h_q={h_q} s_q={s_q} {dtype}")
             break
         p = Point(b, s_k, h_q, s_q, dtype, 3 if args.tiny else args.layers, args.cache_gb)
-        raw.append(run_point(p, 3 if args.tiny else args.steps, torch_side))
+        raw.append(run_point(p, 3 if args.tiny else args.steps, torch_side, xla_options))
         print(json.dumps(raw[-1]), flush=True)
         del p
         result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
-                      host=platform.node(), records=records_by_layout(raw), raw=raw,
+                      host=platform.node(), xla_options=xla_options, records=records_by_layout(raw), raw=raw,
                       torch=None if torch_side is None else torch_side.info)
         if args.out:  # after every point, so that a run cut short keeps what it measured
             write_report(result, args.out)

@@ -33,16 +33,8 @@ std::string LentSizes(const Loans& loans) {
   return sizes;
 }
 
-[[noreturn]] void Refuse(const Loans& loans, size_t bytes) {
-  TORCH_CHECK(false, loans.op, " asked torch's CUDA allocator for ", bytes,
-              " bytes, which is none of the buffers XLA gave it (bytes: ", LentSizes(loans),
-              "). jax_flashmla lets FlashMLA's ops allocate nothing of their own, so that XLA can "
-              "capture them into a CUDA graph; this kernel release allocates what jax_flashmla "
-              "does not know of.");
-}
-
-// torch's CUDA allocator, wrapped: allocate() hands out a lent buffer, or refuses, on a
-// lending thread; everything else is the wrapped allocator's. CUDAPluggableAllocator is the
+// torch's CUDA allocator, wrapped: allocate() hands out a lent buffer, or records a refusal,
+// on a lending thread; everything else is the wrapped allocator's. CUDAPluggableAllocator is the
 // base only because it implements the whole allocator interface, whose pure virtual methods
 // change between torch releases; the methods an op calls (allocating, freeing, recordStream,
 // initialisation) are forwarded here. The rest are the plugin's, and only for as long as an
@@ -70,15 +62,16 @@ class LendingAllocator final : public CUDAPluggableAllocator {
         return c10::DataPtr(loan.data, loan.data, &KeepXlaBuffer, cuda);
       }
     }
-    Refuse(*thread_loans, bytes);
+    thread_loans->refused.push_back(bytes);
+    return wrapped_->allocate(bytes);
   }
   c10::DeleterFnPtr raw_deleter() const override { return wrapped_->raw_deleter(); }
   void* raw_alloc(size_t bytes) override {
-    if (thread_loans != nullptr) Refuse(*thread_loans, bytes);
+    if (thread_loans != nullptr) thread_loans->refused.push_back(bytes);
     return wrapped_->raw_alloc(bytes);
   }
   void* raw_alloc_with_stream(size_t bytes, cudaStream_t stream) override {
-    if (thread_loans != nullptr) Refuse(*thread_loans, bytes);
+    if (thread_loans != nullptr) thread_loans->refused.push_back(bytes);
     return wrapped_->raw_alloc_with_stream(bytes, stream);
   }
   void raw_delete(void* data) override { wrapped_->raw_delete(data); }
@@ -142,6 +135,17 @@ LendBuffers::LendBuffers(const std::vector<at::Tensor>& buffers, std::string_vie
 LendBuffers::~LendBuffers() {
   thread_loans = previous_loans_;
   Uninstall();
+}
+
+std::string LendBuffers::Refusal() const {
+  if (loans_.refused.empty()) return "";
+  std::string asked;
+  for (size_t bytes : loans_.refused) asked += (asked.empty() ? "" : ", ") + std::to_string(bytes);
+  return loans_.op + " asked torch's CUDA allocator for " + asked +
+         " bytes, which is none of the buffers XLA gave it (bytes: " + LentSizes(loans_) +
+         "). jax_flashmla lets FlashMLA's ops allocate nothing of their own, so that XLA can "
+         "capture them into a CUDA graph; this kernel release allocates what jax_flashmla does "
+         "not know of.";
 }
 
 bool IsBuffer(const at::Tensor& result, const at::Tensor& buffer) {

@@ -5,11 +5,14 @@
 // accumulators with torch's CUDA allocator. While a LendBuffers lives, torch's CUDA allocator
 // is a thin wrapper of the one it replaced: an allocation made on this thread whose byte size
 // equals a lent buffer's (each buffer once, in the order given) gets that buffer, in a DataPtr
-// that frees nothing (XLA owns it); any other allocation on this thread is refused with an
-// error naming the op and the size. So an op run under it touches no memory but XLA's, and
-// its launches can be captured into a CUDA graph that XLA replays: an address torch's
-// allocator handed out during a capture would be baked into the graph while torch gives the
-// memory to others. Allocations of other threads go to the wrapped allocator unchanged.
+// that frees nothing (XLA owns it). Any other allocation on this thread is recorded as
+// refused (and served by the wrapped allocator, so that the op runs to its end instead of
+// failing inside kernel code that may not survive an exception); the caller then fails the
+// call with Refusal()'s message. So an op run under it either touches no memory but XLA's,
+// and its launches can be captured into a CUDA graph that XLA replays, or the call is an
+// error: an address torch's allocator handed out during a capture would be baked into the
+// graph while torch gives the memory to others. Other threads' allocations go to the wrapped
+// allocator unchanged.
 #ifndef JAX_FLASHMLA_FFI_BUFFER_LENDING_H_
 #define JAX_FLASHMLA_FFI_BUFFER_LENDING_H_
 
@@ -30,10 +33,12 @@ struct BufferLoan {
   bool taken;
 };
 
-// This thread's loans, and the op they are lent to (for the refusal's message).
+// This thread's loans, the op they are lent to, and the byte sizes of its allocations that
+// matched none of them.
 struct Loans {
   std::vector<BufferLoan> buffers;
   std::string op;
+  std::vector<size_t> refused;
 };
 
 class LendBuffers {
@@ -45,6 +50,10 @@ class LendBuffers {
   ~LendBuffers();
   LendBuffers(const LendBuffers&) = delete;
   LendBuffers& operator=(const LendBuffers&) = delete;
+
+  // Empty when every allocation of the op got a lent buffer; else what it asked for, and what
+  // was lent.
+  std::string Refusal() const;
 
  private:
   Loans loans_;

@@ -73,15 +73,18 @@ OpArgs DecodeArgs(int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
 }
 
 // Runs `op` with XLA's buffers `buffers` (tensors in the layouts the lowering declared; the
-// op's results first, then its scratch) lent to its allocations, every other allocation refused
-// (result_lending.h); checks that the op's results are those buffers, in their layouts.
+// op's results first, then its scratch) lent to its allocations; fails if the op allocated
+// anything else (buffer_lending.h) or returned its results elsewhere than in those buffers.
 void RunInBuffers(std::string_view op, const OpArgs& args, const std::vector<at::Tensor>& buffers,
                   const std::vector<const char*>& result_names) {
   std::vector<at::Tensor> results;
+  std::string refusal;
   {
     LendBuffers lending(buffers, op);
     results = CallTorchOp(op, args);
+    refusal = lending.Refusal();
   }
+  if (!refusal.empty()) throw std::runtime_error(refusal);
   if (results.size() < result_names.size())
     throw std::runtime_error(std::string(op) + " returned " + std::to_string(results.size()) +
                              " tensors, fewer than jax_flashmla's " +

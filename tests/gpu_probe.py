@@ -1,6 +1,6 @@
 """Run by tests/test_gpu_capture.py in a process of its own (XLA's log settings must be set
 before JAX starts, and a failure must not take the test session down):
-  python tests/gpu_probe.py capture bf16|fp8   a 3-layer step, run three times
+  python tests/gpu_probe.py capture bf16|fp8   a 6-layer step, run three times
   python tests/gpu_probe.py refuse decode|metadata
                                                 a custom call whose scratch or result buffer
                                                 is one element short of what FlashMLA allocates
@@ -14,7 +14,8 @@ import numpy as np
 import jax_flashmla as jf
 from jax_flashmla import kernels, lowering
 
-LAYERS = 3
+# Enough layers for XLA to make a command buffer of the step (>= 5 commands by default).
+LAYERS = 6
 
 
 def capture(dtype):
