@@ -103,19 +103,15 @@ def bench_call_ratio(side, batch, s_k, h_q, s_q, calls, layers):
     fitted = fitted_summary(fits)
     step_ratio = paired_ratios(samples["jax_step"], samples["torch_step"])
     step_ratio_kept = paired_ratios(samples["jax_step"], samples["torch_step_kept"])
-    # Memory torch's allocator takes during one jax call (FlashMLA's split-KV accumulators, and
-    # any result that did not land in XLA's buffer), and how the results reached XLA's buffers.
-    from jax_flashmla import _cuda
-
+    # Memory torch's allocator takes during one jax call: none, since FlashMLA's results and
+    # split-KV accumulators are XLA's buffers.
     jax.block_until_ready(decode(q, kv, bt, sl, md))
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    counts_before = _cuda.decode_result_counts()
     jax.block_until_ready(decode(q, kv, bt, sl, md))
     torch.cuda.synchronize()
     peak_extra = torch.cuda.max_memory_allocated() - base
-    counts = {k: v - counts_before[k] for k, v in _cuda.decode_result_counts().items()}
     kv_bytes = batch * s_k * 576 * 2
     io_bytes = 2 * (batch * s_k * 576 + batch * s_q * h_q * 576 + batch * s_q * h_q * 512)
     flops = 2 * s_q * batch * s_k * h_q * (576 + 512)
@@ -128,8 +124,7 @@ def bench_call_ratio(side, batch, s_k, h_q, s_q, calls, layers):
                 jax_tflops=flops / jax_s / 1e12, jax_dispatch_us=dispatch_s * 1e6,
                 torch_dispatch_us=torch_dispatch_s * 1e6,
                 torch_gbps=io_bytes / ms["torch"] * 1e3 / 1e9,
-                kv_cache_mb=kv_bytes / 2**20, torch_alloc_per_call_mb=peak_extra / 2**20,
-                results_in_place=counts["in_place"], results_copied=counts["copied"])
+                kv_cache_mb=kv_bytes / 2**20, torch_alloc_per_call_mb=peak_extra / 2**20)
 
 
 def fitted_summary(fits):
@@ -241,8 +236,7 @@ def main():
                   f"{ms['torch_step_kept']:.4f}, ratio {r['step_ratio_results_kept']:.4f}; "
                   f"{r['jax_gbps']:.0f} GB/s "
                   f"{r['jax_tflops']:.0f} TFLOPS; torch alloc/call "
-                  f"{r['torch_alloc_per_call_mb']:.1f} MiB; results in place "
-                  f"{r['results_in_place']}, copied {r['results_copied']}; host dispatch per call "
+                  f"{r['torch_alloc_per_call_mb']:.1f} MiB; host dispatch per call "
                   f"jax {r['jax_dispatch_us']:.1f} us, torch {r['torch_dispatch_us']:.1f} us",
                   flush=True)
     if not args.no_floor:

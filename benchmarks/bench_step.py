@@ -4,8 +4,12 @@ once per step, a sync after each step.
 
 The layers' caches are one array, as a JAX model holds them: all layers' pages in one
 (L * P, 64, 1, 576) cache, layer l's pages at l * P onwards, its block table the step's
-plus l * P; and each layer's q is made from the layer before's out (its 512 latent columns
-and the layer's own 64 rope columns), so that every layer is live and the step has one output.
+plus l * P. As in a model, each layer's inputs come from the layer before: its q from that
+out's 512 latent columns and its own 64 rope columns, the latent of its new rows from head 0's
+out; so every layer is live, each write follows the decode before it, and the step has one
+output. With --rows-from-inputs the new rows are the step's inputs instead: no write then
+waits for the decode before it, and XLA copies a stacked cache at each layer's write to keep
+that decode's reads intact (the compiled HLO shows the copies).
 jax_flashmla runs it jitted three ways: that stacked cache under lax.scan (with
 jax_flashmla.LOOP_STEP_COMPILER_OPTIONS) and unrolled over the layers, and with one cache array
 per layer. Beside those: the same step of FlashMLA's torch ops (an indexed write of the rows,
@@ -68,8 +72,10 @@ class Point:
     cache shifted by a page per layer), the step's block table (a random page order) and
     lengths (all s_k), each layer's rows, rope columns and first q."""
 
-    def __init__(self, b, s_k, h_q, s_q, dtype, layers, cache_gb, seed=0):
+    def __init__(self, b, s_k, h_q, s_q, dtype, layers, cache_gb, rows_from_inputs=False,
+                 seed=0):
         self.b, self.s_k, self.h_q, self.s_q, self.dtype = b, s_k, h_q, s_q, dtype
+        self.rows_from_inputs = rows_from_inputs
         pages_per_request = -(-s_k // PAGE)
         self.pages = b * pages_per_request
         itemsize = 1 if dtype == FP8 else 2
@@ -104,26 +110,29 @@ class Point:
         return [roll(self.base, jnp.int32(layer)) for layer in range(self.layers)]
 
 
-def _layer(p, cache, offset, q, rows, md):
-    """One layer on a cache whose layer pages start at page `offset`: the write, then the
-    decode through the step's block table shifted there."""
+def _layer(p, cache, offset, q, latent, rows, md):
+    """One layer on a cache whose layer pages start at page `offset`: the write of the new
+    rows (their latent from the layer before, as a model's come from its hidden state), then
+    the decode through the step's block table shifted there."""
+    if not p.rows_from_inputs:
+        rows = jnp.concatenate([latent, rows[..., D_V:]], axis=-1)
     cache = jf.write_kv(cache, p.slots + offset * PAGE, kv=rows, scale=p.k_scale)
-    if p.dtype == FP8:
-        out, _ = jf.mla_decode(q, cache, p.block_table + offset, p.seq_lens, metadata=md,
-                               softmax_scale=p.softmax_scale, k_scale=p.k_scale)
-    else:
-        out, _ = jf.mla_decode(q, cache, p.block_table + offset, p.seq_lens, metadata=md,
-                               softmax_scale=p.softmax_scale)
+    scale = dict(k_scale=p.k_scale) if p.dtype == FP8 else {}
+    out, _ = jf.mla_decode(q, cache, p.block_table + offset, p.seq_lens, metadata=md,
+                           softmax_scale=p.softmax_scale, implementation="flashmla", **scale)
     return cache, out
 
 
-def _next_q(out, rope):
-    return jnp.concatenate([out.astype(jnp.bfloat16), rope], axis=-1)
+def _next(out, rope):
+    """The next layer's q (out's 512 latent columns and its own rope columns) and the latent
+    of its new rows (head 0's out)."""
+    out = out.astype(jnp.bfloat16)
+    return jnp.concatenate([out, rope], axis=-1), out[:, :, 0, :]
 
 
 def _metadata(p):
     return jf.get_mla_metadata(p.seq_lens, num_heads_q=p.h_q, num_q_tokens=p.s_q,
-                               fp8=p.dtype == FP8)
+                               fp8=p.dtype == FP8, implementation="flashmla")
 
 
 def jax_steps(p, xla_options=None):
@@ -133,35 +142,38 @@ def jax_steps(p, xla_options=None):
         md = _metadata(p)
 
         def body(carry, xs):
-            stack, q = carry
+            stack, q, latent = carry
             layer, rows_l, rope_l = xs
-            stack, out = _layer(p, stack, layer * p.pages, q, rows_l, md)
-            return (stack, _next_q(out, rope_l)), None
-        (stack, q), _ = jax.lax.scan(body, (stack, q),
-                                     (jnp.arange(p.layers, dtype=jnp.int32), rows, rope))
+            stack, out = _layer(p, stack, layer * p.pages, q, latent, rows_l, md)
+            return (stack, *_next(out, rope_l)), None
+        (stack, q, _), _ = jax.lax.scan(body, (stack, q, rows[0, ..., :D_V]),
+                                        (jnp.arange(p.layers, dtype=jnp.int32), rows, rope))
         return stack, q[..., :D_V]
 
     def unrolled_step(stack, rows, rope, q):
         md = _metadata(p)
+        latent = rows[0, ..., :D_V]
         for layer in range(p.layers):
-            stack, out = _layer(p, stack, layer * p.pages, q, rows[layer], md)
-            q = _next_q(out, rope[layer])
+            stack, out = _layer(p, stack, layer * p.pages, q, latent, rows[layer], md)
+            q, latent = _next(out, rope[layer])
         return stack, q[..., :D_V]
 
     def per_layer_step(caches, rows, rope, q):
         md = _metadata(p)
-        caches = list(caches)
+        caches, latent = list(caches), rows[0, ..., :D_V]
         for layer in range(p.layers):
-            caches[layer], out = _layer(p, caches[layer], 0, q, rows[layer], md)
-            q = _next_q(out, rope[layer])
+            caches[layer], out = _layer(p, caches[layer], 0, q, latent, rows[layer], md)
+            q, latent = _next(out, rope[layer])
         return caches, q[..., :D_V]
 
     def trivial_step(caches, rows, rope, q):
         """per_layer_step with a fusion in place of each decode."""
-        caches = list(caches)
+        caches, latent = list(caches), rows[0, ..., :D_V]
         for layer in range(p.layers):
-            caches[layer] = jf.write_kv(caches[layer], p.slots, kv=rows[layer], scale=p.k_scale)
-            q = _next_q(q[..., :D_V] * 0.5, rope[layer])
+            new = rows[layer] if p.rows_from_inputs else jnp.concatenate(
+                [latent, rows[layer][..., D_V:]], axis=-1)
+            caches[layer] = jf.write_kv(caches[layer], p.slots, kv=new, scale=p.k_scale)
+            q, latent = _next(q[..., :D_V] * 0.5, rope[layer])
         return caches, q[..., :D_V]
 
     extra = dict(xla_options or {})
@@ -293,6 +305,9 @@ def main():
                         help="start no point after this many seconds (default: none)")
     parser.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                         help="a compiler option for every jitted step (repeatable)")
+    parser.add_argument("--rows-from-inputs", action="store_true",
+                        help="each layer's new rows are inputs of the step, not made from the "
+                             "layer before (default: made from it, as in a model)")
     parser.add_argument("--tiny", action="store_true",
                         help="a small configuration on the default device, without torch")
     parser.add_argument("--out", default=None, help="path prefix of the .json/.md/.png results")
@@ -311,12 +326,15 @@ def main():
         if args.deadline_s is not None and time.perf_counter() - start > args.deadline_s:
             print(f"deadline: stopped before b={b} s_k={s_k} h_q={h_q} s_q={s_q} {dtype}")
             break
-        p = Point(b, s_k, h_q, s_q, dtype, 3 if args.tiny else args.layers, args.cache_gb)
+        p = Point(b, s_k, h_q, s_q, dtype, 3 if args.tiny else args.layers, args.cache_gb,
+                  args.rows_from_inputs)
         raw.append(run_point(p, 3 if args.tiny else args.steps, torch_side, xla_options))
         print(json.dumps(raw[-1]), flush=True)
         del p
         result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
-                      host=platform.node(), xla_options=xla_options, records=records_by_layout(raw), raw=raw,
+                      host=platform.node(), xla_options=xla_options,
+                      rows_from_inputs=args.rows_from_inputs,
+                      records=records_by_layout(raw), raw=raw,
                       torch=None if torch_side is None else torch_side.info)
         if args.out:  # after every point, so that a run cut short keeps what it measured
             write_report(result, args.out)

@@ -1,6 +1,6 @@
 """bench_step.py's step with FlashMLA's torch ops, as SGLang runs decode: one cache tensor per
 layer and one block table; per layer an indexed write of the new rows, the decode, and the
-next q made from its out; the metadata once per step. Captured in a CUDA graph and replayed
+next layer's q and new rows' latent made from its out; the metadata once per step. Captured in a CUDA graph and replayed
 (SGLang's decode), and run eagerly."""
 import jax
 import jax.numpy as jnp
@@ -50,9 +50,10 @@ class TorchStep:
 
         def step():
             md = metadata_op(*metadata_args)[:2]
-            q = q0
+            q, latent = q0, rows[0][..., :D_V]
             for layer in range(p.layers):
-                new = rows[layer].reshape(-1, D_QK)
+                new = (rows[layer] if p.rows_from_inputs else
+                       torch.cat([latent, rows[layer][..., D_V:]], dim=-1)).reshape(-1, D_QK)
                 if fp8:
                     flat = caches[layer].view(torch.uint8).view(-1, D_QK)
                     flat[slots] = self._quantize(new, scale).view(torch.uint8)
@@ -66,7 +67,7 @@ class TorchStep:
                     descale_q=scale, descale_k=scale))
                 args[slot_md], args[slot_splits] = md
                 out = decode_op(*args)[0]
-                q = torch.cat([out, rope[layer]], dim=-1)
+                q, latent = torch.cat([out, rope[layer]], dim=-1), out[:, :, 0, :]
             return q[..., :D_V]
 
         stream = torch.cuda.Stream()
