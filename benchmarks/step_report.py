@@ -26,9 +26,11 @@ def _fmt(value):
 
 def markdown(result):
     rows = ("each layer's new rows are the step's inputs (--rows-from-inputs)"
-            if result.get("rows_from_inputs") else "each layer's new rows made from the layer before")
+            if result.get("rows_from_inputs") else "each layer's new rows made from the layer "
+            "before")
+    options = result.get("xla_options") or "none"
     lines = [f"# A model's decode step, µs per layer ({result['device']}, jax {result['jax']})",
-             "", f"Step: {rows}; XLA options: {result.get('xla_options') or 'none'}.", "",
+             "", f"Step: {rows}; XLA options beyond each layout's: {options}.", "",
              "Wall clock of the median step / layers (GPU span per layer in brackets). Ratio: "
              "jax_flashmla's stacked layouts against the torch CUDA graph; bar 1.05 where the "
              "graph's step takes >= 2 ms, else 1.15. `trivial` is the per-layer step with a "
