@@ -7,6 +7,7 @@ import pytest
 import jax_flashmla as jf
 from jax_flashmla import kernels, lowering
 from oracle import make_decode_inputs
+from torch_direct import call_by_name
 
 pytestmark = pytest.mark.gpu
 
@@ -20,20 +21,6 @@ def _torch_ops():
     ops = kernels.ensure_cuda_targets()
     resolve = lambda name: getattr(getattr(torch.ops, name.split("::")[0]), name.split("::")[1])
     return torch, resolve(ops.decode), resolve(ops.metadata)
-
-
-def _torch_call(op, args):
-    """Calls a FlashMLA op with arguments filled by name from its schema, as the bridge does."""
-    schema = op.default._schema
-    values = []
-    for arg in schema.arguments:
-        if arg.name in args:
-            values.append(args[arg.name])
-        elif arg.default_value is not None or arg.type.kind() == "OptionalType":
-            values.append(arg.default_value)
-        else:
-            raise KeyError(arg.name)
-    return op(*values)
 
 
 @pytest.mark.parametrize("s_q,h_q,varlen", [(1, 128, False), (1, 16, True), (2, 64, True),
@@ -54,10 +41,10 @@ def test_bit_identical_to_the_torch_op(s_q, h_q, varlen):
     md, out, lse = step(q, kv, bt, sl)
     t = {name: torch.from_dlpack(x) for name, x in
          dict(q=q, kv=kv, bt=bt, sl=sl).items()}
-    t_md, t_splits = _torch_call(metadata_op, dict(
+    t_md, t_splits = call_by_name(metadata_op, dict(
         seqlens_k=t["sl"], num_q_tokens_per_head_k=s_q * h_q, num_heads_per_head_k=s_q * h_q,
         h_k=1, num_heads_k=1, h_q=h_q, is_fp8_kvcache=False))[:2]
-    t_out, t_lse = _torch_call(decode_op, dict(
+    t_out, t_lse = call_by_name(decode_op, dict(
         q=t["q"], kv_cache=t["kv"], kcache=t["kv"], head_size_v=512, seqlens_k=t["sl"],
         block_table=t["bt"], softmax_scale=576 ** -0.5, is_causal=True,
         tile_scheduler_metadata=t_md, num_splits=t_splits, is_fp8=False))[:2]

@@ -16,7 +16,7 @@ from oracle import dense_attention_f64, make_decode_inputs
 from test_cache import _cache_shaped_buffers
 from test_fp8 import fp8_custom_calls
 from test_fp8_guard import scan_over_fp8_layers
-from test_gpu import _torch_call
+from torch_direct import call_by_name
 
 pytestmark = pytest.mark.gpu
 
@@ -85,10 +85,10 @@ def test_bit_identical_to_the_torch_fp8_op(s_q, h_q, varlen, q_quantized):
     # lse +inf.
     guarded_bt, guarded_sl, empty = fp8.guard_empty_requests(bt, sl)
     descale = _to_torch(torch, scale.reshape(1))
-    t_md, t_splits = _torch_call(metadata_op, dict(
+    t_md, t_splits = call_by_name(metadata_op, dict(
         seqlens_k=_to_torch(torch, guarded_sl), num_heads_per_head_k=s_q * h_q,
         num_heads_k=1))[:2]
-    t_out, t_lse = _torch_call(decode_op, dict(
+    t_out, t_lse = call_by_name(decode_op, dict(
         q=_to_torch(torch, q8), kcache=_to_torch(torch, kv8), head_size_v=512,
         seqlens_k=_to_torch(torch, guarded_sl), block_table=_to_torch(torch, guarded_bt),
         softmax_scale=576 ** -0.5, is_causal=True, tile_scheduler_metadata=t_md,
