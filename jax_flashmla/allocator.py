@@ -5,7 +5,8 @@ and finishes it (its pages go back to the pool). Pages are plain ints in [0, num
 allocator never touches device memory, so it runs between jitted steps at Python speed.
 
 Invariants (tests/test_allocator.py checks them under random admit/grow/finish sequences):
-  - a page is either free or held by exactly one request, never both, never twice;
+  - a page is either free or held by exactly one request (or by the caller of allocate), never
+    both, never twice: free() refuses a page a request holds, which only finish() frees;
   - a request holds exactly ceil(num_tokens / page_size) pages, in token order;
   - a failed call (OutOfPagesError, ValueError) changes nothing.
 """
@@ -34,6 +35,7 @@ class PageAllocator:
         self.page_size = int(page_size)
         self._free = list(range(self.num_pages - 1, -1, -1))  # a stack: pop() gives page 0 first
         self._is_free = np.ones(self.num_pages, bool)
+        self._owner = {}  # page -> the admitted request holding it
         self._pages = {}  # request id -> list of pages in token order
         self._tokens = {}  # request id -> number of tokens
 
@@ -57,8 +59,18 @@ class PageAllocator:
         return pages
 
     def free(self, pages):
-        """Returns pages to the pool. All or nothing: a page that is not held raises ValueError."""
+        """Returns pages from allocate() to the pool. All or nothing: a page that is not
+        allocated, or that an admitted request holds (finish() frees those), raises
+        ValueError."""
         pages = [int(p) for p in pages]
+        held = {p: self._owner[p] for p in pages if p in self._owner}
+        if held:
+            owners = ", ".join(sorted({repr(r) for r in held.values()}))
+            raise ValueError(f"PageAllocator.free: pages {sorted(held)} are held by requests "
+                             f"[{owners}]; finish() a request to free its pages")
+        self._release(pages)
+
+    def _release(self, pages):
         bad = [p for p in pages if not 0 <= p < self.num_pages or self._is_free[p]]
         if bad or len(set(pages)) != len(pages):
             raise ValueError(f"PageAllocator.free: pages must be distinct and allocated; got "
@@ -73,6 +85,7 @@ class PageAllocator:
         self._check_tokens("admit", num_tokens)
         self._pages[request_id] = self.allocate(pages_for_tokens(num_tokens, self.page_size))
         self._tokens[request_id] = int(num_tokens)
+        self._owner.update(dict.fromkeys(self._pages[request_id], request_id))
         return list(self._pages[request_id])
 
     def grow(self, request_id, new_num_tokens):
@@ -86,6 +99,7 @@ class PageAllocator:
         added = self.allocate(pages_for_tokens(new_num_tokens, self.page_size) - len(held))
         held.extend(added)
         self._tokens[request_id] = int(new_num_tokens)
+        self._owner.update(dict.fromkeys(added, request_id))
         return added
 
     def finish(self, request_id):
@@ -93,7 +107,9 @@ class PageAllocator:
         self._lookup("finish", request_id)
         pages = self._pages.pop(request_id)
         del self._tokens[request_id]
-        self.free(pages)
+        for page in pages:
+            del self._owner[page]
+        self._release(pages)
         return len(pages)
 
     def pages(self, request_id):

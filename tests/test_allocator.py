@@ -74,7 +74,7 @@ def test_random_admit_grow_finish(seed):
     tokens = {}
     next_id = 0
     for _ in range(300):
-        op = rng.choice(["admit", "grow", "grow", "finish"])
+        op = rng.choice(["admit", "grow", "grow", "finish", "free"])
         before = _state(alloc)
         try:
             if op == "admit":
@@ -97,8 +97,30 @@ def test_random_admit_grow_finish(seed):
                 assert alloc.finish(r) == len(held)
                 assert alloc.num_free == free_before + len(held)
                 del tokens[r]
+            elif op == "free" and tokens:
+                # Freeing pages a live request holds is refused and changes nothing.
+                r = rng.choice(sorted(tokens))
+                if alloc.pages(r):
+                    with pytest.raises(ValueError, match="held by requests"):
+                        alloc.free(alloc.pages(r)[-1:])
+                    assert _state(alloc) == before
         except OutOfPagesError:
             assert _state(alloc) == before, "a failed call changed the allocator"
             needed = -(-n // alloc.page_size) - (len(alloc.pages(r)) if op == "grow" else 0)
             assert needed > alloc.num_free
         _check_invariants(alloc, tokens)
+
+
+def test_free_refuses_the_pages_of_a_live_request():
+    """Freeing a request's pages by hand would hand them to the next admission while the first
+    request still writes them; and finishing it would then free the second's."""
+    alloc = PageAllocator(4, page_size=4)
+    alloc.admit("a", 6)  # pages 0, 1
+    loose = alloc.allocate(1)  # page 2, the caller's
+    with pytest.raises(ValueError, match=r"pages \[1\] are held by requests \['a'\]"):
+        alloc.free([1])
+    with pytest.raises(ValueError, match="held by requests"):
+        alloc.free([loose[0], 0])  # all or nothing
+    assert alloc.num_free == 1 and alloc.pages("a") == [0, 1]
+    alloc.free(loose)
+    assert alloc.finish("a") == 2 and alloc.num_free == 4
