@@ -148,17 +148,30 @@ std::string DecodeReference(const DecodeProblem& p, const void* q, const void* k
   std::vector<RowState> state(rows_per_req);
   std::vector<float> acc(rows_per_req * p.head_dim_v);
 
+  // Each request's pieces must cover its blocks in order, each split computed once: else the
+  // metadata was made for other lengths, and some keys would be left out.
+  std::vector<int64_t> covered(p.batch, 0);
+  std::vector<char> computed(total_splits, 0);
   for (int64_t part = 0; part < p.num_parts; ++part) {
     const SchedulerRow& row = rows[part];
+    if (row.begin_req < 0 || row.begin_req > p.batch || row.end_req >= p.batch ||
+        row.end_req < row.begin_req - 1)
+      return "tile_scheduler_metadata row " + std::to_string(part) +
+             " names requests outside the batch (" + std::to_string(row.begin_req) + " to " +
+             std::to_string(row.end_req) + ")";
     for (int64_t r = row.begin_req; r <= row.end_req; ++r) {
-      if (r < 0 || r >= p.batch) return "tile_scheduler_metadata names a request outside the batch";
       const int64_t blocks = NumBlocks(seq_lens[r]);
       const int64_t first = r == row.begin_req ? row.begin_block : 0;
       const int64_t last = std::min<int64_t>(r == row.end_req ? row.end_block : blocks, blocks);
       if (first >= last) continue;
       const int64_t split = num_splits[r] + (r == row.begin_req ? row.begin_split : 0);
-      if (first < 0 || split < num_splits[r] || split >= num_splits[r + 1])
-        return "tile_scheduler_metadata does not match num_splits";
+      if (first != covered[r] || split < num_splits[r] || split >= num_splits[r + 1] ||
+          computed[split])
+        return "tile_scheduler_metadata does not match num_splits and seq_lens (request " +
+               std::to_string(r) + ", blocks " + std::to_string(first) + " to " +
+               std::to_string(last) + "); was it computed for these seq_lens?";
+      covered[r] = last;
+      computed[split] = 1;
 
       for (int64_t i = 0; i < rows_per_req * p.head_dim; ++i)
         q_req[i] = LoadElement(q, r * rows_per_req * p.head_dim + i, p.in_type) * p.q_scale;
@@ -205,6 +218,13 @@ std::string DecodeReference(const DecodeProblem& p, const void* q, const void* k
       }
     }
   }
+
+  for (int64_t r = 0; r < p.batch; ++r)
+    if (covered[r] != NumBlocks(seq_lens[r]))
+      return "tile_scheduler_metadata covers " + std::to_string(covered[r]) + " of the " +
+             std::to_string(NumBlocks(seq_lens[r])) + " blocks of request " + std::to_string(r) +
+             " (seq_lens[" + std::to_string(r) + "] = " + std::to_string(seq_lens[r]) +
+             "); was it computed for these seq_lens?";
 
   // Combine the splits of each request through their LSEs.
   std::vector<float> combined(p.head_dim_v);

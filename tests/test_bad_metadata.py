@@ -1,0 +1,68 @@
+"""The C++ target on metadata that does not fit the decode's inputs: every field out of range,
+and metadata made for other lengths, is an XLA error naming what is wrong, never a crash nor
+attention over part of the keys."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flashmla as jf
+from oracle import make_decode_inputs
+
+BEGIN_REQ, END_REQ, BEGIN_BLOCK, END_BLOCK, BEGIN_SPLIT = range(5)
+
+
+@pytest.fixture(scope="module")
+def step():
+    q, kv, bt, sl = make_decode_inputs(np.random.default_rng(0), batch=3, s_q=1, h_q=16,
+                                       mean_sk=300, varlen=True, dtype=jnp.bfloat16)
+    bt, sl = jnp.asarray(bt), jnp.asarray(sl)
+    return q, kv, bt, sl, jf.get_mla_metadata(sl, num_heads_q=16, implementation="flashmla")
+
+
+def _decode(step, tile_md=None, num_splits=None):
+    q, kv, bt, sl, md = step
+    md = dataclasses.replace(
+        md, tile_scheduler_metadata=md.tile_scheduler_metadata if tile_md is None else tile_md,
+        num_splits=md.num_splits if num_splits is None else num_splits)
+    return jax.block_until_ready(jf.mla_decode(q, kv, bt, sl, metadata=md,
+                                               implementation="flashmla"))
+
+
+@pytest.mark.parametrize("field,value,message", [
+    (BEGIN_REQ, -1, "row 0 names requests outside the batch"),
+    (BEGIN_REQ, 99, "row 0 names requests outside the batch"),
+    (END_REQ, 99, "row 0 names requests outside the batch"),
+    (BEGIN_BLOCK, -5, r"request 0, blocks -5 to"),
+    (END_BLOCK, -5, "does not match num_splits and seq_lens"),
+    (END_BLOCK, 1000, "does not match num_splits and seq_lens"),
+    (BEGIN_SPLIT, -3, "does not match num_splits and seq_lens"),
+    (BEGIN_SPLIT, 50, "does not match num_splits and seq_lens"),
+])
+def test_a_scheduler_field_out_of_range_is_an_error(step, field, value, message):
+    tile_md = np.asarray(step[4].tile_scheduler_metadata).copy()
+    tile_md[0, field] = value
+    with pytest.raises(jax.errors.JaxRuntimeError, match=message):
+        _decode(step, tile_md=jnp.asarray(tile_md))
+
+
+@pytest.mark.parametrize("index,value,message", [
+    (1, -4, "not a non-decreasing prefix sum"),
+    (0, 2, "splits from 2"),
+    (-1, 10**6, "at most batch \\+ num_sm_parts = 135"),
+])
+def test_num_splits_out_of_range_is_an_error(step, index, value, message):
+    num_splits = np.asarray(step[4].num_splits).copy()
+    num_splits[index] = value
+    with pytest.raises(jax.errors.JaxRuntimeError, match=message):
+        _decode(step, num_splits=jnp.asarray(num_splits))
+
+
+def test_metadata_for_shorter_lengths_is_an_error(step):
+    shorter = jf.get_mla_metadata(step[3] - 100, num_heads_q=16, implementation="flashmla")
+    with pytest.raises(jax.errors.JaxRuntimeError,
+                       match=r"covers 4 of the 5 blocks of request 0 .*these seq_lens"):
+        _decode(step, shorter.tile_scheduler_metadata, shorter.num_splits)
+    _decode(step)  # the step's own metadata still decodes
