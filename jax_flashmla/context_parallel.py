@@ -133,6 +133,13 @@ def dcp_mla_decode(q, kv_cache, block_tables, seq_lens, *, mesh, axis, head_axis
         raise ValueError(f"dcp_mla_decode: q must be (batch, 1, h_q, 576) with causal=True "
                          f"(a global causal mask over split keys is not supported); got "
                          f"shape {tuple(q.shape)}")
+    if scatter_heads:
+        local_heads = q.shape[2] // (mesh.shape[head_axis] if head_axis else 1)
+        if local_heads % mesh.shape[axis]:
+            raise ValueError(f"dcp_mla_decode: scatter_heads splits each device's {local_heads} "
+                             f"heads over the {mesh.shape[axis]} devices of axis {axis!r}, "
+                             "which must divide them; pass scatter_heads=False or change the "
+                             "mesh")
     heads_out = (head_axis, axis) if scatter_heads and head_axis else (
         axis if scatter_heads else head_axis)
 

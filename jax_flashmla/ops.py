@@ -98,6 +98,8 @@ def get_mla_metadata(seq_lens, *, num_heads_q, num_q_tokens=1, num_heads_k=1, nu
       kernel_block_table and kernel_seq_lens; or None for the reference.
     """
     validation.check_metadata_args(seq_lens, num_heads_q, num_q_tokens, num_heads_k)
+    if num_sms is not None:
+        validation.check_num_sms("get_mla_metadata", num_sms)
     if block_table is not None:
         validation.check_metadata_block_table(block_table, seq_lens, fp8)
     if _resolve(implementation) == "reference":
@@ -201,6 +203,7 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, metadata=None, softmax_sca
         validation.num_sm_parts(num_sms, h_q, s_q, 1, where="mla_decode")
     if softmax_scale is None:
         softmax_scale = validation.HEAD_DIM ** -0.5
+    validation.check_softmax_scale("mla_decode", softmax_scale)
     descales = ()
     if fp8:
         scale = jnp.asarray(k_scale).reshape(1)

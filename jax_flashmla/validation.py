@@ -28,6 +28,9 @@ def _fail(exc, where, message):
 
 
 def check_rank(where, name, x, rank, layout):
+    if not (hasattr(x, "ndim") and hasattr(x, "dtype")):
+        _fail(TypeError, where, f"{name} must be an array {layout} (a jax or NumPy array); got "
+                                f"{type(x).__name__}")
     if x.ndim != rank:
         _fail(ValueError, where,
               f"{name} must have rank {rank} {layout}; got shape {tuple(x.shape)}")
@@ -49,6 +52,23 @@ def num_sm_parts(num_sms, num_heads_q, num_q_tokens, num_heads_k, where="get_mla
               f" of {QUERY_TILE_ROWS}, more than the {num_sms} SMs; split the heads or the"
               " query tokens")
     return parts
+
+
+def check_num_sms(where, num_sms):
+    if not isinstance(num_sms, (int, np.integer)) or isinstance(num_sms, bool) or num_sms < 1:
+        _fail(ValueError, where, f"num_sms must be a positive int (the GPU's SM count); got "
+                                 f"{num_sms!r}")
+
+
+def check_softmax_scale(where, softmax_scale):
+    """A static, finite number: it is compiled into the kernel's call."""
+    if not isinstance(softmax_scale, (int, float, np.integer, np.floating)) or isinstance(
+            softmax_scale, bool):
+        _fail(TypeError, where, f"softmax_scale must be a Python float (static: it is compiled "
+                                f"into the kernel's call, not traced); got "
+                                f"{type(softmax_scale).__name__}")
+    if not math.isfinite(softmax_scale):
+        _fail(ValueError, where, f"softmax_scale must be finite; got {softmax_scale!r}")
 
 
 def check_scale(where, name, scale):
@@ -117,9 +137,12 @@ def check_decode_args(q, kv_cache, block_table, seq_lens, head_dim_v, k_scale=No
     _check_dtypes(where, q, kv_cache, k_scale)
     check_int32(where, "block_table", block_table)
     check_int32(where, "seq_lens", seq_lens)
-    if block_table.shape[0] != batch:
-        _fail(ValueError, where, f"block_table must have shape ({batch}, max_pages) for q's batch "
-                                 f"{batch}; got {tuple(block_table.shape)}")
+    if block_table.shape[0] != batch or block_table.shape[1] < 1:
+        _fail(ValueError, where, f"block_table must have shape ({batch}, max_pages >= 1) for q's "
+                                 f"batch {batch}; got {tuple(block_table.shape)}")
+    if kv_cache.shape[0] < 1:
+        _fail(ValueError, where, f"kv_cache must hold at least one page; got shape "
+                                 f"{tuple(kv_cache.shape)}")
     if seq_lens.shape != (batch,):
         _fail(ValueError, where,
               f"seq_lens must have shape ({batch},); got {tuple(seq_lens.shape)}")

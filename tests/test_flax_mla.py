@@ -243,6 +243,16 @@ def test_config_validation():
         MLAConfig(hidden_size=8, num_heads=1, rope_scaling={"type": "longrope", "factor": 2.0})
     with pytest.raises(TypeError, match="config"):
         MultiHeadLatentAttention({"hidden_size": 8}, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="rope_theta must be a positive finite number; got 0"):
+        MLAConfig(hidden_size=8, num_heads=1, rope_theta=0)
+    with pytest.raises(ValueError, match="rms_norm_eps must be a positive finite number"):
+        MLAConfig(hidden_size=8, num_heads=1, rms_norm_eps=-1e-6)
+    yarn = {"type": "yarn", "original_max_position_embeddings": 4096}
+    with pytest.raises(ValueError, match="factor must be a positive finite number; got 0"):
+        MLAConfig(hidden_size=8, num_heads=1, rope_scaling={**yarn, "factor": 0})
+    with pytest.raises(ValueError, match=r"YaRN needs original_max_position_embeddings .*"
+                                         r"\['factor', 'type'\]"):
+        MLAConfig(hidden_size=8, num_heads=1, rope_scaling={"type": "yarn", "factor": 40})
     config = MLAConfig.from_hf(hf_config(48, YARN).to_dict())
     assert config.rope_scaling_dict["factor"] == 40.0 and config.q_lora_rank == 48
     hash(config)

@@ -206,6 +206,16 @@ def test_dcp_times_tp(devices, scatter_heads):
     assert_flashmla_close("lse", lse, ref_lse, **LSE_TOL)
 
 
+def test_dcp_scatter_heads_needs_heads_the_axis_divides(devices):
+    q, kv, bt, sl = _problem(5, batch=4, h_q=6, mean_sk=150)
+    pages, tables, lens = _split_for_dcp(kv, bt, sl, 4, "round_robin", None)
+    mesh = Mesh(np.array(devices[:4]), ("dcp",))
+    with pytest.raises(ValueError, match=r"scatter_heads splits each device's 6 heads over the "
+                                         r"4 devices of axis 'dcp', which must divide them"):
+        cp.dcp_mla_decode(q, pages, tables, lens, mesh=mesh, axis="dcp", scatter_heads=True,
+                          implementation="flashmla")
+
+
 @pytest.mark.parametrize("layout,tokens_per_device", [("contiguous", 128), ("round_robin", None)])
 @pytest.mark.parametrize("cache_dtype", ["bfloat16", "float8_e4m3fn"])
 def test_dcp_write_puts_each_token_on_its_device(devices, layout, tokens_per_device, cache_dtype):

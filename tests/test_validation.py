@@ -30,12 +30,17 @@ def _decode(**overrides):
     (dict(kv_cache=jnp.zeros((4, 64, 1, 576), jnp.float16)), TypeError, r"kv_cache must have q's dtype bfloat16; got float16"),
     (dict(q=jnp.zeros((2, 1, 16, 576), jnp.float32), kv_cache=jnp.zeros((4, 64, 1, 576), jnp.float32)), TypeError, r"q must be bfloat16 or float16 \(or float8_e4m3fn with a float8_e4m3fn kv_cache\); got float32"),
     (dict(block_table=jnp.zeros((2, 2), jnp.int64 if jax.config.x64_enabled else jnp.uint32)), TypeError, r"block_table must be int32"),
-    (dict(block_table=jnp.zeros((3, 2), jnp.int32)), ValueError, r"block_table must have shape \(2, max_pages\).*\(3, 2\)"),
+    (dict(block_table=jnp.zeros((3, 2), jnp.int32)), ValueError, r"block_table must have shape \(2, max_pages >= 1\).*\(3, 2\)"),
     (dict(seq_lens=jnp.zeros((3,), jnp.int32)), ValueError, r"seq_lens must have shape \(2,\); got \(3,\)"),
     (dict(seq_lens=jnp.zeros((2,), jnp.float32)), TypeError, r"seq_lens must be int32; got float32"),
     (dict(head_dim_v=128), ValueError, r"head_dim_v must be 512.*got 128"),
     (dict(implementation="triton"), ValueError, r"implementation must be None or one of"),
     (dict(q=jnp.zeros((2, 64, 256, 576), jnp.bfloat16)), ValueError, r"query rows need 256 tiles of 64, more than the 132 SMs"),
+    (dict(seq_lens=[3, 4]), TypeError, r"seq_lens must be an array \(batch,\) \(a jax or NumPy array\); got list"),
+    (dict(block_table=jnp.zeros((2, 0), jnp.int32)), ValueError, r"block_table must have shape \(2, max_pages >= 1\).*\(2, 0\)"),
+    (dict(kv_cache=jnp.zeros((0, 64, 1, 576), jnp.bfloat16)), ValueError, r"kv_cache must hold at least one page; got shape \(0, 64, 1, 576\)"),
+    (dict(softmax_scale=float("nan")), ValueError, r"softmax_scale must be finite; got nan"),
+    (dict(softmax_scale=jnp.float32(0.1)), TypeError, r"softmax_scale must be a Python float \(static.*got ArrayImpl"),
 ])
 def test_decode_rejects(overrides, exc, pattern):
     with pytest.raises(exc, match=pattern):
@@ -62,6 +67,8 @@ def test_decode_rejects_metadata_for_another_batch():
     (jnp.zeros((2,), jnp.int32), dict(num_heads_q=0), ValueError, "num_heads_q must be a positive"),
     (jnp.zeros((2,), jnp.int32), dict(num_heads_q=16, num_q_tokens=1.5), ValueError, "num_q_tokens must be a positive"),
     (jnp.zeros((2,), jnp.int32), dict(num_heads_q=16, num_heads_k=3), ValueError, r"num_heads_q \(16\) must be a multiple of num_heads_k \(3\)"),
+    ([3, 4], dict(num_heads_q=16), TypeError, r"seq_lens must be an array \(batch,\).*got list"),
+    (jnp.zeros((2,), jnp.int32), dict(num_heads_q=16, num_sms=1.5), ValueError, r"num_sms must be a positive int \(the GPU's SM count\); got 1.5"),
 ])
 def test_metadata_rejects(seq_lens, kwargs, exc, pattern):
     with pytest.raises(exc, match=pattern):
@@ -73,3 +80,10 @@ def test_errors_are_raised_at_trace_time():
     bad_q = jax.ShapeDtypeStruct((2, 1, 16, 512), jnp.bfloat16)
     with pytest.raises(ValueError, match="head dim 576"):
         jax.jit(lambda q: jf.mla_decode(q, *list(args.values())[1:])).trace(bad_q)
+
+
+def test_a_traced_softmax_scale_is_refused_by_name():
+    args = _args()
+    with pytest.raises(TypeError, match="softmax_scale must be a Python float"):
+        jax.jit(lambda s: jf.mla_decode(*args.values(), softmax_scale=s,
+                                        implementation="flashmla"))(0.1)

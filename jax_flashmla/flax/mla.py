@@ -9,6 +9,7 @@ o_proj. Parameter names are HF's, so a checkpoint's attention weights load by na
 (jax_flashmla.flax.weights).
 """
 import dataclasses
+import math
 
 import flax.nnx as nnx
 import jax
@@ -60,7 +61,13 @@ class MLAConfig:
         elif scaling is not None and not isinstance(scaling, tuple):
             raise TypeError(f"MLAConfig: rope_scaling must be a dict or None; got {type(scaling)}")
         object.__setattr__(self, "rope_scaling", scaling)
-        rope.rope_type(self.rope_scaling_dict)
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"MLAConfig: {name} must be a positive finite number; "
+                                 f"got {value!r}")
+        if rope.rope_type(self.rope_scaling_dict) == "yarn":
+            rope.check_yarn(self.rope_scaling_dict)
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"MLAConfig: qk_rope_head_dim must be even; got {self.qk_rope_head_dim}")
 

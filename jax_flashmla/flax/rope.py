@@ -27,6 +27,28 @@ def rope_type(rope_scaling):
     return kind
 
 
+def check_yarn(rope_scaling):
+    """Raises ValueError naming a YaRN key that is missing or out of range."""
+    original = rope_scaling.get("original_max_position_embeddings")
+    if original is None:
+        raise ValueError("rope_scaling: YaRN needs original_max_position_embeddings (the "
+                         f"context length before scaling); got the keys {sorted(rope_scaling)}")
+    if not isinstance(original, int) or original < 1:
+        raise ValueError(f"rope_scaling: original_max_position_embeddings must be a positive "
+                         f"int; got {original!r}")
+    # factor and the betas must be positive; the mscales may be 0 (no correction).
+    for key, least in (("factor", "positive"), ("beta_fast", "positive"),
+                       ("beta_slow", "positive"), ("mscale", "non-negative"),
+                       ("mscale_all_dim", "non-negative")):
+        value = rope_scaling.get(key)
+        if value is None:
+            continue
+        number = isinstance(value, (int, float)) and math.isfinite(value)
+        if not number or value < 0 or (value == 0 and least == "positive"):
+            raise ValueError(f"rope_scaling: {key} must be a {least} finite number; "
+                             f"got {value!r}")
+
+
 def yarn_get_mscale(scale=1.0, mscale=1.0):
     """YaRN's magnitude correction 0.1 * mscale * ln(scale) + 1 (1 for scale <= 1)."""
     if scale <= 1:
