@@ -3,6 +3,7 @@ the paged KV cache around them, and multi-device decode."""
 from jax_flashmla.allocator import OutOfPagesError, PageAllocator
 from jax_flashmla.block_table import PAD_PAGE, block_table_from_pages, build_block_table
 from jax_flashmla.cache import PagedKVCache, token_slots, write_kv
+from jax_flashmla.checks import value_checks
 from jax_flashmla.context_parallel import dcp_mla_decode, dcp_write_kv, merge_attention_states
 from jax_flashmla.ops import (LOOP_STEP_COMPILER_OPTIONS, MLAMetadata, get_mla_metadata, lse_format,
                               mla_decode)
@@ -17,5 +18,5 @@ __all__ = [
     "dcp_write_kv", "decode_loop", "decode_step", "get_mla_metadata", "lse_format",
     "merge_attention_states", "mla_decode", "mla_decode_reference", "multi_step_draft",
     "multi_step_draft_metadata", "pad_batch", "target_verify", "target_verify_metadata",
-    "token_slots", "write_kv", "write_prompt"
+    "token_slots", "value_checks", "write_kv", "write_prompt"
 ]

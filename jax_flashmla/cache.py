@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flashmla import fp8, validation
+from jax_flashmla import checks, fp8, validation
 from jax_flashmla.validation import HEAD_DIM, HEAD_DIM_V, PAGE_SIZE
 
 ROPE_DIM = HEAD_DIM - HEAD_DIM_V  # 64-d decoupled rope key after the 512-d latent
@@ -132,6 +132,8 @@ def _to_cache_dtype(rows, dtype, scale):
             raise TypeError("write_kv: a float8_e4m3fn kv_cache needs scale, its float32 scale of "
                             "shape () or (1,)")
         validation.check_scale("write_kv", "scale", scale)
+        if checks.enabled():
+            checks.scale("write_kv", "scale", scale)
         return fp8.quantize(rows, jnp.asarray(scale))
     if scale is not None:
         raise TypeError(f"write_kv: scale is only for a float8_e4m3fn kv_cache; kv_cache is {dtype}")

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from jax.experimental.layout import Format, Layout
 
 from jax_flashmla import fp8 as fp8_quant
-from jax_flashmla import kernels, lowering, sharding, validation
+from jax_flashmla import checks, kernels, lowering, sharding, validation
 from jax_flashmla.reference import mla_decode_reference
 
 IMPLEMENTATIONS = ("flashmla", "reference")
@@ -102,6 +102,8 @@ def get_mla_metadata(seq_lens, *, num_heads_q, num_q_tokens=1, num_heads_k=1, nu
         validation.check_num_sms("get_mla_metadata", num_sms)
     if block_table is not None:
         validation.check_metadata_block_table(block_table, seq_lens, fp8)
+    if checks.enabled():
+        checks.lengths("get_mla_metadata", seq_lens)
     if _resolve(implementation) == "reference":
         return None
     parts = validation.num_sm_parts(num_sms or _default_num_sms(), num_heads_q, num_q_tokens,
@@ -204,6 +206,9 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, metadata=None, softmax_sca
     if softmax_scale is None:
         softmax_scale = validation.HEAD_DIM ** -0.5
     validation.check_softmax_scale("mla_decode", softmax_scale)
+    if checks.enabled():
+        block_table, seq_lens, metadata = _checked_operands(q, kv_cache, block_table, seq_lens,
+                                                            metadata, k_scale)
     descales = ()
     if fp8:
         scale = jnp.asarray(k_scale).reshape(1)
@@ -214,6 +219,43 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, metadata=None, softmax_sca
                                    fp8)
     return _decode(_DecodeConfig(kernel, implementation), q, kv_cache, block_table, seq_lens,
                    metadata, descales)
+
+
+def _checked_operands(q, kv_cache, block_table, seq_lens, metadata, k_scale):
+    """jax_flashmla.checks' checks of one decode's values (value_checks() on), and operands
+    that are safe whatever the values: a request with a bad length or block-table entry is
+    decoded as an empty one (out 0, lse +inf), and the metadata is made anew for them."""
+    where = "mla_decode"
+    checks.lengths(where, seq_lens, block_table.shape[1])
+    checks.block_table_entries(where, block_table, seq_lens, kv_cache.shape[0])
+    if k_scale is not None:
+        checks.scale(where, "k_scale", k_scale)
+    bad = checks.bad_requests(block_table, seq_lens, kv_cache.shape[0])
+    safe_lens = jnp.where(bad, 0, seq_lens)
+    safe_table = jnp.where((block_table >= 0) & (block_table < kv_cache.shape[0]), block_table, 0)
+    if metadata is None:
+        return safe_table, safe_lens, None
+
+    def made_for(lens):
+        tile_md, num_splits = lowering.bind_metadata(
+            lens, num_heads_q=metadata.num_heads_q, num_q_tokens=metadata.num_q_tokens,
+            num_heads_k=metadata.num_heads_k,
+            num_sm_parts=metadata.tile_scheduler_metadata.shape[0], fp8=metadata.fp8)
+        guarded = (None, None)
+        if metadata.kernel_block_table is not None:
+            guarded = lowering.bind_fp8_guard(block_table if lens is seq_lens else safe_table,
+                                              lens)
+        return dataclasses.replace(metadata, tile_scheduler_metadata=tile_md,
+                                   num_splits=num_splits, kernel_block_table=guarded[0],
+                                   kernel_seq_lens=guarded[1])
+
+    expected = made_for(seq_lens)
+    names = ["tile_scheduler_metadata", "num_splits"]
+    if metadata.kernel_block_table is not None:
+        names += ["kernel_block_table", "kernel_seq_lens"]
+    checks.metadata_matches(where, [getattr(metadata, n) for n in names],
+                            [getattr(expected, n) for n in names], names, ignore=jnp.any(bad))
+    return safe_table, safe_lens, made_for(safe_lens)
 
 
 def lse_format(s_q, sharding):

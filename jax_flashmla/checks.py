@@ -1,0 +1,105 @@
+"""Opt-in checks of the values a scheduler computes, for debugging a serving loop.
+
+Shapes and dtypes are checked at trace time, always. Values live on the device: with
+`value_checks()` on while a step is traced, mla_decode, get_mla_metadata and write_kv add
+`jax.experimental.checkify` checks that name the argument, the request and the value:
+
+  - seq_lens outside [0, max_pages * 64];
+  - block-table entries outside [0, num_pages) among the pages a request reads;
+  - metadata that is not the one get_mla_metadata makes for the decode's seq_lens (and, for
+    FP8 metadata made with a block table, for its block table);
+  - an FP8 scale that is not positive and finite.
+
+    with jf.value_checks():
+        step = jax.jit(checkify.checkify(step))
+    err, result = step(...)
+    err.throw()
+
+With the checks on, a request whose length or block-table entries are bad is decoded as an
+empty request (out 0, lse +inf), and each decode runs on metadata made anew for its inputs,
+so that no implementation reads outside the cache while the error is on its way. Off (the
+default) the traced step holds none of this. On, each decode adds a few reductions over
+seq_lens and its block table, and computes the metadata twice (for the check and the call).
+"""
+import contextlib
+import contextvars
+
+import jax.numpy as jnp
+from jax.experimental import checkify
+
+from jax_flashmla.validation import PAGE_SIZE
+
+_ENABLED = contextvars.ContextVar("jax_flashmla_value_checks", default=False)
+
+
+@contextlib.contextmanager
+def value_checks(enabled=True):
+    """Adds the value checks to what is traced inside the block (see the module's doc)."""
+    token = _ENABLED.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _ENABLED.reset(token)
+
+
+def enabled():
+    return _ENABLED.get()
+
+
+def _first(bad):
+    """Index of the first True of a boolean vector (0 when none)."""
+    return jnp.argmax(bad.reshape(-1))
+
+
+def lengths(where, seq_lens, max_pages=None):
+    """seq_lens in [0, max_pages * 64], or >= 0 without max_pages."""
+    if max_pages is None:
+        bad, bound = seq_lens < 0, "negative"
+    else:
+        capacity = max_pages * PAGE_SIZE
+        bad = (seq_lens < 0) | (seq_lens > capacity)
+        bound = f"outside [0, max_pages * 64 = {capacity}]"
+    i = _first(bad)
+    checkify.check(~jnp.any(bad), f"{where}: seq_lens[{{i}}] = {{value}} is {bound}", i=i,
+                   value=seq_lens.reshape(-1)[i])
+
+
+def _bad_entries(block_table, seq_lens, num_pages):
+    """(batch, max_pages): entries outside [0, num_pages) among those each request reads
+    (ceil(seq_lens / 64) of them)."""
+    pages_read = (seq_lens[:, None] + PAGE_SIZE - 1) // PAGE_SIZE
+    used = jnp.arange(block_table.shape[1])[None, :] < pages_read
+    return used & ((block_table < 0) | (block_table >= num_pages))
+
+
+def bad_requests(block_table, seq_lens, num_pages):
+    """(batch,): the requests with a length outside [0, max_pages * 64] or a page they read
+    outside the cache."""
+    capacity = block_table.shape[1] * PAGE_SIZE
+    return ((seq_lens < 0) | (seq_lens > capacity)
+            | jnp.any(_bad_entries(block_table, jnp.clip(seq_lens, 0, capacity), num_pages),
+                      axis=1))
+
+
+def block_table_entries(where, block_table, seq_lens, num_pages):
+    bad = _bad_entries(block_table, seq_lens, num_pages)
+    flat = _first(bad)
+    row, col = flat // block_table.shape[1], flat % block_table.shape[1]
+    checkify.check(~jnp.any(bad), f"{where}: block_table[{{row}}, {{col}}] = {{value}} is not a "
+                   f"page of the cache (num_pages = {num_pages}), and request {{row}} reads it",
+                   row=row, col=col, value=block_table.reshape(-1)[flat])
+
+
+def scale(where, name, value):
+    value = jnp.asarray(value).reshape(())
+    checkify.check((value > 0) & jnp.isfinite(value),
+                   f"{where}: {name} = {{value}} must be positive and finite", value=value)
+
+
+def metadata_matches(where, given, expected, names, ignore=False):
+    """given and expected: the metadata's arrays and what get_mla_metadata makes for the
+    decode's inputs; not checked where `ignore` (a request's values are bad already)."""
+    for name, a, b in zip(names, given, expected):
+        checkify.check(ignore | jnp.array_equal(a, b), f"{where}: metadata.{name} is not what "
+                       "get_mla_metadata makes for this decode's seq_lens (and block table); "
+                       "was it computed for another step?")

@@ -1,0 +1,153 @@
+"""jax_flashmla.value_checks(): each bad value a scheduler can compute is a checkify error
+naming the argument, the request and the value; with the checks off the step holds none."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import checkify
+
+import jax_flashmla as jf
+from jax_flashmla import fp8
+from oracle import make_decode_inputs
+
+IMPLEMENTATIONS = ["flashmla", "reference"]
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    q, kv, bt, sl = make_decode_inputs(np.random.default_rng(0), batch=3, s_q=1, h_q=16,
+                                       mean_sk=300, varlen=True, dtype=jnp.bfloat16)
+    return q, kv, jnp.asarray(bt), jnp.asarray(sl)
+
+
+def _checked(fn, *args):
+    with jf.value_checks():
+        err, result = jax.jit(checkify.checkify(fn))(*args)
+    return err, result
+
+
+def _step(implementation):
+    def step(q, kv, bt, sl, md_lens):
+        md = jf.get_mla_metadata(md_lens, num_heads_q=16, implementation=implementation)
+        return jf.mla_decode(q, kv, bt, sl, metadata=md, implementation=implementation)
+    return step
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_good_values_pass_and_give_the_unchecked_results(inputs, implementation):
+    q, kv, bt, sl = inputs
+    err, (out, lse) = _checked(_step(implementation), q, kv, bt, sl, sl)
+    err.throw()
+    plain_out, plain_lse = jax.jit(_step(implementation))(q, kv, bt, sl, sl)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(plain_out, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(plain_lse))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_a_length_past_the_block_table_is_named(inputs, implementation):
+    q, kv, bt, sl = inputs
+    bad = sl.at[1].set(bt.shape[1] * 64 + 1)
+    err, _ = _checked(_step(implementation), q, kv, bt, bad, bad)
+    with pytest.raises(checkify.JaxRuntimeError,
+                       match=rf"mla_decode: seq_lens\[1\] = {bt.shape[1] * 64 + 1} is outside "
+                             rf"\[0, max_pages \* 64 = {bt.shape[1] * 64}\]"):
+        err.throw()
+
+
+def test_a_negative_length_is_named_by_the_metadata(inputs):
+    q, kv, bt, sl = inputs
+    bad = sl.at[2].set(-3)
+    err, _ = _checked(lambda s: jf.get_mla_metadata(s, num_heads_q=16,
+                                                    implementation="flashmla").num_splits, bad)
+    with pytest.raises(checkify.JaxRuntimeError,
+                       match=r"get_mla_metadata: seq_lens\[2\] = -3 is negative"):
+        err.throw()
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("page", [-1, 10**6])
+def test_a_block_table_entry_outside_the_cache_is_named(inputs, implementation, page):
+    q, kv, bt, sl = inputs
+    bad = bt.at[0, 1].set(page)  # request 0 reads 2 or more pages
+    assert int(sl[0]) > 64
+    err, _ = _checked(_step(implementation), q, kv, bad, sl, sl)
+    with pytest.raises(checkify.JaxRuntimeError,
+                       match=rf"block_table\[0, 1\] = {page} is not a page of the cache "
+                             rf"\(num_pages = {kv.shape[0]}\), and request 0 reads it"):
+        err.throw()
+
+
+def test_entries_a_request_does_not_read_are_not_checked(inputs):
+    q, kv, bt, sl = inputs
+    unread = np.asarray(bt).copy()
+    unread[0, -(-int(sl[0]) // 64):] = -1  # past request 0's pages
+    err, _ = _checked(_step("flashmla"), q, kv, jnp.asarray(unread), sl, sl)
+    err.throw()
+
+
+def test_metadata_of_other_lengths_is_named(inputs):
+    q, kv, bt, sl = inputs
+    err, _ = _checked(_step("flashmla"), q, kv, bt, sl, sl - 100)
+    with pytest.raises(checkify.JaxRuntimeError,
+                       match="metadata.tile_scheduler_metadata is not what get_mla_metadata "
+                             "makes for this decode's seq_lens"):
+        err.throw()
+
+
+def test_fp8_metadata_of_another_block_table_is_named(inputs):
+    q, kv, bt, sl = inputs
+    scale = jnp.float32(1 / 400)
+    kv8 = fp8.quantize(kv, scale)
+    sl = sl.at[1].set(0)  # the guard changes this request's first slot
+
+    def step(q, kv8, bt, md_bt, sl):
+        md = jf.get_mla_metadata(sl, num_heads_q=16, fp8=True, block_table=md_bt,
+                                 implementation="flashmla")
+        return jf.mla_decode(q, kv8, bt, sl, metadata=md, k_scale=scale,
+                             implementation="flashmla")
+
+    err, _ = _checked(step, q, kv8, bt, bt, sl)
+    err.throw()
+    err, _ = _checked(step, q, kv8, bt, jnp.roll(bt, 1, axis=0), sl)
+    with pytest.raises(checkify.JaxRuntimeError, match="metadata.kernel_block_table is not"):
+        err.throw()
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, float("inf"), float("nan")])
+def test_a_bad_fp8_scale_is_named(inputs, value):
+    _, kv, bt, sl = inputs
+    cache = jnp.zeros((4, 64, 1, 576), jnp.float8_e4m3fn)
+    err, _ = _checked(lambda s: jf.write_kv(cache, jnp.asarray([3], jnp.int32),
+                                            kv=jnp.ones((1, 576), jnp.bfloat16), scale=s),
+                      jnp.float32(value))
+    with pytest.raises(checkify.JaxRuntimeError,
+                       match=r"write_kv: scale = \S+ must be positive and finite"):
+        err.throw()
+
+
+def test_off_by_default_the_step_holds_no_check(inputs):
+    q, kv, bt, sl = inputs
+    plain = jax.jit(_step("flashmla")).lower(q, kv, bt, sl, sl).as_text()
+    with jf.value_checks(False):
+        off = jax.jit(_step("flashmla")).lower(q, kv, bt, sl, sl).as_text()
+    assert plain == off
+    with jf.value_checks():
+        on = jax.jit(checkify.checkify(_step("flashmla"))).lower(q, kv, bt, sl, sl).as_text()
+    # The given metadata, the one it is checked against, and the call's (for safe inputs).
+    assert on.count("jax_flashmla_mla_metadata") == 3
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_a_bad_request_is_decoded_empty_and_changes_no_other(inputs, implementation):
+    q, kv, bt, sl = inputs
+    bad = bt.at[1, 0].set(-7)
+    err, (out, lse) = _checked(_step(implementation), q, kv, bad, sl, sl)
+    with pytest.raises(checkify.JaxRuntimeError, match=r"block_table\[1, 0\] = -7"):
+        err.throw()
+    assert not np.asarray(out[1], np.float32).any() and np.isinf(np.asarray(lse[1])).all()
+    empty = sl.at[1].set(0)
+    ok_out, ok_lse = jax.jit(_step(implementation))(q, kv, bt, empty, empty)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ok_out, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(ok_lse))
