@@ -189,6 +189,10 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, metadata=None, softmax_sca
         jax_flashmla/fp8.py) unless it comes quantized, and the kernel gets the scale as
         descale_q and descale_k.
 
+    Values are not checked unless jax_flashmla.value_checks() is on while the call is traced
+    (jax_flashmla/checks.py: lengths, block-table entries, the metadata and the FP8 scale, as
+    checkify errors).
+
     Returns:
       out: (batch, s_q, h_q, 512) in q's dtype; bfloat16 with a float8_e4m3fn cache.
       lse: (batch, h_q, s_q) float32, natural-log sum of exp(softmax_scale * q.k) over the keys
