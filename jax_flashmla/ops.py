@@ -176,7 +176,9 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, metadata=None, softmax_sca
         describes the whole batch and all heads, so it cannot be used with a split q). One
         made with a block_table (FP8) carries the kernel's guarded copy of it: block_table
         must then be that same table.
-      softmax_scale: defaults to 576 ** -0.5.
+      softmax_scale: a Python float, compiled into the call; defaults to 576 ** -0.5, the
+        scale of the 576-wide dot product. DeepSeek's is (qk_nope_head_dim +
+        qk_rope_head_dim) ** -0.5, times mscale ** 2 under YaRN (MLAConfig.softmax_scale).
       causal: with s_q > 1, query i sees the first s_k - s_q + i + 1 keys (speculative verify
         / MTP); with s_q = 1 it makes no difference.
       head_dim_v: 512, the only V width FlashMLA supports.
