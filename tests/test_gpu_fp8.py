@@ -176,7 +176,7 @@ def test_fp8_decode_lowers_to_the_fp8_custom_calls():
 def test_a_scan_over_layers_on_the_gpu(guard_in_metadata):
     """With the guard in the metadata, once per step. Without, XLA's GPU compiler (jax 0.11.2)
     leaves each layer's guard in the loop body, once per layer, as get_mla_metadata's
-    docstring and the README say."""
+    docstring says."""
     kernels.ensure_cuda_targets()
     guards, in_entry = scan_over_fp8_layers(guard_in_metadata)
     if guard_in_metadata:
@@ -184,7 +184,7 @@ def test_a_scan_over_layers_on_the_gpu(guard_in_metadata):
     else:
         assert (guards, in_entry) == (1, 0), (
             "XLA now hoists the guard out of lax.scan on the GPU: update get_mla_metadata's "
-            "docstring and the README's FP8 section")
+            "docstring")
 
 
 def test_fp8_write_kv_is_in_place():
