@@ -11,19 +11,34 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_flashmla import kernels
 from jax_flashmla.allocator import PageAllocator
 from jax_flashmla.cache import PagedKVCache
 from jax_flashmla.serving import bucket_for, decode_loop, pad_batch, write_prompt
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--prompt-lens", type=int, nargs="+", default=[5, 64, 130])
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--flashmla", action="store_true", help="implementation='flashmla'")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompt-lens", type=int, nargs="+", default=[5, 64, 130],
+                        help="prompt length of each request (default: 5 64 130)")
+    parser.add_argument("--steps", type=int, default=8, help="tokens to decode (default: 8)")
+    parser.add_argument("--heads", type=int, default=16, help="query heads (default: 16)")
+    parser.add_argument("--flashmla", action="store_true",
+                        help="implementation='flashmla' (FlashMLA's C++ model on CPU); default: "
+                             "FlashMLA on a Hopper GPU, else the pure-JAX reference")
     args = parser.parse_args()
+    if min(args.prompt_lens) < 1 or args.steps < 1 or args.heads < 1:
+        parser.error("--prompt-lens, --steps and --heads must be >= 1")
+    if sum(-(-(n + args.steps) // 64) for n in args.prompt_lens) > 64:
+        parser.error("the requests need more than the 64 pages of the cache: shorter "
+                     "--prompt-lens or fewer --steps")
     implementation = "flashmla" if args.flashmla else None
+    if kernels.flashmla_available():
+        runs = "FlashMLA's kernels"
+    else:
+        runs = "FlashMLA's C++ model" if args.flashmla else "the pure-JAX reference"
+    print(f"implementation: {runs}")
 
     # Host side: pages for prompt + every decoded token, then one padded bucket.
     alloc = PageAllocator(num_pages=64)

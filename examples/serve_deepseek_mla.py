@@ -182,8 +182,10 @@ def serve(args):
     prompts = [rng.integers(0, cfg.vocab_size, n).astype(np.int32) for n in prompt_lens]
     max_pages = int(pages_for_tokens(int((prompt_lens + new_tokens).max())))
     num_pages = args.num_pages or max(max_pages, max_pages * args.batch * 3 // 4)  # tight: reuse
-    if num_pages < max_pages:
-        raise ValueError(f"--num-pages {num_pages} cannot hold the longest request ({max_pages} pages)")
+    impl, impl_words = implementation_in_use(args.implementation)
+    if not args.quiet:
+        print(f"serving {args.requests} requests through {impl_words}; the first prefill and "
+              "decode steps compile (a few seconds)...", file=sys.stderr, flush=True)
     graphdef, state, caches, k_scales = build(cfg, num_pages, args.seed,
                                               kv_cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype])
     prefill, decode = make_steps(graphdef, args.implementation)
@@ -263,31 +265,45 @@ def serve(args):
     elapsed = time.perf_counter() - start
     total = sum(len(o) for o in outputs.values())
     assert allocator.num_free == num_pages and not allocator.requests, "pages leaked"
-    impl = args.implementation or ("flashmla" if kernels.flashmla_available() else "reference")
     print(f"implementation={impl} kv_cache_dtype={args.kv_cache_dtype} layers={cfg.num_layers} "
           f"requests={args.requests} "
           f"batch={args.batch} pages={num_pages} ({allocations} page allocations: freed pages "
-          f"reused {max(0, allocations - num_pages)} times, none leaked)")
+          f"reused {max(0, allocations - num_pages)} times, none leaked); the decode ran "
+          f"{impl_words}")
     print(f"generated {total} tokens in {elapsed:.2f} s: {total / elapsed:.1f} tok/s overall, "
           f"{decode_tokens / max(decode_time, 1e-9):.1f} tok/s in {steps - 1} timed decode steps")
-    for r in range(min(3, args.requests)):
-        print(f"  request {r}: prompt {prompt_lens[r]} tokens -> {outputs[r][:8]}...")
+    for r in range(args.requests):
+        shown = " ".join(map(str, outputs[r][:8])) + (" ..." if len(outputs[r]) > 8 else "")
+        print(f"  request {r}: prompt {prompt_lens[r]} tokens, {len(outputs[r])} generated: "
+              f"{shown}")
     return outputs
 
 
+def implementation_in_use(implementation):
+    """(the implementation's name, what it runs here in words)."""
+    name = implementation or ("flashmla" if kernels.flashmla_available() else "reference")
+    if name == "reference":
+        return name, "the pure-JAX reference"
+    on_gpu = kernels.flashmla_available()
+    return name, "FlashMLA's kernels" if on_gpu else "FlashMLA's C++ model, no Hopper GPU here"
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--implementation", choices=["flashmla", "reference"], default=None,
-                   help="mla_decode path (default: FlashMLA on a Hopper GPU, else reference)")
-    p.add_argument("--kv-cache-dtype", choices=sorted(KV_CACHE_DTYPES), default="bfloat16")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--requests", type=int, default=8)
+                   help="mla_decode's path; unset: FlashMLA on a Hopper GPU, else the reference")
+    p.add_argument("--kv-cache-dtype", choices=sorted(KV_CACHE_DTYPES), default="bfloat16",
+                   help="the paged cache's dtype (fp8: e4m3 with a per-layer scale)")
+    p.add_argument("--layers", type=int, default=2, help="decoder layers")
+    p.add_argument("--requests", type=int, default=8, help="requests to serve")
     p.add_argument("--batch", type=int, default=4, help="decode rows (max concurrent requests)")
-    p.add_argument("--min-prompt", type=int, default=8)
-    p.add_argument("--max-prompt", type=int, default=100)
+    p.add_argument("--min-prompt", type=int, default=8, help="shortest prompt, in tokens")
+    p.add_argument("--max-prompt", type=int, default=100, help="longest prompt, in tokens")
     p.add_argument("--max-new", type=int, default=24, help="max generated tokens per request")
-    p.add_argument("--num-pages", type=int, default=0, help="page pool size (default: tight)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-pages", type=int, default=0,
+                   help="page pool size; 0: tight, about 3/4 of what all rows could hold")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the requests")
     p.add_argument("--quiet", action="store_true", help="no progress display")
     args = p.parse_args(argv)
     for name in ("layers", "requests", "batch", "min_prompt", "max_new"):
@@ -295,6 +311,10 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.max_prompt < args.min_prompt:
         p.error("--max-prompt must be >= --min-prompt")
+    longest = int(pages_for_tokens(args.max_prompt + args.max_new))
+    if args.num_pages < 0 or 0 < args.num_pages < longest:
+        p.error(f"--num-pages {args.num_pages} cannot hold a request of --max-prompt + --max-new "
+                f"= {args.max_prompt + args.max_new} tokens ({longest} pages of 64)")
     return args
 
 

@@ -286,6 +286,7 @@ def test_example_serves_to_completion(implementation, kv_cache_dtype, capsys):
     printed = capsys.readouterr().out
     assert "tok/s" in printed and "none leaked" in printed
     assert f"implementation={implementation} kv_cache_dtype={kv_cache_dtype}" in printed
+    assert all(f"  request {r}: prompt " in printed for r in range(5))  # every request
 
 
 def decode_inputs(ex, num_pages=6, batch=3, seed=0):
@@ -345,3 +346,10 @@ def test_argument_errors():
         layer.prefill(x, pos, cache.PagedKVCache.create(1))
     out, _ = layer.prefill(x, pos, lengths=jnp.asarray([0, 3], jnp.int32))
     assert np.all(np.isfinite(np.asarray(out)))  # an empty row gives no NaN
+
+
+def test_example_reports_a_pool_too_small_as_an_argument_error(capsys):
+    with pytest.raises(SystemExit):
+        load_example().parse_args(["--num-pages", "1"])
+    assert "--num-pages 1 cannot hold a request of --max-prompt + --max-new" in (
+        capsys.readouterr().err)
