@@ -242,26 +242,25 @@ def _checked_operands(q, kv_cache, block_table, seq_lens, metadata, k_scale):
     if metadata is None:
         return safe_table, safe_lens, None
 
-    def made_for(lens):
+    def made_for(table, lens):
         tile_md, num_splits = lowering.bind_metadata(
             lens, num_heads_q=metadata.num_heads_q, num_q_tokens=metadata.num_q_tokens,
             num_heads_k=metadata.num_heads_k,
             num_sm_parts=metadata.tile_scheduler_metadata.shape[0], fp8=metadata.fp8)
         guarded = (None, None)
         if metadata.kernel_block_table is not None:
-            guarded = lowering.bind_fp8_guard(block_table if lens is seq_lens else safe_table,
-                                              lens)
+            guarded = lowering.bind_fp8_guard(table, lens)
         return dataclasses.replace(metadata, tile_scheduler_metadata=tile_md,
                                    num_splits=num_splits, kernel_block_table=guarded[0],
                                    kernel_seq_lens=guarded[1])
 
-    expected = made_for(seq_lens)
+    expected = made_for(block_table, seq_lens)
     names = ["tile_scheduler_metadata", "num_splits"]
     if metadata.kernel_block_table is not None:
         names += ["kernel_block_table", "kernel_seq_lens"]
     checks.metadata_matches(where, [getattr(metadata, n) for n in names],
                             [getattr(expected, n) for n in names], names, ignore=jnp.any(bad))
-    return safe_table, safe_lens, made_for(safe_lens)
+    return safe_table, safe_lens, made_for(safe_table, safe_lens)
 
 
 def lse_format(s_q, sharding):

@@ -16,7 +16,7 @@ from oracle import dense_attention_f64, make_decode_inputs
 from test_cache import _cache_shaped_buffers
 from test_fp8 import fp8_custom_calls
 from test_fp8_guard import scan_over_fp8_layers
-from torch_direct import call_by_name
+from torch_direct import call_by_name, torch_view
 
 pytestmark = pytest.mark.gpu
 
@@ -42,14 +42,6 @@ def _fp8_torch_ops():
     assert ops.decode_fp8 and ops.metadata_fp8, f"no FP8 ops found in {ops.library.path}"
     resolve = lambda name: getattr(getattr(torch.ops, name.split("::")[0]), name.split("::")[1])
     return torch, resolve(ops.decode_fp8), resolve(ops.metadata_fp8)
-
-
-def _to_torch(torch, x):
-    """A torch view of a JAX array; FP8 goes through uint8, which every DLPack version has."""
-    if x.dtype == jnp.float8_e4m3fn:
-        return torch.from_dlpack(jax.lax.bitcast_convert_type(x, jnp.uint8)).view(
-            torch.float8_e4m3fn)
-    return torch.from_dlpack(x)
 
 
 def _inputs(seed, *, batch, s_q, h_q, mean_sk, varlen):
@@ -84,16 +76,16 @@ def test_bit_identical_to_the_torch_fp8_op(s_q, h_q, varlen, q_quantized):
     # page 0 (FlashMLA's FP8 kernel faults on a length of 0), their results then set to out 0,
     # lse +inf.
     guarded_bt, guarded_sl, empty = fp8.guard_empty_requests(bt, sl)
-    descale = _to_torch(torch, scale.reshape(1))
+    descale = torch_view(torch, scale.reshape(1))
     t_md, t_splits = call_by_name(metadata_op, dict(
-        seqlens_k=_to_torch(torch, guarded_sl), num_heads_per_head_k=s_q * h_q,
+        seqlens_k=torch_view(torch, guarded_sl), num_heads_per_head_k=s_q * h_q,
         num_heads_k=1))[:2]
     t_out, t_lse = call_by_name(decode_op, dict(
-        q=_to_torch(torch, q8), kcache=_to_torch(torch, kv8), head_size_v=512,
-        seqlens_k=_to_torch(torch, guarded_sl), block_table=_to_torch(torch, guarded_bt),
+        q=torch_view(torch, q8), kcache=torch_view(torch, kv8), head_size_v=512,
+        seqlens_k=torch_view(torch, guarded_sl), block_table=torch_view(torch, guarded_bt),
         softmax_scale=576 ** -0.5, is_causal=True, tile_scheduler_metadata=t_md,
         num_splits=t_splits, descale_q=descale, descale_k=descale))[:2]
-    t_empty = _to_torch(torch, empty)
+    t_empty = torch_view(torch, empty)
     t_out[t_empty] = 0
     t_lse[t_empty] = float("inf")
     torch.cuda.synchronize()

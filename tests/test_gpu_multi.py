@@ -1,4 +1,4 @@
-"""On the two-GPU machine (nvidia-h200-x2): tensor-parallel and context-parallel decode with
+"""On a machine of two GPUs or more: tensor-parallel and context-parallel decode with
 FlashMLA equal the one-GPU result. JAX_FLASHMLA_REQUIRE_GPUS=2 turns a skip into a failure."""
 import os
 
