@@ -51,7 +51,8 @@ from step_report import write_report  # noqa: E402
 
 PAGE, D_QK, D_V = 64, 576, 512
 FP8 = "float8_e4m3fn"
-JAX_LAYOUTS = ("scan", "unrolled", "per_layer")
+JAX_LAYOUTS = ("scan", "unrolled", "per_layer", "scan_alternating", "unrolled_alternating")
+ALTERNATING = {"scan_alternating": "scan", "unrolled_alternating": "unrolled"}
 GRID_B = (1, 4, 16, 32, 64, 128)
 GRID_S_K = (1024, 4096, 16384)
 GRID_H_Q = (16, 128)
@@ -100,6 +101,13 @@ class Point:
         self.q0 = jax.random.normal(keys[3], (b, s_q, h_q, D_QK), jnp.bfloat16) / 10
         self.softmax_scale = 192 ** -0.5
 
+    def tables(self):
+        """The step's block table, lengths, new rows' slots and FP8 scale: arguments of the
+        jitted steps, not constants in them (AlternatingStep needs an executable without
+        closed-over arrays)."""
+        return dict(block_table=self.block_table, seq_lens=self.seq_lens, slots=self.slots,
+                    k_scale=self.k_scale)
+
     def stacked_cache(self):
         """All layers' pages in one cache: layer l's are the base cache rolled by l pages."""
         L, base = self.layers, self.base
@@ -110,15 +118,15 @@ class Point:
         return [roll(self.base, jnp.int32(layer)) for layer in range(self.layers)]
 
 
-def _layer(p, cache, offset, q, latent, rows, md):
+def _layer(p, t, cache, offset, q, latent, rows, md):
     """One layer on a cache whose layer pages start at page `offset`: the write of the new
     rows (their latent from the layer before, as a model's come from its hidden state), then
     the decode through the step's block table shifted there."""
     if not p.rows_from_inputs:
         rows = jnp.concatenate([latent, rows[..., D_V:]], axis=-1)
-    cache = jf.write_kv(cache, p.slots + offset * PAGE, kv=rows, scale=p.k_scale)
-    scale = dict(k_scale=p.k_scale) if p.dtype == FP8 else {}
-    out, _ = jf.mla_decode(q, cache, p.block_table + offset, p.seq_lens, metadata=md,
+    cache = jf.write_kv(cache, t["slots"] + offset * PAGE, kv=rows, scale=t["k_scale"])
+    scale = dict(k_scale=t["k_scale"]) if p.dtype == FP8 else {}
+    out, _ = jf.mla_decode(q, cache, t["block_table"] + offset, t["seq_lens"], metadata=md,
                            softmax_scale=p.softmax_scale, implementation="flashmla", **scale)
     return cache, out
 
@@ -130,49 +138,49 @@ def _next(out, rope):
     return jnp.concatenate([out, rope], axis=-1), out[:, :, 0, :]
 
 
-def _metadata(p):
-    return jf.get_mla_metadata(p.seq_lens, num_heads_q=p.h_q, num_q_tokens=p.s_q,
+def _metadata(p, t):
+    return jf.get_mla_metadata(t["seq_lens"], num_heads_q=p.h_q, num_q_tokens=p.s_q,
                                fp8=p.dtype == FP8, implementation="flashmla")
 
 
 def jax_steps(p, xla_options=None):
     """{layout: (jitted step, its arguments maker)}; each step returns (caches, last out).
     xla_options: more compiler options for every jitted step."""
-    def scan_step(stack, rows, rope, q):
-        md = _metadata(p)
+    def scan_step(stack, rows, rope, q, t):
+        md = _metadata(p, t)
 
         def body(carry, xs):
             stack, q, latent = carry
             layer, rows_l, rope_l = xs
-            stack, out = _layer(p, stack, layer * p.pages, q, latent, rows_l, md)
+            stack, out = _layer(p, t, stack, layer * p.pages, q, latent, rows_l, md)
             return (stack, *_next(out, rope_l)), None
         (stack, q, _), _ = jax.lax.scan(body, (stack, q, rows[0, ..., :D_V]),
                                         (jnp.arange(p.layers, dtype=jnp.int32), rows, rope))
         return stack, q[..., :D_V]
 
-    def unrolled_step(stack, rows, rope, q):
-        md = _metadata(p)
+    def unrolled_step(stack, rows, rope, q, t):
+        md = _metadata(p, t)
         latent = rows[0, ..., :D_V]
         for layer in range(p.layers):
-            stack, out = _layer(p, stack, layer * p.pages, q, latent, rows[layer], md)
+            stack, out = _layer(p, t, stack, layer * p.pages, q, latent, rows[layer], md)
             q, latent = _next(out, rope[layer])
         return stack, q[..., :D_V]
 
-    def per_layer_step(caches, rows, rope, q):
-        md = _metadata(p)
+    def per_layer_step(caches, rows, rope, q, t):
+        md = _metadata(p, t)
         caches, latent = list(caches), rows[0, ..., :D_V]
         for layer in range(p.layers):
-            caches[layer], out = _layer(p, caches[layer], 0, q, latent, rows[layer], md)
+            caches[layer], out = _layer(p, t, caches[layer], 0, q, latent, rows[layer], md)
             q, latent = _next(out, rope[layer])
         return caches, q[..., :D_V]
 
-    def trivial_step(caches, rows, rope, q):
+    def trivial_step(caches, rows, rope, q, t):
         """per_layer_step with a fusion in place of each decode."""
         caches, latent = list(caches), rows[0, ..., :D_V]
         for layer in range(p.layers):
             new = rows[layer] if p.rows_from_inputs else jnp.concatenate(
                 [latent, rows[layer][..., D_V:]], axis=-1)
-            caches[layer] = jf.write_kv(caches[layer], p.slots, kv=new, scale=p.k_scale)
+            caches[layer] = jf.write_kv(caches[layer], t["slots"], kv=new, scale=t["k_scale"])
             q, latent = _next(q[..., :D_V] * 0.5, rope[layer])
         return caches, q[..., :D_V]
 
@@ -226,7 +234,7 @@ def run_point(p, steps, torch_side, xla_options=None):
         torch_runs, torch_out = torch_side.steps(p)
         runs.update(torch_runs)
     variants = jax_steps(p, xla_options)
-    args = (p.rows, p.rope, p.q0)
+    args = (p.rows, p.rope, p.q0, p.tables())
     # Variants of one cache layout share its arrays (each donates and returns them): every
     # step writes the same rows to the same slots, so they hold the same values for each.
     made = {make: make() for _, make in variants.values()}
@@ -237,6 +245,9 @@ def run_point(p, steps, torch_side, xla_options=None):
         compiled = dict(zip(variants, pool.map(
             lambda name: variants[name][0].lower(state[name], *args).compile(), variants)))
         record["compile_s"] = round(time.perf_counter() - start, 1)
+    for name, single in ALTERNATING.items():
+        compiled[name] = jf.AlternatingStep(compiled[single])
+        variants[name] = variants[single]
 
     def runner(name):
         make = variants[name][1]

@@ -6,7 +6,9 @@ import argparse
 import json
 
 VARIANTS = (("jax_scan", "jax_flashmla, stacked, lax.scan"),
+            ("jax_scan_alternating", "jax_flashmla, stacked, lax.scan, AlternatingStep"),
             ("jax_unrolled", "jax_flashmla, stacked, unrolled"),
+            ("jax_unrolled_alternating", "jax_flashmla, stacked, unrolled, AlternatingStep"),
             ("jax_per_layer", "jax_flashmla, a cache per layer"),
             ("torch_graph", "torch, CUDA graph"),
             ("torch_eager", "torch, eager"))
@@ -20,6 +22,11 @@ def bar(record):
     return BAR_LONG if graph_step >= LONG_STEP_US else BAR_SHORT
 
 
+def _ratio(record, key):
+    value = record.get(key + "_us")
+    return "-" if value is None else f"{value / record['torch_graph_us']:.3f}"
+
+
 def _fmt(value):
     return "-" if value is None else f"{value:.1f}"
 
@@ -31,26 +38,31 @@ def markdown(result):
     options = result.get("xla_options") or "none"
     lines = [f"# A model's decode step, µs per layer ({result['device']}, jax {result['jax']})",
              "", f"Step: {rows}; XLA options beyond each layout's: {options}.", "",
-             "Wall clock of the median step / layers (GPU span per layer in brackets). Ratio: "
-             "jax_flashmla's stacked layouts against the torch CUDA graph; bar 1.05 where the "
-             "graph's step takes >= 2 ms, else 1.15. `trivial` is the per-layer step with a "
-             "fusion in place of each decode (what JAX costs for that many arrays).", "",
-             "| b | s_k | h_q | s_q | cache | L | scan | unrolled | per layer | trivial | "
-             "torch graph | torch eager | scan ratio | unrolled ratio | bar | out identical |",
-             "| " + " | ".join(["---"] * 16) + " |"]
+             "Wall clock of the median step / layers (GPU span per layer in brackets). `alt.`: "
+             "the same compiled step called through jax_flashmla.AlternatingStep. Ratio: "
+             "jax_flashmla's stacked layouts through AlternatingStep against the torch CUDA "
+             "graph; bar 1.05 where the graph's step takes >= 2 ms, else 1.15. `trivial` is the "
+             "per-layer step with a fusion in place of each decode (what JAX costs for that "
+             "many arrays).", "",
+             "| b | s_k | h_q | s_q | cache | L | scan | scan, alt. | unrolled | unrolled, alt. "
+             "| per layer | trivial | torch graph | torch eager | scan ratio | unrolled ratio "
+             "| bar | out identical |",
+             "| " + " | ".join(["---"] * 18) + " |"]
     for r in result["raw"]:
         cells = [str(r[k]) for k in ("b", "s_k", "h_q", "s_q")]
         cells += ["fp8" if r["dtype"] == "float8_e4m3fn" else "bf16", str(r["layers"])]
-        for key, _ in VARIANTS[:3]:
+        for key, _ in VARIANTS[:5]:
             cells.append(f"{_fmt(r.get(key + '_us'))} ({_fmt(r.get(key + '_gpu_us'))})")
         cells.append(_fmt(r.get("jax_per_layer_trivial_us")))
-        for key, _ in VARIANTS[3:]:
+        for key, _ in VARIANTS[5:]:
             cells.append(f"{_fmt(r.get(key + '_us'))} ({_fmt(r.get(key + '_gpu_us'))})")
         if "torch_graph_us" in r:
-            cells += [f"{r['jax_scan_us'] / r['torch_graph_us']:.3f}",
-                      f"{r['jax_unrolled_us'] / r['torch_graph_us']:.3f}", f"{bar(r):.2f}",
-                      "yes" if all(r[f"{lay}_out_identical"] for lay in
-                                   ("scan", "unrolled", "per_layer")) else "NO"]
+            layouts = [k[len("jax_"):-len("_us")] for k in r
+                       if k.startswith("jax_") and k.endswith("_us") and "trivial" not in k
+                       and not k.endswith("_gpu_us")]
+            cells += [_ratio(r, "jax_scan_alternating"), _ratio(r, "jax_unrolled_alternating"),
+                      f"{bar(r):.2f}",
+                      "yes" if all(r[f"{lay}_out_identical"] for lay in layouts) else "NO"]
         else:
             cells += ["-", "-", "-", "-"]
         lines.append("| " + " | ".join(cells) + " |")

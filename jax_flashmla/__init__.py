@@ -9,11 +9,12 @@ from jax_flashmla.ops import (LOOP_STEP_COMPILER_OPTIONS, MLAMetadata, get_mla_m
                               mla_decode)
 from jax_flashmla.reference import mla_decode_reference
 from jax_flashmla.serving import bucket_for, decode_loop, decode_step, pad_batch, write_prompt
+from jax_flashmla.step import AlternatingStep
 from jax_flashmla.speculative import (multi_step_draft, multi_step_draft_metadata, target_verify,
                                       target_verify_metadata)
 
 __all__ = [
-    "LOOP_STEP_COMPILER_OPTIONS", "MLAMetadata", "OutOfPagesError", "PAD_PAGE", "PageAllocator",
+    "AlternatingStep", "LOOP_STEP_COMPILER_OPTIONS", "MLAMetadata", "OutOfPagesError", "PAD_PAGE", "PageAllocator",
     "PagedKVCache", "block_table_from_pages", "bucket_for", "build_block_table", "dcp_mla_decode",
     "dcp_write_kv", "decode_loop", "decode_step", "get_mla_metadata", "lse_format",
     "merge_attention_states", "mla_decode", "mla_decode_reference", "multi_step_draft",

@@ -1,6 +1,10 @@
 """Run by tests/test_gpu_capture.py in a process of its own (XLA's log settings must be set
 before JAX starts, and a failure must not take the test session down):
   python tests/gpu_probe.py capture bf16|fp8   a 6-layer step, run three times
+  python tests/gpu_probe.py rerecord single|alternating
+                                                a donated 6-layer step called 8 times, as one
+                                                executable or through AlternatingStep; "call k"
+                                                on stderr before call k
   python tests/gpu_probe.py refuse decode|metadata
                                                 a custom call whose scratch or result buffer
                                                 is one element short of what FlashMLA allocates
@@ -40,6 +44,30 @@ def capture(dtype):
         jax.block_until_ready(step(qs, cache, bt, sl))
 
 
+def rerecord(how):
+    rng = np.random.default_rng(2)
+    sl = jnp.asarray(rng.integers(64, 500, 4), jnp.int32)
+    bt = jnp.asarray(rng.permutation(32).reshape(4, 8), jnp.int32)
+    cache = jnp.asarray(rng.normal(0, 0.1, (LAYERS * 32, 64, 1, 576)), jnp.bfloat16)
+    q = jnp.asarray(rng.normal(0, 0.1, (4, 1, 16, 576)), jnp.bfloat16)
+    slots = jf.token_slots(bt, (sl - 1)[:, None])
+
+    def step(cache, q, bt, sl, slots):
+        md = jf.get_mla_metadata(sl, num_heads_q=16)
+        for layer in range(LAYERS):
+            cache = jf.write_kv(cache, slots + layer * 32 * 64, kv=q[:, :, 0])
+            out, _ = jf.mla_decode(q, cache, bt + layer * 32, sl, metadata=md)
+            q = jnp.concatenate([out.astype(q.dtype), q[..., 512:]], axis=-1)
+        return cache, q
+
+    compiled = jax.jit(step, donate_argnums=0).lower(cache, q, bt, sl, slots).compile()
+    run = jf.AlternatingStep(compiled) if how == "alternating" else compiled
+    for k in range(8):
+        print(f"call {k}", file=sys.stderr, flush=True)
+        cache, out = run(cache, q, bt, sl, slots)
+        jax.block_until_ready(out)
+
+
 def refuse(target):
     rng = np.random.default_rng(1)
     sl = jnp.asarray(rng.integers(1, 300, 3), jnp.int32)
@@ -77,5 +105,5 @@ def refuse(target):
 
 
 if __name__ == "__main__":
-    {"capture": capture, "refuse": refuse}[sys.argv[1]](sys.argv[2])
+    {"capture": capture, "rerecord": rerecord, "refuse": refuse}[sys.argv[1]](sys.argv[2])
     print("done")

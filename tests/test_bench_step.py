@@ -18,7 +18,8 @@ def test_the_tiny_step_runs_and_reports(tmp_path):
                                                                ("float8_e4m3fn", 2)]
     assert all(r["layouts_agree"] for r in result["raw"])
     layouts = [r["layout"] for r in result["records"]]
-    assert layouts == ["scan", "unrolled", "per_layer"] * 2
+    assert layouts == ["scan", "unrolled", "per_layer", "scan_alternating",
+                       "unrolled_alternating"] * 2
     for record in result["records"]:
         assert {"b", "s_k", "h_q", "s_q", "dtype", "layout", "layers", "jax_us"} <= set(record)
         assert record["jax_us"] > 0

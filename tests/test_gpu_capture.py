@@ -28,6 +28,10 @@ PROBE = Path(__file__).resolve().parent / "gpu_probe.py"
 TRACE_LOG = dict(TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="traced_command_buffer=6")
 PROBE_LAYERS = 6
 TRACED_CUSTOM_CALL = "trace cache create new item for command kCustomCall"
+# Each time XLA records (creates or updates) a command buffer it logs this line
+# (command_buffer_thunk.cc, VLOG 3).
+RECORD_LOG = dict(TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="command_buffer_thunk=3")
+RECORDED = "by recoding command buffer cmd sequence"
 SCALE = 576 ** -0.5
 K_SCALE = np.float32(1 / 400)
 
@@ -87,6 +91,30 @@ def test_the_custom_calls_are_captured_in_a_command_buffer(dtype):
     _, log = _probe("capture", dtype, env=TRACE_LOG)
     captures = log.count(TRACED_CUSTOM_CALL)
     assert captures >= PROBE_LAYERS + (2 if dtype == "fp8" else 1), log[-3000:]
+
+
+def _recordings_per_call(log):
+    """How many times XLA recorded a command buffer during each of the probe's calls."""
+    counts, call = {}, None
+    for line in log.splitlines():
+        if line.startswith("call "):
+            call = int(line.split()[1])
+            counts[call] = 0
+        elif call is not None and RECORDED in line:
+            counts[call] += 1
+    return counts
+
+
+def test_an_alternating_step_replays_without_recording_again():
+    """Called as one executable, a donated step is recorded again at every call: its
+    temporaries come back at another address. Through AlternatingStep each copy records at
+    its second call (the first is XLA's warm-up) and only replays afterwards."""
+    single = _recordings_per_call(_probe("rerecord", "single", env=RECORD_LOG)[1])
+    alternating = _recordings_per_call(_probe("rerecord", "alternating", env=RECORD_LOG)[1])
+    assert sorted(single) == sorted(alternating) == list(range(8)), (single, alternating)
+    assert all(single[k] for k in range(3, 8)), single
+    assert alternating[2] and alternating[3], alternating
+    assert not any(alternating[k] for k in range(4, 8)), alternating
 
 
 @pytest.mark.parametrize("fp8_cache", [False, True], ids=["bf16", "fp8"])
