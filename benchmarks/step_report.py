@@ -106,8 +106,9 @@ def write_report(result, prefix):
 
 def merge(parts):
     merged = dict(parts[0])
+    order = lambda r: (r["s_k"], r["dtype"], r["s_q"], r["h_q"], r["b"])
     for key in ("records", "raw"):
-        merged[key] = [r for part in parts for r in part[key]]
+        merged[key] = sorted((r for part in parts for r in part[key]), key=order)
     return merged
 
 
