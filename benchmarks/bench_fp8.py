@@ -4,8 +4,8 @@ For b=128, s_q=1, s_k in {4096, 8192}, h_q in {16, 128}: time per jitted call of
 (metadata computed once outside the timed region, each path with its own scheduler), the
 bandwidth each reaches counting its own cache's bytes (576 per token in FP8, 1152 in bf16),
 the speed-up, and the FP8 output's difference from the bf16 output on the same data (the
-cache quantized with a per-tensor scale amax / 448). Timing as in bench_decode.py: N calls
-back to back, then a device sync, wall clock, the two paths in turns within each repeat; the
+cache quantized with a per-tensor scale amax / 448). Timing: N calls back to back, then a
+device sync, wall clock, the two paths in turns within each repeat; the
 speed-up is the median of per-repeat ratios.
 
     python benchmarks/bench_fp8.py --out benchmarks/results/fp8_h200.json

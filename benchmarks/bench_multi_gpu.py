@@ -1,7 +1,7 @@
 """Time per decode step on one GPU against two (heads split: TP=2; keys split: DCP=2), at
-b=128, s_k=4096, h_q=128, s_q=1, bf16, on the nvidia-h200-x2 machine.
+b=128, s_k=4096, h_q=128, s_q=1, bf16, on a machine of two GPUs.
 
-    python benchmarks/bench_multi_gpu.py --out benchmarks/results/multi_gpu_h200x2.json
+    python benchmarks/bench_multi_gpu.py --out benchmarks/results/multi_gpu_h200.json
 """
 import argparse
 import json

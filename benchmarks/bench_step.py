@@ -326,7 +326,7 @@ def main():
     if args.tiny:
         points, torch_side = [(2, 128, 16, 1, "bfloat16"), (2, 128, 16, 2, FP8)], None
     else:
-        from torch_step import TorchStep
+        from torch_side import TorchStep
         torch_side = TorchStep()
         points = grid_points() if args.points == "grid" else [
             (*map(int, p.split(",")[:4]), p.split(",")[4]) for p in args.points.split(";")]

@@ -1,7 +1,7 @@
 """bench_grid.py's report: the JSON, the markdown table and the PNG plots (GB/s and TFLOPS, for
 each cache dtype). Run alone it redraws the markdown and the plots from a (possibly partial)
 JSON, e.g. on a machine with matplotlib when the GPU machine has none, or first joins the
-reports of a grid's parts run apart (e.g. on two GPUs at once, device_check.sh grid_split):
+reports of a grid's parts run apart (e.g. on two GPUs at once, one part per GPU):
 
     python benchmarks/grid_report.py benchmarks/results/grid_h200.json
     python benchmarks/grid_report.py --merge grid_h200.json grid_h200_bf16.json grid_h200_fp8.json

@@ -22,8 +22,7 @@ MIN_CALLS = 3
 @jax.jit
 def device_copy(x):
     """One read and one write of x on the device (XLA issues it as a device-to-device memcpy,
-    as torch's copy_ does): the copy behind the grid's bandwidth ceiling and the per-call
-    floors of bench_decode.py and profile_decode.py."""
+    as torch's copy_ does): the copy behind the grid's bandwidth ceiling."""
     return x + jnp.zeros((), x.dtype)
 
 

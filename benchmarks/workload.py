@@ -1,6 +1,6 @@
 """The grid's inputs at one (batch, mean s_k, lengths): a paged bf16 cache (and its FP8
 quantization), block tables over it in several random page orders, per-layer caches for a
-step, and queries, as FlashMLA's own tests make them (bench_grid.py, probe_batch_edges.py)."""
+step, and queries, as FlashMLA's own tests make them (bench_grid.py)."""
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jax_flashmla as jf
-from oracle import make_decode_inputs
+from helpers import make_decode_inputs
 
 BEGIN_REQ, END_REQ, BEGIN_BLOCK, END_BLOCK, BEGIN_SPLIT = range(5)
 

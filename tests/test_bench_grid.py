@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import fp8_custom_calls
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "bench_grid.py")
@@ -105,7 +106,7 @@ def test_resume_refuses_a_report_timed_otherwise(tmp_path):
 
 
 def test_parts_run_apart_merge_into_one_report(tmp_path):
-    """Two parts of a grid (one per GPU on the device, device_check.sh grid_split) join into
+    """Two parts of a grid (e.g. one per GPU of a machine, run at once) join into
     one report with grid_report.py --merge; a point in both parts, or parts run otherwise,
     is refused."""
     flags = ["--varlen", "false", "--s-q", "1", "--impl", "reference"]
@@ -196,7 +197,7 @@ def test_the_steps_layers_share_one_guard_as_a_models_do():
         import workload
     finally:
         sys.path.pop(0)
-    from test_fp8 import fp8_custom_calls
+    from helpers import fp8_custom_calls
 
     with jax.default_device(jax.devices("cpu")[0]):
         work = workload.Workload(2, 128, True, 1, 3, seed=0)

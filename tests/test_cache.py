@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from jax_flashmla.cache import INVALID_SLOT, PagedKVCache, token_slots, write_kv
+from helpers import cache_shaped_buffers
 
 DTYPES = [jnp.bfloat16, jnp.float16]
 
@@ -67,27 +68,6 @@ def test_write_kv_drops_every_out_of_range_slot(dtype):
     np.testing.assert_array_equal(np.asarray(got, np.float32), 3.0)
 
 
-def _cache_shaped_buffers(hlo_text, shape):
-    """(dtype, opcode, name) of every unfused instruction producing an array of `shape`.
-
-    Instructions inside fusions make no buffers of their own, so fused computations (those a
-    fusion `calls=`) are skipped; every other instruction is a buffer or an alias of one.
-    """
-    fused = set(re.findall(r"kind=k\w+, calls=%([\w.-]+)", hlo_text))
-    dims = ",".join(str(d) for d in shape)
-    pattern = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\w+)\[" + dims + r"\]\{[^}]*\} ([\w-]+)\(")
-    found = []
-    for computation in hlo_text.split("\n\n"):
-        header = re.search(r"^(?:ENTRY )?%([\w.-]+) ", computation, re.M)
-        if header is None or header.group(1) in fused:
-            continue
-        for line in computation.splitlines():
-            match = pattern.match(line)
-            if match:
-                found.append((match.group(2), match.group(3), match.group(1)))
-    return found
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_write_kv_is_in_place_when_donated(dtype):
     cache = PagedKVCache.create(6, dtype)
@@ -97,7 +77,7 @@ def test_write_kv_is_in_place_when_donated(dtype):
     write = jax.jit(lambda c, s, l, r: write_kv(c, s, latent=l, rope=r), donate_argnums=0)
     hlo = write.lower(cache, slots, latent, rope).compile().as_text()
     assert re.search(r"input_output_alias=\{ \{\}: \(0, \{\}", hlo), "cache output not aliased"
-    buffers = _cache_shaped_buffers(hlo, cache.data.shape)
+    buffers = cache_shaped_buffers(hlo, cache.data.shape)
     assert buffers, "no cache-shaped instruction found; the HLO format changed"
     dtype_name = {jnp.bfloat16: "bf16", jnp.float16: "f16"}[dtype]
     for op_dtype, opcode, name in buffers:

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import jax_flashmla as jf
-from oracle import (LSE_TOL, OUT_TOL, SENTINEL_PAGE, assert_flashmla_close, dense_attention_f64,
-                    make_decode_inputs)
+from helpers import (LSE_TOL, OUT_TOL, SENTINEL_PAGE, assert_flashmla_close, dense_attention_f64,
+                     make_decode_inputs)
 
 ON_GPU = jax.default_backend() == "gpu"
 SCALE = 576 ** -0.5

@@ -16,19 +16,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_flashmla as jf
 from jax_flashmla import fp8
-from oracle import LSE_TOL, OUT_TOL, assert_flashmla_close, dense_attention_f64, make_decode_inputs
+from helpers import (K_SCALE, LSE_TOL, OUT_TOL, assert_flashmla_close, dense_attention_f64,
+                     fp8_custom_calls, fp8_inputs, make_decode_inputs)
 
 IMPLEMENTATIONS = ["flashmla", "reference"]
 SCALE = 576 ** -0.5
 # Test data are N(0, 1)/10 clipped to [-1, 1] (oracle.make_decode_inputs): this scale maps
 # them onto e4m3's range with the largest values saturating, as a calibrated scale would not.
-K_SCALE = np.float32(1 / 400)
-
-
-@pytest.fixture
-def on_cpu():
-    with jax.default_device(jax.devices("cpu")[0]):
-        yield
 
 
 # Values of the finite non-negative e4m3fn codes 0..126 from the bit layout (4 exponent bits
@@ -87,15 +81,6 @@ def test_quantize_from_bfloat16_input():
     np.testing.assert_array_equal(got, e4m3_model(np.asarray(x, np.float32), 0.25))
 
 
-def _fp8_inputs(seed, *, batch=4, s_q=1, h_q=16, mean_sk=130, zero_lengths=1):
-    """bf16 q, an FP8 cache quantized with K_SCALE (NaN rows stay NaN), block table, lengths."""
-    q, kv, bt, sl = make_decode_inputs(np.random.default_rng(seed), batch=batch, s_q=s_q, h_q=h_q,
-                                       mean_sk=mean_sk, varlen=True, dtype=jnp.float32,
-                                       zero_lengths=zero_lengths)
-    return (q.astype(jnp.bfloat16), fp8.quantize(kv, jnp.float32(K_SCALE)), jnp.asarray(bt),
-            jnp.asarray(sl))
-
-
 def _dequantized_oracle(q, kv8, bt, sl, scale, causal=True):
     """float64 attention over what the kernel sees: q quantized with the scale, both dequantized."""
     q8 = fp8.quantize(q, jnp.float32(scale))
@@ -125,7 +110,7 @@ def test_every_e4m3_code_is_decoded_exactly(implementation):
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("s_q,causal", [(1, True), (2, True), (4, True), (3, False)])
 def test_decode_matches_dequantized_float64_attention(implementation, s_q, causal):
-    q, kv8, bt, sl = _fp8_inputs(s_q, s_q=s_q)
+    q, kv8, bt, sl = fp8_inputs(s_q, s_q=s_q)
     decode = jax.jit(lambda q, kv, bt, sl, s: jf.mla_decode(
         q, kv, bt, sl, k_scale=s, causal=causal, implementation=implementation))
     out, lse = decode(q, kv8, bt, sl, jnp.float32(K_SCALE))
@@ -165,7 +150,7 @@ def test_the_guard_model_changes_only_slot_0_of_empty_requests():
 def test_empty_requests_keep_flashmlas_convention_in_fp8():
     """Row 0 and another row empty, their block-table rows all sentinels: out 0, lse +inf, and
     the other rows as the reference computes them."""
-    q, kv8, bt, sl = _fp8_inputs(11, batch=5, zero_lengths=0)
+    q, kv8, bt, sl = fp8_inputs(11, batch=5, zero_lengths=0)
     sl = sl.at[jnp.asarray([0, 3])].set(0)
     bt = bt.at[jnp.asarray([0, 3])].set(2**31 - 64)
     scale = jnp.float32(K_SCALE)
@@ -184,7 +169,7 @@ def test_empty_requests_keep_flashmlas_convention_in_fp8():
 def test_q_quantized_beforehand_gives_the_same_result(implementation):
     """q handed over in float8_e4m3fn (quantized with k_scale, as SGLang hands it to the kernel)
     and q quantized by mla_decode give the same bits, empty requests included."""
-    q, kv8, bt, sl = _fp8_inputs(12, s_q=2, batch=6, zero_lengths=1)
+    q, kv8, bt, sl = fp8_inputs(12, s_q=2, batch=6, zero_lengths=1)
     scale = jnp.float32(K_SCALE)
     decode = jax.jit(lambda q, kv, bt, sl, s: jf.mla_decode(q, kv, bt, sl, k_scale=s,
                                                             implementation=implementation))
@@ -196,18 +181,12 @@ def test_q_quantized_beforehand_gives_the_same_result(implementation):
     assert np.isposinf(np.asarray(lse)).any()  # the empty request was there
 
 
-def fp8_custom_calls(hlo):
-    """(guard calls, FP8 decode calls) in a compiled module's text."""
-    return (hlo.count('custom_call_target="jax_flashmla_fp8_guard"'),
-            hlo.count('custom_call_target="jax_flashmla_mla_decode_fp8"'))
-
-
 @pytest.mark.usefixtures("on_cpu")
 def test_with_q_in_fp8_the_decode_is_the_guard_and_the_decode_alone():
     """Given q in FP8 and the metadata, nothing runs but the guard's custom call and the
     decode's: no quantization, and the guard for empty requests is the handlers'
     (ffi/fp8_guard.h), not XLA fusions."""
-    q, kv8, bt, sl = _fp8_inputs(13)
+    q, kv8, bt, sl = fp8_inputs(13)
     scale = jnp.float32(K_SCALE)
     md = jf.get_mla_metadata(sl, num_heads_q=16, fp8=True, implementation="flashmla")
     decode = jax.jit(lambda q, kv, bt, sl, md, s: jf.mla_decode(
@@ -220,7 +199,7 @@ def test_with_q_in_fp8_the_decode_is_the_guard_and_the_decode_alone():
 @pytest.mark.usefixtures("on_cpu")
 def test_a_step_guards_its_block_table_once():
     """The layers of a step share block_table and seq_lens: XLA merges their guard calls."""
-    q, kv8, bt, sl = _fp8_inputs(14)
+    q, kv8, bt, sl = fp8_inputs(14)
     scale = jnp.float32(K_SCALE)
     qs = [fp8.quantize(q * (i + 1), scale) for i in range(3)]
 
@@ -289,7 +268,7 @@ def test_one_compilation_serves_any_scale(implementation):
 
 @pytest.mark.usefixtures("on_cpu")
 def test_custom_call_equals_reference_and_lowers_to_the_fp8_target():
-    q, kv8, bt, sl = _fp8_inputs(6, s_q=2, h_q=32)
+    q, kv8, bt, sl = fp8_inputs(6, s_q=2, h_q=32)
     scale = jnp.float32(K_SCALE)
     call = jax.jit(lambda *a: jf.mla_decode(*a[:4], k_scale=a[4], implementation="flashmla"))
     ref = jax.jit(lambda *a: jf.mla_decode(*a[:4], k_scale=a[4], implementation="reference"))
@@ -304,7 +283,7 @@ def test_custom_call_equals_reference_and_lowers_to_the_fp8_target():
 def test_split_fp8_decode_equals_one_device(shape, batch_axis, head_axis):
     devices = jax.devices("cpu")
     assert len(devices) >= 8, "tests/conftest.py sets 8 CPU devices"
-    q, kv8, bt, sl = _fp8_inputs(7, batch=8, h_q=32, mean_sk=150)
+    q, kv8, bt, sl = fp8_inputs(7, batch=8, h_q=32, mean_sk=150)
     scale = jnp.float32(K_SCALE)
     decode = jax.jit(lambda *a: jf.mla_decode(*a[:4], k_scale=a[4], implementation="flashmla"))
     expected = decode(*jax.device_put((q, kv8, bt, sl, scale), devices[0]))

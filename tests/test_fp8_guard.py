@@ -11,55 +11,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_flashmla as jf
 from jax_flashmla import fp8
-from test_fp8 import K_SCALE, _fp8_inputs, fp8_custom_calls, on_cpu  # noqa: F401 (a fixture)
-
-LAYERS = 3
-
-
-def _entry(hlo):
-    entry = hlo[hlo.index("\nENTRY"):]
-    return entry[:entry.index("\n}")]
-
-
-def _layers():
-    """FP8 queries of LAYERS layers stacked, the cache, block table (sentinels past each
-    request's pages, a request of length 0) and lengths."""
-    q, kv8, bt, sl = _fp8_inputs(16)
-    scale = jnp.float32(K_SCALE)
-    return jnp.stack([fp8.quantize(q * (i + 1), scale) for i in range(LAYERS)]), kv8, bt, sl
-
-
-def _one_layer(q, kv, bt, sl):
-    return jf.mla_decode(q, kv, bt, sl, k_scale=jnp.float32(K_SCALE), implementation="flashmla")
-
-
-def scan_over_fp8_layers(guard_in_metadata):
-    """A jitted step as a model's: the metadata once (with the step's block table when
-    guard_in_metadata), then lax.scan over the layers; every argument a jit argument. Asserts
-    each layer equals a call of its own, then returns (guards in the module, guards in its
-    entry computation, i.e. run once per step rather than per layer)."""
-    qs, kv8, bt, sl = _layers()
-
-    @jax.jit
-    def step(qs, kv, bt, sl):
-        md = jf.get_mla_metadata(sl, num_heads_q=qs.shape[3], fp8=True, implementation="flashmla",
-                                 block_table=bt if guard_in_metadata else None)
-        layer = lambda carry, q: (carry, jf.mla_decode(q, kv, bt, sl, metadata=md,
-                                                       k_scale=jnp.float32(K_SCALE),
-                                                       implementation="flashmla"))
-        return jax.lax.scan(layer, 0, qs)[1]
-
-    hlo = step.lower(qs, kv8, bt, sl).compile().as_text()
-    out, lse = step(qs, kv8, bt, sl)
-    one = jax.jit(_one_layer)
-    for i in range(LAYERS):
-        one_out, one_lse = one(qs[i], kv8, bt, sl)
-        np.testing.assert_array_equal(np.asarray(out[i], np.float32),
-                                      np.asarray(one_out, np.float32))
-        np.testing.assert_array_equal(np.asarray(lse[i]), np.asarray(one_lse))
-    assert np.isposinf(np.asarray(lse)).any()  # the request of length 0 was there
-    return fp8_custom_calls(hlo)[0], fp8_custom_calls(_entry(hlo))[0]
-
+from helpers import FP8_LAYERS, K_SCALE, fp8_custom_calls, fp8_layers, scan_over_fp8_layers
 
 @pytest.mark.usefixtures("on_cpu")
 @pytest.mark.parametrize("guard_in_metadata", [False, True])
@@ -72,16 +24,16 @@ def test_a_scan_over_layers_guards_once_per_step(guard_in_metadata):
 def test_the_metadatas_guard_replaces_the_layers_own():
     """Layers written out one after another with a metadata that carries the guard: that one
     guard and no other, and the results of the layers' own guards."""
-    qs, kv8, bt, sl = _layers()
+    qs, kv8, bt, sl = fp8_layers()
 
     def step(qs, kv, bt, sl, guard_in_metadata):
         md = jf.get_mla_metadata(sl, num_heads_q=16, fp8=True, implementation="flashmla",
                                  block_table=bt if guard_in_metadata else None)
         return [jf.mla_decode(qs[i], kv, bt, sl, metadata=md, k_scale=jnp.float32(K_SCALE),
-                              implementation="flashmla") for i in range(LAYERS)]
+                              implementation="flashmla") for i in range(FP8_LAYERS)]
 
     with_md = jax.jit(lambda *a: step(*a, True))
-    assert fp8_custom_calls(with_md.lower(qs, kv8, bt, sl).compile().as_text()) == (1, LAYERS)
+    assert fp8_custom_calls(with_md.lower(qs, kv8, bt, sl).compile().as_text()) == (1, FP8_LAYERS)
     plain = jax.jit(lambda *a: step(*a, False))(qs, kv8, bt, sl)
     for (out, lse), (plain_out, plain_lse) in zip(with_md(qs, kv8, bt, sl), plain):
         np.testing.assert_array_equal(np.asarray(out, np.float32),
@@ -94,7 +46,7 @@ def test_the_metadatas_guard_under_a_mesh_gathers_nothing():
     guard's copies travel with the metadata and the results equal one device's."""
     devices = jax.devices("cpu")
     assert len(devices) >= 8, "tests/conftest.py sets 8 CPU devices"
-    qs, kv8, bt, sl = _layers()
+    qs, kv8, bt, sl = fp8_layers()
 
     def step(q, kv, bt, sl):
         md = jf.get_mla_metadata(sl, num_heads_q=16, fp8=True, implementation="flashmla",
@@ -131,7 +83,7 @@ def test_get_mla_metadata_rejects_a_block_table(kwargs, exc, pattern):
 
 
 def test_mla_decode_rejects_the_guard_of_another_block_table():
-    qs, kv8, bt, sl = _layers()
+    qs, kv8, bt, sl = fp8_layers()
     md = jf.get_mla_metadata(sl, num_heads_q=16, fp8=True, implementation="flashmla",
                              block_table=jnp.concatenate([bt, bt], axis=1))
     with pytest.raises(ValueError, match=r"mla_decode: metadata carries the guarded copy of a "

@@ -6,8 +6,7 @@ import pytest
 
 import jax_flashmla as jf
 from jax_flashmla import kernels, lowering
-from oracle import make_decode_inputs
-from torch_direct import call_by_name
+from helpers import call_by_name, make_decode_inputs
 
 pytestmark = pytest.mark.gpu
 

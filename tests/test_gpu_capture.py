@@ -16,8 +16,7 @@ import pytest
 
 import jax_flashmla as jf
 from jax_flashmla import fp8, kernels, lowering
-from oracle import make_decode_inputs
-from torch_direct import torch_decode
+from helpers import K_SCALE, make_decode_inputs, torch_decode
 
 pytestmark = pytest.mark.gpu
 
@@ -33,7 +32,6 @@ TRACED_CUSTOM_CALL = "trace cache create new item for command kCustomCall"
 RECORD_LOG = dict(TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="command_buffer_thunk=3")
 RECORDED = "by recoding command buffer cmd sequence"
 SCALE = 576 ** -0.5
-K_SCALE = np.float32(1 / 400)
 
 
 def _probe(*args, env=None):

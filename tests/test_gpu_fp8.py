@@ -12,18 +12,14 @@ import pytest
 
 import jax_flashmla as jf
 from jax_flashmla import fp8, kernels, validation
-from oracle import dense_attention_f64, make_decode_inputs
-from test_cache import _cache_shaped_buffers
-from test_fp8 import fp8_custom_calls
-from test_fp8_guard import scan_over_fp8_layers
-from torch_direct import call_by_name, torch_view
+from helpers import (K_SCALE, cache_shaped_buffers, call_by_name, dense_attention_f64,
+                     fp8_custom_calls, make_decode_inputs, scan_over_fp8_layers, torch_view)
 
 pytestmark = pytest.mark.gpu
 
 # FlashMLA's FP8 scheduler (its original one) writes 5 fields of each row: begin request,
 # begin token, end request, end token, begin split; jax_flashmla zeroes the other 3.
 WRITTEN_FP8_METADATA_FIELDS = 5
-K_SCALE = np.float32(1 / 400)  # as in tests/test_fp8.py: data of scale 0.1, some saturating
 ACCURACY = {}
 
 
@@ -185,7 +181,7 @@ def test_fp8_write_kv_is_in_place():
     rows = jnp.ones((slots.shape[0], 576), jnp.bfloat16)
     write = jax.jit(lambda c, s, r, scale: jf.write_kv(c, s, kv=r, scale=scale), donate_argnums=0)
     hlo = write.lower(cache, slots, rows, jnp.float32(0.5)).compile().as_text()
-    buffers = _cache_shaped_buffers(hlo, cache.data.shape)
+    buffers = cache_shaped_buffers(hlo, cache.data.shape)
     print("cache-shaped instructions:", buffers)
     assert all(opcode != "copy" for _, opcode, _ in buffers), buffers
     assert {dtype for dtype, _, _ in buffers} <= {"f8e4m3fn", "u8"}, buffers

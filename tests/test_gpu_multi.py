@@ -1,7 +1,5 @@
 """On a machine of two GPUs or more: tensor-parallel and context-parallel decode with
-FlashMLA equal the one-GPU result. JAX_FLASHMLA_REQUIRE_GPUS=2 turns a skip into a failure."""
-import os
-
+FlashMLA equal the one-GPU result."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,22 +8,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_flashmla as jf
 from jax_flashmla import context_parallel as cp
-from oracle import LSE_TOL, OUT_TOL, assert_flashmla_close
-from test_sharding import _problem as sharding_problem
-from test_sharding import _split_for_dcp
+from helpers import LSE_TOL, OUT_TOL, assert_flashmla_close, sharding_problem, split_for_dcp
 
-pytestmark = pytest.mark.gpu
+pytestmark = pytest.mark.gpu(count=2)
 
 
 @pytest.fixture(scope="module")
 def gpus():
-    gpus = [d for d in jax.devices() if d.platform == "gpu"]
-    if len(gpus) < 2:
-        message = f"needs 2 GPUs; JAX sees {len(gpus)}"
-        if os.environ.get("JAX_FLASHMLA_REQUIRE_GPUS") == "2":
-            pytest.fail(message)
-        pytest.skip(message)
-    return gpus[:2]
+    return [d for d in jax.devices() if d.platform == "gpu"][:2]
 
 
 def _problem(seed):
@@ -50,7 +40,7 @@ def test_context_parallel_over_two_gpus_equals_one(gpus, layout, tokens_per_devi
     q, kv, bt, sl = _problem(1)
     sl = jnp.minimum(sl, 2 * 1024)
     expected = jax.jit(jf.mla_decode)(*jax.device_put((q, kv, bt, sl), gpus[0]))
-    pages, tables, lens = _split_for_dcp(kv, bt, sl, 2, layout, tokens_per_device)
+    pages, tables, lens = split_for_dcp(kv, bt, sl, 2, layout, tokens_per_device)
     mesh = Mesh(np.array(gpus), ("dcp",))
     put = lambda x, *spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))
     out, lse = jax.jit(lambda *a: cp.dcp_mla_decode(*a, mesh=mesh, axis="dcp"))(

@@ -11,7 +11,7 @@ from jax_flashmla.allocator import PageAllocator
 from jax_flashmla.cache import PagedKVCache
 from jax_flashmla.serving import (bucket_for, decode_loop, decode_step, pad_batch,
                                   write_prompt)
-from oracle import request_attention_f64
+from helpers import request_attention_f64
 
 IMPLEMENTATIONS = ["flashmla", "reference"]
 TOLERANCE = {jnp.bfloat16: 2e-2, jnp.float16: 2e-3}
@@ -233,7 +233,7 @@ K_SCALE = jnp.float32(1 / 64)
 # FlashMLA's FP8 kernel against float64 attention over the same dequantized rows and quantized
 # query. On the H200 its lse differed from the reference's by up to ~0.07 in these loops (one
 # e4m3 step, 2**-4, of the softmax weights' sum is log(1 + 2**-4) = 0.06), out about as much
-# relative to its scale (~2 here): e4m3-sized bounds with a margin (benchmarks/NOTES.md). A
+# relative to its scale (~2 here): e4m3-sized bounds with a margin. A
 # wrong page, scale or mask is off by order 1.
 FP8_KERNEL_TOLERANCE = (0.25, 0.15)  # out, lse: absolute and relative
 

@@ -10,7 +10,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_flashmla as jf
 from jax_flashmla import context_parallel as cp, fp8
-from oracle import LSE_TOL, OUT_TOL, assert_flashmla_close, dense_attention_f64, make_decode_inputs
+from helpers import (LSE_TOL, OUT_TOL, assert_flashmla_close, dense_attention_f64,
+                     sharding_problem, split_for_dcp)
 
 IMPLEMENTATIONS = ["flashmla", "reference"]
 SCALE = 576 ** -0.5
@@ -22,13 +23,6 @@ def devices():
     assert len(devices) >= 8, (f"the sharding tests need 8 devices; JAX has {len(devices)} "
                                "(tests/conftest.py sets --xla_force_host_platform_device_count=8)")
     return devices
-
-
-def _problem(seed, batch=8, h_q=32, mean_sk=150):
-    q, kv, bt, sl = make_decode_inputs(np.random.default_rng(seed), batch=batch, s_q=1, h_q=h_q,
-                                       mean_sk=mean_sk, varlen=True, dtype=jnp.bfloat16,
-                                       zero_lengths=1)
-    return q, kv, jnp.asarray(bt), jnp.asarray(sl)
 
 
 def _spec(array):
@@ -47,7 +41,7 @@ def _put(mesh, x, *spec):
     ((2, 4), "x", "y"),     # both
 ])
 def test_split_decode_equals_one_device(devices, implementation, shape, batch_axis, head_axis):
-    q, kv, bt, sl = _problem(0)
+    q, kv, bt, sl = sharding_problem(0)
     one = devices[0]
     expected = jax.jit(lambda *a: jf.mla_decode(*a, implementation=implementation))(
         *jax.device_put((q, kv, bt, sl), one))
@@ -66,7 +60,7 @@ def test_split_decode_equals_one_device(devices, implementation, shape, batch_ax
 
 
 def test_given_metadata_with_a_split_q_is_refused(devices):
-    q, kv, bt, sl = _problem(1)
+    q, kv, bt, sl = sharding_problem(1)
     mesh = Mesh(np.array(devices[:8]), ("x",))
 
     @jax.jit
@@ -79,7 +73,7 @@ def test_given_metadata_with_a_split_q_is_refused(devices):
 
 
 def test_mla_decode_inside_a_users_shard_map(devices):
-    q, kv, bt, sl = _problem(2)
+    q, kv, bt, sl = sharding_problem(2)
     mesh = Mesh(np.array(devices[:4]), ("tp",))
     local = jax.shard_map(lambda *a: jf.mla_decode(*a, implementation="flashmla"), mesh=mesh,
                           in_specs=(P(None, None, "tp", None), P(), P(), P()),
@@ -92,7 +86,7 @@ def test_mla_decode_inside_a_users_shard_map(devices):
 
 
 def test_merge_of_a_key_split_equals_whole_attention():
-    q, kv, bt, sl = _problem(3, batch=3)
+    q, kv, bt, sl = sharding_problem(3, batch=3)
     whole = jf.mla_decode(q, kv, bt, sl, implementation="reference")
     # Keys [0, cut) and [cut, len): the second part through a shifted block table.
     cut = jnp.minimum(sl, 64)
@@ -116,41 +110,16 @@ def test_merge_of_empty_parts():
     np.testing.assert_array_equal(np.asarray(lse), 0.5)
 
 
-def _split_for_dcp(kv, bt, sl, n, layout, tokens_per_device):
-    """Each device's pages, block table and lengths for a global paged problem."""
-    kv, bt, sl = np.asarray(kv, np.float32), np.asarray(bt), np.asarray(sl)
-    batch = len(sl)
-    local_lens = np.stack([np.asarray(cp.local_lengths(sl, r, n, layout=layout,
-                                                       tokens_per_device=tokens_per_device))
-                           for r in range(n)])
-    max_pages = max(1, int(-(-local_lens.max() // 64)))
-    pages = np.zeros((n, batch * max_pages, 64, 1, 576), np.float32)
-    tables = np.full((n, batch, max_pages), -1, np.int32)
-    for i in range(batch):
-        tokens = kv[bt[i, : -(-int(sl[i]) // 64)]].reshape(-1, 576)[: sl[i]]
-        for r in range(n):
-            local = np.asarray(cp.local_positions(np.arange(sl[i]), r, n, layout=layout,
-                                                  tokens_per_device=tokens_per_device))
-            mine = tokens[local >= 0]
-            assert len(mine) == local_lens[r, i] and np.all(np.diff(local[local >= 0]) == 1)
-            for j in range(-(-len(mine) // 64)):
-                tables[r, i, j] = i * max_pages + j
-                chunk = mine[64 * j: 64 * j + 64]
-                pages[r, i * max_pages + j, : len(chunk), 0] = chunk
-    return (jnp.asarray(pages.reshape(-1, 64, 1, 576), jnp.bfloat16), jnp.asarray(tables),
-            jnp.asarray(local_lens))
-
-
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("layout,n,tokens_per_device", [
     ("contiguous", 2, 192), ("contiguous", 4, 64), ("round_robin", 2, None),
     ("round_robin", 8, None)])
 def test_dcp_equals_one_device(devices, implementation, layout, n, tokens_per_device):
-    q, kv, bt, sl = _problem(4, batch=4, h_q=16, mean_sk=150)
+    q, kv, bt, sl = sharding_problem(4, batch=4, h_q=16, mean_sk=150)
     sl = sl.at[jnp.argmax(sl)].set(3)  # shorter than the device count: some shards are empty
     if tokens_per_device:
         sl = jnp.minimum(sl, n * tokens_per_device)
-    pages, tables, lens = _split_for_dcp(kv, bt, sl, n, layout, tokens_per_device)
+    pages, tables, lens = split_for_dcp(kv, bt, sl, n, layout, tokens_per_device)
     mesh = Mesh(np.array(devices[:n]), ("dcp",))
     decode = jax.jit(lambda *a: cp.dcp_mla_decode(*a, mesh=mesh, axis="dcp",
                                                   implementation=implementation))
@@ -167,11 +136,11 @@ def test_dcp_equals_one_device(devices, implementation, layout, n, tokens_per_de
 def test_fp8_dcp_equals_one_device(devices, implementation):
     """An FP8 cache split round-robin over 4 devices (some local lengths 0, which the FP8
     kernel needs guarded), against the one-device FP8 decode of the same cache."""
-    q, kv, bt, sl = _problem(6, batch=4, h_q=16, mean_sk=150)
+    q, kv, bt, sl = sharding_problem(6, batch=4, h_q=16, mean_sk=150)
     sl = sl.at[jnp.argmax(sl)].set(3)
     k_scale = jnp.float32(1 / 400)
     kv8 = fp8.quantize(kv, k_scale)
-    pages, tables, lens = _split_for_dcp(kv8, bt, sl, 4, "round_robin", None)
+    pages, tables, lens = split_for_dcp(kv8, bt, sl, 4, "round_robin", None)
     pages = pages.astype(jnp.float8_e4m3fn)  # exact: every e4m3 value is a bfloat16 value
     mesh = Mesh(np.array(devices[:4]), ("dcp",))
     decode = jax.jit(lambda *a: cp.dcp_mla_decode(*a[:4], mesh=mesh, axis="dcp",
@@ -189,8 +158,8 @@ def test_fp8_dcp_equals_one_device(devices, implementation):
 
 @pytest.mark.parametrize("scatter_heads", [False, True])
 def test_dcp_times_tp(devices, scatter_heads):
-    q, kv, bt, sl = _problem(5, batch=4, h_q=32, mean_sk=150)
-    pages, tables, lens = _split_for_dcp(kv, bt, sl, 2, "round_robin", None)
+    q, kv, bt, sl = sharding_problem(5, batch=4, h_q=32, mean_sk=150)
+    pages, tables, lens = split_for_dcp(kv, bt, sl, 2, "round_robin", None)
     mesh = Mesh(np.array(devices[:8]).reshape(2, 4), ("dcp", "tp"))
     decode = jax.jit(lambda *a: cp.dcp_mla_decode(*a, mesh=mesh, axis="dcp", head_axis="tp",
                                                   scatter_heads=scatter_heads,
@@ -207,8 +176,8 @@ def test_dcp_times_tp(devices, scatter_heads):
 
 
 def test_dcp_scatter_heads_needs_heads_the_axis_divides(devices):
-    q, kv, bt, sl = _problem(5, batch=4, h_q=6, mean_sk=150)
-    pages, tables, lens = _split_for_dcp(kv, bt, sl, 4, "round_robin", None)
+    q, kv, bt, sl = sharding_problem(5, batch=4, h_q=6, mean_sk=150)
+    pages, tables, lens = split_for_dcp(kv, bt, sl, 4, "round_robin", None)
     mesh = Mesh(np.array(devices[:4]), ("dcp",))
     with pytest.raises(ValueError, match=r"scatter_heads splits each device's 6 heads over the "
                                          r"4 devices of axis 'dcp', which must divide them"):

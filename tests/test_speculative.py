@@ -8,7 +8,7 @@ from jax_flashmla import fp8
 from jax_flashmla.serving import decode_loop, decode_step
 from jax_flashmla.speculative import (multi_step_draft, multi_step_draft_metadata,
                                       target_verify, target_verify_metadata, verify_seq_lens)
-from oracle import request_attention_f64
+from helpers import request_attention_f64
 
 IMPLEMENTATIONS = ["flashmla", "reference"]
 SCALE = 576 ** -0.5

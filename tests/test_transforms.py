@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import jax_flashmla as jf
-from oracle import make_decode_inputs
+from helpers import make_decode_inputs
 
 IMPLEMENTATIONS = ["flashmla", "reference"]
 

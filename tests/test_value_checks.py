@@ -10,7 +10,7 @@ from jax.experimental import checkify
 
 import jax_flashmla as jf
 from jax_flashmla import fp8
-from oracle import make_decode_inputs
+from helpers import make_decode_inputs
 
 IMPLEMENTATIONS = ["flashmla", "reference"]
 

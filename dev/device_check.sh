@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The GPU machine's check of jax_flashmla, run from the repository root with the kernels that
+# ../shared/tools/fetch-flashmla-ops puts in .device/kernels. Builds the CUDA bridge, then runs
+# each mode in turn; logs and results go under $OUT (or ./device-out).
+#   bash dev/device_check.sh MODE...
+#     build    the install alone (a warm machine keeps build/, so it is incremental)
+#     capture  the command-buffer tests, the bf16 and FP8 op tests against torch (~1.5 min)
+#     gpu      every test marked gpu but the two-GPU ones (~6 min)
+#     package  tests/test_gpu.py with the sgl-flash-mla package as the only kernel source
+#     multi    tests/test_gpu_multi.py (two GPUs visible)
+#     step     bench_step.py; STEP_ARGS (e.g. "--points 16,4096,128,1,bfloat16"), STEP_NAME
+#              (step_h200), STEP_DEADLINE_S (default 540)
+#     grid     bench_grid.py; GRID_ARGS, GRID_NAME (grid_h200), GRID_DEADLINE_S (default 420)
+#     fp8      bench_fp8.py
+#     set:NAME=VALUE  exports NAME=VALUE for the modes after it
+set -uo pipefail
+modes=("${@:-capture}")
+out=${OUT:-device-out}
+mkdir -p "$out"
+kernels=.device/kernels
+export JAX_FLASHMLA_KERNEL_LIBRARY=$PWD/$kernels/sglang_kernel-0.4.6/flashmla_ops.abi3.so
+export PYTHONUNBUFFERED=1
+ngpu=$(nvidia-smi -L | wc -l)
+[ -n "${CUDA_VISIBLE_DEVICES:-}" ] && ngpu=$(tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES" | wc -l)
+export JAX_FLASHMLA_REQUIRE_GPU=$ngpu  # a GPU test that skips here is a failure
+
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$out/gpu.txt"
+JAX_FLASHMLA_CUDA=ON python3 -m pip install -q --no-build-isolation --no-deps -e . \
+  > "$out/build.txt" 2>&1 || { tail -40 "$out/build.txt"; exit 1; }
+
+# pytest with a time limit, its output in $out/$1; says so when the limit killed it.
+pytest_logged() {
+  local log=$1 limit=$2
+  shift 2
+  timeout "$limit" python3 -m pytest -q -rfEs -p no:cacheprovider "$@" > "$out/$log" 2>&1
+  [ $? -eq 124 ] && echo "TIMEOUT after ${limit} s" >> "$out/$log"
+  tail -15 "$out/$log"
+}
+
+for mode in "${modes[@]}"; do
+  echo "==== $mode"
+  case "$mode" in
+  build) ;;
+  capture)
+    pytest_logged pytest_capture.txt 300 tests/test_gpu_capture.py tests/test_gpu.py \
+      tests/test_gpu_fp8.py ;;
+  gpu) pytest_logged pytest_gpu.txt 540 -m gpu tests --ignore=tests/test_gpu_multi.py ;;
+  package)
+    site=/tmp/flash_mla_site
+    python3 -m pip install -q --no-index --no-deps --upgrade --target "$site" \
+      $kernels/sgl_flash_mla-*.whl
+    env -u JAX_FLASHMLA_KERNEL_LIBRARY PYTHONPATH=$site \
+      timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 \
+      | tee "$out/pytest_package.txt" | tail -3 ;;
+  multi) pytest_logged pytest_multi.txt 200 tests/test_gpu_multi.py ;;
+  step)
+    timeout $((${STEP_DEADLINE_S:-540} + 60)) python3 benchmarks/bench_step.py \
+      --deadline-s "${STEP_DEADLINE_S:-540}" --out "$out/${STEP_NAME:-step_h200}" \
+      ${STEP_ARGS:-} 2>&1 | tee "$out/step.txt" | cut -c1-400 | tail -60 ;;
+  grid)
+    timeout $((${GRID_DEADLINE_S:-420} + 60)) python3 benchmarks/bench_grid.py \
+      --deadline-s "${GRID_DEADLINE_S:-420}" --out-dir "$out" --name "${GRID_NAME:-grid_h200}" \
+      ${GRID_ARGS:-} 2>&1 | tee "$out/grid.txt" | tail -40 ;;
+  fp8)
+    timeout 240 python3 benchmarks/bench_fp8.py --out "$out/fp8_h200.json" 2>&1 \
+      | tee "$out/fp8.txt" | tail -20 ;;
+  set:*) export "${mode#set:}" ;;
+  *) echo "unknown mode $mode"; exit 2 ;;
+  esac
+done
