@@ -2,6 +2,8 @@
 starts): heads and batch split under jit, and decode context parallelism. These fail, not
 skip, when the devices are missing. They run on the CPU devices on every machine; the GPU
 machine's multi-GPU runs are tests/test_gpu_multi.py."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -214,3 +216,50 @@ def test_dcp_write_puts_each_token_on_its_device(devices, layout, tokens_per_dev
             slot = (4 * i + local // 64) * 64 + local % 64
             np.testing.assert_array_equal(written[rank, slot], float(rows[i, t, 0]))
     assert np.count_nonzero(written.any(-1)) == batch * 4  # nothing written anywhere else
+
+
+def _collectives(hlo):
+    """(op, result shape or tuple of shapes) of every collective in a compiled module."""
+    ops = "all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute"
+    found = re.findall(r"= (\(?[\w\[\],{}: ]*?\)?) (" + ops + r")(?:-start)?\(", hlo)
+    return [(op, shape) for shape, op in found]
+
+
+@pytest.mark.parametrize("dcp,tp,scatter_heads", [(2, 4, False), (4, 2, True), (8, 1, False)])
+def test_a_dcp_step_moves_only_lses_and_outs(devices, dcp, tp, scatter_heads):
+    """Two layers of a DCP x TP decode step (write the new rows, then decode) compiled on
+    dcp * tp devices, q split over heads on the tp axis and the rows replicated, as a model's
+    projections make them: per layer one all-gather of the local lse (dcp, b, h_q / tp, 1)
+    and one all-reduce (or reduce-scatter) of the weighted out; nothing else moves."""
+    batch, h_q, layers = 4, 32, 2
+    q, kv, bt, sl = sharding_problem(7, batch=batch, h_q=h_q, mean_sk=300)
+    pages, tables, lens = split_for_dcp(kv, bt, sl, dcp, "round_robin", None)
+    mesh = Mesh(np.array(devices[:dcp * tp]).reshape(dcp, tp), ("dcp", "tp"))
+    qs = jnp.stack([q * (layer + 1) for layer in range(layers)])
+    rows = jnp.stack([q[:, :, layer] for layer in range(layers)])
+    positions = (sl - 1)[:, None]
+
+    def step(cache, qs, rows, tables, lens, positions):
+        outs = []
+        for layer in range(layers):
+            cache = cp.dcp_write_kv(cache, tables, positions, mesh=mesh, axis="dcp",
+                                    layout="round_robin", kv=rows[layer])
+            outs.append(cp.dcp_mla_decode(qs[layer], cache, tables, lens, mesh=mesh,
+                                          axis="dcp", head_axis="tp",
+                                          scatter_heads=scatter_heads,
+                                          implementation="flashmla")[0])
+        return cache, outs
+
+    args = (_put(mesh, pages, "dcp"), _put(mesh, qs, None, None, None, "tp", None),
+            _put(mesh, rows), _put(mesh, tables, "dcp"), _put(mesh, lens, "dcp"),
+            _put(mesh, positions))
+    hlo = jax.jit(step, donate_argnums=0).lower(*args).compile().as_text()
+    collectives = _collectives(hlo)
+    local_heads = h_q // tp
+    merge = (f"reduce-scatter f32[{batch},1,{local_heads // dcp},512]" if scatter_heads
+             else f"all-reduce f32[{batch},1,{local_heads},512]")
+    expected = [f"all-gather f32[{dcp},{batch},{local_heads},1]", merge] * layers
+    # XLA may combine one op's collectives over the layers into one of a tuple of operands.
+    moved = [f"{op} {array}" for op, shape in collectives
+             for array in re.findall(r"\w+\[[\d,]*\]", shape)]
+    assert sorted(moved) == sorted(expected), collectives
