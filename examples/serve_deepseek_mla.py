@@ -143,10 +143,11 @@ def make_steps(graphdef, implementation=None):
 
 
 class Progress:
-    """tqdm when installed, else a \\r line on stderr."""
+    """tqdm when installed, else a \\r line on stderr. Rates and ETAs count from the update
+    marked warm (the first decode step's, which like the prefills before it compiled)."""
 
     def __init__(self, total, enabled=True):
-        self.total, self.done, self.start, self.bar = total, 0, time.perf_counter(), None
+        self.total, self.done, self.first, self.bar = total, 0, None, None
         self.enabled = enabled
         if enabled:
             try:
@@ -155,17 +156,25 @@ class Progress:
             except ImportError:
                 pass
 
-    def update(self, n, info):
+    def update(self, n, info, warm=False):
         self.done += n
         if not self.enabled:
             return
-        if self.bar is not None:
+        now = time.perf_counter()
+        if warm and self.first is None:
+            self.first = (now, self.done)
+            if self.bar is not None:  # restart its clock, the tokens so far not in its rate
+                self.bar.reset(total=self.total)
+                self.bar.initial = self.bar.n = self.bar.last_print_n = self.done
+        elif self.bar is not None:
             self.bar.update(n)
+        if self.bar is not None:
             self.bar.set_postfix_str(info)
-        else:
-            rate = self.done / max(time.perf_counter() - self.start, 1e-9)
-            print(f"\r{self.done}/{self.total} tokens  {rate:8.1f} tok/s  {info}", end="",
-                  file=sys.stderr, flush=True)
+            return
+        since, before = self.first or (now, self.done)
+        rate = f"{(self.done - before) / (now - since):8.1f} tok/s" if now > since else "compiling"
+        print(f"\r{self.done}/{self.total} tokens  {rate}  {info}", end="", file=sys.stderr,
+              flush=True)
 
     def close(self):
         if self.bar is not None:
@@ -260,7 +269,7 @@ def serve(args):
                 allocator.finish(r)
                 slots[i] = None
         progress.update(len(active), f"active {len(active)} waiting {len(waiting)} "
-                                     f"pages {allocator.num_used}/{num_pages}")
+                                     f"pages {allocator.num_used}/{num_pages}", warm=steps == 1)
     progress.close()
     elapsed = time.perf_counter() - start
     total = sum(len(o) for o in outputs.values())

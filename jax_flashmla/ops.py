@@ -75,7 +75,8 @@ def get_mla_metadata(seq_lens, *, num_heads_q, num_q_tokens=1, num_heads_k=1, nu
       seq_lens: (batch,) int32, KV length of each request (the query tokens included).
       num_heads_q: query heads per device (h_q).
       num_q_tokens: query tokens per request (s_q; > 1 for speculative verify / MTP).
-      num_heads_k: KV heads (1 for MLA).
+      num_heads_k: KV heads: 1, MLA's one latent head (FlashMLA's h_k; anything else is
+        refused).
       num_sms: SMs of the target GPU; defaults to the default device's SM count, or 132 (an
         H100/H200) on devices that have none, so CPU traces see GPU shapes.
       implementation: as in mla_decode. The pure-JAX reference needs no schedule: with it this

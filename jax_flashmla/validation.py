@@ -93,9 +93,10 @@ def check_metadata_args(seq_lens, num_heads_q, num_q_tokens, num_heads_k):
                         ("num_heads_k", num_heads_k)):
         if not isinstance(value, (int, np.integer)) or value < 1:
             _fail(ValueError, where, f"{name} must be a positive Python int; got {value!r}")
-    if num_heads_q % num_heads_k:
-        _fail(ValueError, where,
-              f"num_heads_q ({num_heads_q}) must be a multiple of num_heads_k ({num_heads_k})")
+    if num_heads_k != 1:
+        # MLA's cache has one latent KV head, (num_pages, 64, 1, 576), which every decode takes.
+        _fail(ValueError, where, f"num_heads_k must be 1, MLA's one latent KV head (the "
+                                 f"kv_cache's third dimension); got {num_heads_k}")
 
 
 def _check_dtypes(where, q, kv_cache, k_scale):

@@ -66,7 +66,7 @@ def test_decode_rejects_metadata_for_another_batch():
     (jnp.zeros((2,), jnp.float32), dict(num_heads_q=16), TypeError, "seq_lens must be int32"),
     (jnp.zeros((2,), jnp.int32), dict(num_heads_q=0), ValueError, "num_heads_q must be a positive"),
     (jnp.zeros((2,), jnp.int32), dict(num_heads_q=16, num_q_tokens=1.5), ValueError, "num_q_tokens must be a positive"),
-    (jnp.zeros((2,), jnp.int32), dict(num_heads_q=16, num_heads_k=3), ValueError, r"num_heads_q \(16\) must be a multiple of num_heads_k \(3\)"),
+    (jnp.zeros((2,), jnp.int32), dict(num_heads_q=16, num_heads_k=4), ValueError, r"num_heads_k must be 1, MLA.s one latent KV head .* got 4"),
     ([3, 4], dict(num_heads_q=16), TypeError, r"seq_lens must be an array \(batch,\).*got list"),
     (jnp.zeros((2,), jnp.int32), dict(num_heads_q=16, num_sms=1.5), ValueError, r"num_sms must be a positive int \(the GPU's SM count\); got 1.5"),
 ])
