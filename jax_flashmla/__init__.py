@@ -15,8 +15,8 @@ from jax_flashmla.speculative import (multi_step_draft, multi_step_draft_metadat
 
 __all__ = [
     "AlternatingStep", "LOOP_STEP_COMPILER_OPTIONS", "MLAMetadata", "OutOfPagesError", "PAD_PAGE",
-    "PageAllocator", "PagedKVCache", "block_table_from_pages", "bucket_for", "build_block_table", "dcp_mla_decode",
-    "dcp_write_kv", "decode_loop", "decode_step", "get_mla_metadata", "lse_format",
+    "PageAllocator", "PagedKVCache", "block_table_from_pages", "bucket_for", "build_block_table",
+    "dcp_mla_decode", "dcp_write_kv", "decode_loop", "decode_step", "get_mla_metadata", "lse_format",
     "merge_attention_states", "mla_decode", "mla_decode_reference", "multi_step_draft",
     "multi_step_draft_metadata", "pad_batch", "target_verify", "target_verify_metadata",
     "token_slots", "value_checks", "write_kv", "write_prompt"

@@ -28,8 +28,7 @@ def dequantize(x, scale):
 def guard_empty_requests(block_table, seq_lens):
     """What the FP8 decode's guard (the custom call jax_flashmla_fp8_guard, ffi/fp8_guard.h)
     hands FlashMLA's FP8 kernel, in JAX, for calling the kernel directly on the very inputs it
-    sees (tests/test_gpu_fp8.py): requests of length 0 as length 1
-    over page 0.
+    sees (tests/test_gpu_fp8.py): requests of length 0 as length 1 over page 0.
 
     Returns (block_table with slot 0 of empty requests set to 0, seq_lens raised to at least
     1, the (batch,) mask of the empty requests)."""

@@ -24,7 +24,12 @@ class AlternatingStep:
         if not isinstance(compiled, jax.stages.Compiled):
             raise TypeError("compiled must be a jax.stages.Compiled (jax.jit(f).lower(*args)"
                             f".compile()), got {type(compiled).__name__}")
-        payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+        try:
+            payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+        except NotImplementedError as e:  # what JAX raises for closed-over constants
+            raise ValueError("AlternatingStep: the compiled step closes over arrays (JAX cannot "
+                             "load such an executable twice); pass them as arguments of the "
+                             f"jitted function instead ({e})") from None
         devices = compiled.runtime_executable().local_devices()
         self._copies = (compiled, serialize_executable.deserialize_and_load(
             payload, in_tree, out_tree, execution_devices=devices))

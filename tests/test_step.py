@@ -39,3 +39,17 @@ def test_calls_equal_the_compiled_steps_and_run_two_executables():
 def test_it_takes_a_compiled_step_only():
     with pytest.raises(TypeError, match="jax.stages.Compiled.*got function"):
         jf.AlternatingStep(_decode_step)
+
+
+
+def test_a_step_closing_over_arrays_is_refused_with_the_way_out(monkeypatch):
+    """JAX refuses to serialize an executable with closed-over constants (NotImplementedError,
+    stood in for here: this jax embeds small ones in the program instead)."""
+    from jax.experimental import serialize_executable
+
+    def refuse(compiled):
+        raise NotImplementedError("serialize_executables with const_args")
+    monkeypatch.setattr(serialize_executable, "serialize", refuse)
+    compiled = jax.jit(lambda x: x + 1).lower(jnp.zeros((2,), jnp.int32)).compile()
+    with pytest.raises(ValueError, match="closes over arrays.*pass them as arguments.*const_args"):
+        jf.AlternatingStep(compiled)
