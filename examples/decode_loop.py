@@ -12,9 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_flashmla import kernels
-from jax_flashmla.allocator import PageAllocator
 from jax_flashmla.cache import PagedKVCache
-from jax_flashmla.serving import bucket_for, decode_loop, pad_batch, write_prompt
+from jax_flashmla.serving import PageAllocator, bucket_for, decode_loop, pad_batch, write_prompt
 
 
 def main():

@@ -26,9 +26,8 @@ import numpy as np
 
 import jax_flashmla as jf
 from jax_flashmla import kernels
-from jax_flashmla.allocator import PageAllocator
-from jax_flashmla.block_table import pages_for_tokens
 from jax_flashmla.cache import INVALID_SLOT, PagedKVCache, token_slots
+from jax_flashmla.serving import PageAllocator, pages_for_tokens
 from jax_flashmla.flax import MLAConfig, MultiHeadLatentAttention, RMSNorm
 
 PREFILL_BUCKET = 64  # prompts are padded to a multiple of this, so prefill compiles few shapes

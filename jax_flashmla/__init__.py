@@ -1,23 +1,21 @@
 """FlashMLA's MLA decode for JAX: jit-native XLA FFI custom calls with a pure-JAX reference,
-the paged KV cache around them, and multi-device decode."""
-from jax_flashmla.allocator import OutOfPagesError, PageAllocator
-from jax_flashmla.block_table import PAD_PAGE, block_table_from_pages, build_block_table
+the paged KV cache around them, and multi-device decode. A serving loop's helpers (pages,
+block tables, batch buckets, decode loops) are in jax_flashmla.serving."""
+from jax_flashmla import serving
 from jax_flashmla.cache import PagedKVCache, token_slots, write_kv
 from jax_flashmla.checks import value_checks
 from jax_flashmla.context_parallel import dcp_mla_decode, dcp_write_kv, merge_attention_states
 from jax_flashmla.ops import (LOOP_STEP_COMPILER_OPTIONS, MLAMetadata, get_mla_metadata, lse_format,
                               mla_decode)
 from jax_flashmla.reference import mla_decode_reference
-from jax_flashmla.serving import bucket_for, decode_loop, decode_step, pad_batch, write_prompt
-from jax_flashmla.step import AlternatingStep
 from jax_flashmla.speculative import (multi_step_draft, multi_step_draft_metadata, target_verify,
                                       target_verify_metadata)
+from jax_flashmla.step import AlternatingStep
 
 __all__ = [
-    "AlternatingStep", "LOOP_STEP_COMPILER_OPTIONS", "MLAMetadata", "OutOfPagesError", "PAD_PAGE",
-    "PageAllocator", "PagedKVCache", "block_table_from_pages", "bucket_for", "build_block_table",
-    "dcp_mla_decode", "dcp_write_kv", "decode_loop", "decode_step", "get_mla_metadata", "lse_format",
-    "merge_attention_states", "mla_decode", "mla_decode_reference", "multi_step_draft",
-    "multi_step_draft_metadata", "pad_batch", "target_verify", "target_verify_metadata",
-    "token_slots", "value_checks", "write_kv", "write_prompt"
+    "AlternatingStep", "LOOP_STEP_COMPILER_OPTIONS", "MLAMetadata", "PagedKVCache",
+    "dcp_mla_decode", "dcp_write_kv", "get_mla_metadata", "lse_format", "merge_attention_states",
+    "mla_decode", "mla_decode_reference", "multi_step_draft", "multi_step_draft_metadata",
+    "serving", "target_verify", "target_verify_metadata", "token_slots", "value_checks",
+    "write_kv"
 ]

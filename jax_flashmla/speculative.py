@@ -9,14 +9,14 @@ They mirror SGLang's FlashMLA backend:
     backend supports topk = 1 only, one draft chain per request.
 After verification the scheduler sets each request's length to prefix + accepted tokens;
 the rejected drafts' rows stay in the cache past that length, unread, until overwritten.
-Prefix length 0 marks a padded request, as in jax_flashmla/serving.py.
+Prefix length 0 marks a padded request, as in jax_flashmla/serving/loop.py.
 """
 import jax
 import jax.numpy as jnp
 
 from jax_flashmla import validation
 from jax_flashmla.ops import get_mla_metadata
-from jax_flashmla.serving import decode_step, run_steps, step_seq_lens
+from jax_flashmla.serving.loop import decode_step, run_steps, step_seq_lens
 
 
 def _check_count(where, name, value):

@@ -4,7 +4,7 @@ import random
 import numpy as np
 import pytest
 
-from jax_flashmla.allocator import OutOfPagesError, PageAllocator
+from jax_flashmla.serving import OutOfPagesError, PageAllocator
 
 
 def _check_invariants(alloc, expected_tokens):

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_flashmla.block_table import (PAD_PAGE, block_table_from_pages, build_block_table,
+from jax_flashmla.serving import (PAD_PAGE, block_table_from_pages, build_block_table,
                                       pages_for_tokens)
 from jax_flashmla.cache import token_slots
 

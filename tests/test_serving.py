@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 
 import jax_flashmla.fp8
-from jax_flashmla.allocator import PageAllocator
 from jax_flashmla.cache import PagedKVCache
-from jax_flashmla.serving import (bucket_for, decode_loop, decode_step, pad_batch,
+from jax_flashmla.serving import (PageAllocator, bucket_for, decode_loop, decode_step, pad_batch,
                                   write_prompt)
 from helpers import request_attention_f64
 

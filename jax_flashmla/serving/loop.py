@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_flashmla import validation
-from jax_flashmla.block_table import PAD_PAGE
+from jax_flashmla.serving.block_table import PAD_PAGE
 from jax_flashmla.cache import cache_array, token_slots, write_kv
 from jax_flashmla.ops import mla_decode
 
