@@ -193,8 +193,10 @@ mlir.register_lowering(mla_metadata_p, _metadata_cuda, platform="cuda")
 
 
 def _batch_sequentially(primitive, args, dims, **params):
-    """vmap rule: one custom call per element of the mapped axis (FlashMLA has no batch-of-batches
-    form), with unmapped operands such as a shared cache passed through, not broadcast."""
+    """vmap rule of the metadata and the FP8 guard (get_mla_metadata under vmap): one custom
+    call per element of the mapped axis, FlashMLA having no batch-of-batches form, with
+    unmapped operands passed through, not broadcast. The decode is vmapped before it is bound
+    (sharding.py's custom_vmap), so its primitive never is."""
     mapped = [i for i, d in enumerate(dims) if d is not None]
     moved = [jnp.moveaxis(args[i], dims[i], 0) for i in mapped]
 
@@ -208,6 +210,5 @@ def _batch_sequentially(primitive, args, dims, **params):
     return outs, (0,) * len(outs)
 
 
-batching.primitive_batchers[mla_decode_p] = functools.partial(_batch_sequentially, mla_decode_p)
 batching.primitive_batchers[mla_metadata_p] = functools.partial(_batch_sequentially, mla_metadata_p)
 batching.primitive_batchers[fp8_guard_p] = functools.partial(_batch_sequentially, fp8_guard_p)

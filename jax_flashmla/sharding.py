@@ -10,7 +10,8 @@ batch and heads, with FlashMLA metadata computed for those local shapes when the
 changes them.
 
 custom_partitioning has no vmap rule, so each partitioned call is also a `custom_vmap` that
-maps sequentially over the vmapped axis, as the primitive's own batching rule does.
+maps sequentially over the vmapped axis: one custom call per element (FlashMLA has no
+batch-of-batches form), the decode primitive itself never vmapped.
 """
 import dataclasses
 import functools
