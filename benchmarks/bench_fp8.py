@@ -50,12 +50,12 @@ def _inputs(batch, s_k, h_q, seed=0):
 
 def bench_one(batch, s_k, h_q, calls, repeats):
     q, kv, kv8, scale, bt, sl = _inputs(batch, s_k, h_q)
-    md = jf.get_mla_metadata(sl, num_heads_q=h_q, implementation="flashmla")
-    md8 = jf.get_mla_metadata(sl, num_heads_q=h_q, fp8=True, implementation="flashmla")
+    md = jf.get_mla_metadata(sl, num_heads_q=h_q, implementation="custom_call")
+    md8 = jf.get_mla_metadata(sl, num_heads_q=h_q, fp8=True, implementation="custom_call")
     decode = jax.jit(lambda q, kv, bt, sl, md: jf.mla_decode(q, kv, bt, sl, metadata=md,
-                                                             implementation="flashmla"))
+                                                             implementation="custom_call"))
     decode8 = jax.jit(lambda q, kv, bt, sl, md, s: jf.mla_decode(
-        q, kv, bt, sl, metadata=md, k_scale=s, implementation="flashmla"))
+        q, kv, bt, sl, metadata=md, k_scale=s, implementation="custom_call"))
     samples = in_turns(dict(
         bf16=(lambda: decode(q, kv, bt, sl, md), jax.block_until_ready, calls, 1),
         fp8=(lambda: decode8(q, kv8, bt, sl, md8, scale), jax.block_until_ready, calls, 1)),
@@ -84,9 +84,9 @@ def guard_calls(step, *args):
 def bench_guard_step(batch, s_k, h_q, layers, calls, repeats):
     q, _, kv8, scale, bt, sl = _inputs(batch, s_k, h_q)
     qs = [jax.jit(fp8.quantize)(q * (1 + layer / layers), scale) for layer in range(layers)]
-    md8 = jf.get_mla_metadata(sl, num_heads_q=h_q, fp8=True, implementation="flashmla")
+    md8 = jf.get_mla_metadata(sl, num_heads_q=h_q, fp8=True, implementation="custom_call")
     decode = lambda q, kv, bt, sl, md, s: jf.mla_decode(q, kv, bt, sl, metadata=md, k_scale=s,
-                                                        implementation="flashmla")[0]
+                                                        implementation="custom_call")[0]
     merged = jax.jit(lambda qs, kv, bt, sl, md, s: [decode(q, kv, bt, sl, md, s) for q in qs])
     per_layer = jax.jit(lambda qs, kv, bts, sl, md, s: [decode(q, kv, bt, sl, md, s)
                                                          for q, bt in zip(qs, bts)])

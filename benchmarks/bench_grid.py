@@ -123,9 +123,9 @@ def decode_step(qs, caches, block_table, seq_lens, k_scale):
     cache, all sharing the metadata and the block table (FP8 caches when k_scale is not
     None)."""
     md = jf.get_mla_metadata(seq_lens, num_heads_q=qs[0].shape[2], num_q_tokens=qs[0].shape[1],
-                             fp8=k_scale is not None, implementation="flashmla")
+                             fp8=k_scale is not None, implementation="custom_call")
     return [jf.mla_decode(q, kv, block_table, seq_lens, metadata=md, k_scale=k_scale,
-                          implementation="flashmla")[0]
+                          implementation="custom_call")[0]
             for q, kv in zip(qs, caches)]
 
 
@@ -150,12 +150,12 @@ def bench_point(work, dtype, h_q, s_q, impls, args, torch_side, ceiling_gbps, bl
         # cache it carries the guard's copies of that table, so the calls guard nothing.
         fp8_table = lambda bt: dict(fp8=True, block_table=bt) if k_scale is not None else {}
         mds = [jax_sync(jf.get_mla_metadata(sl, num_heads_q=h_q, num_q_tokens=s_q,
-                                            implementation="flashmla", **fp8_table(bt)))
+                                            implementation="custom_call", **fp8_table(bt)))
                for bt in bts]
         # lse comes back as FlashMLA wrote it, as the torch op returns it (a transposed view
         # for s_q > 1), not transposed by XLA into a new buffer.
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        decode = jax.jit(functools.partial(jf.mla_decode, implementation="flashmla"),
+        decode = jax.jit(functools.partial(jf.mla_decode, implementation="custom_call"),
                          out_shardings=(device, jf.lse_format(s_q, device)))
         variants["flashmla"] = (
             lambda i: decode(kernel_qs[i % rot], kv, bts[i % rot], sl, metadata=mds[i % rot],

@@ -185,7 +185,7 @@ def main():
     parser.add_argument("--out", default=None, help="path prefix of the .json/.md/.png results")
     args = parser.parse_args()
     if args.tiny:
-        devices, implementation = jax.devices("cpu"), "flashmla"
+        devices, implementation = jax.devices("cpu"), "custom_call"
         grid, h_q, layers = [(2, 1024)], 64, 2
     else:
         devices, implementation = jax.devices("gpu"), None

@@ -127,7 +127,7 @@ def _layer(p, t, cache, offset, q, latent, rows, md):
     cache = jf.write_kv(cache, t["slots"] + offset * PAGE, kv=rows, scale=t["k_scale"])
     scale = dict(k_scale=t["k_scale"]) if p.dtype == FP8 else {}
     out, _ = jf.mla_decode(q, cache, t["block_table"] + offset, t["seq_lens"], metadata=md,
-                           softmax_scale=p.softmax_scale, implementation="flashmla", **scale)
+                           softmax_scale=p.softmax_scale, implementation="custom_call", **scale)
     return cache, out
 
 
@@ -140,7 +140,7 @@ def _next(out, rope):
 
 def _metadata(p, t):
     return jf.get_mla_metadata(t["seq_lens"], num_heads_q=p.h_q, num_q_tokens=p.s_q,
-                               fp8=p.dtype == FP8, implementation="flashmla")
+                               fp8=p.dtype == FP8, implementation="custom_call")
 
 
 def jax_steps(p, xla_options=None):

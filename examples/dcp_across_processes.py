@@ -80,7 +80,7 @@ def main(args):
         cache = jf.dcp_write_kv(cache, tables, positions, mesh=mesh, axis="dcp",
                                 layout="round_robin", kv=rows)
         return jf.dcp_mla_decode(q, cache, tables, lens, mesh=mesh, axis="dcp",
-                                 implementation="flashmla")
+                                 implementation="custom_call")
 
     out, lse = step(cache, tables, lens, positions, rows, q)
     # The whole cache on one local device: request i's tokens in pages i * P ... in order.

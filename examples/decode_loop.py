@@ -1,6 +1,6 @@
 """A paged-cache decode loop: admit requests, write their prompts, decode T tokens, jitted.
 
-Runs on CPU in seconds (the pure-JAX path, or FlashMLA's C++ model with --flashmla) and on a
+Runs on CPU in seconds (the pure-JAX path, or FlashMLA's C++ model with --custom-call) and on a
 Hopper GPU with FlashMLA's kernels. The "model" is a toy: the next token's query and cache row
 are a fixed projection of this step's attention output.
 """
@@ -23,20 +23,20 @@ def main():
                         help="prompt length of each request (default: 5 64 130)")
     parser.add_argument("--steps", type=int, default=8, help="tokens to decode (default: 8)")
     parser.add_argument("--heads", type=int, default=16, help="query heads (default: 16)")
-    parser.add_argument("--flashmla", action="store_true",
-                        help="implementation='flashmla' (FlashMLA's C++ model on CPU); default: "
-                             "FlashMLA on a Hopper GPU, else the pure-JAX reference")
+    parser.add_argument("--custom-call", action="store_true",
+                        help="implementation='custom_call' (FlashMLA's C++ model on CPU); "
+                             "default: FlashMLA on a Hopper GPU, else the pure-JAX reference")
     args = parser.parse_args()
     if min(args.prompt_lens) < 1 or args.steps < 1 or args.heads < 1:
         parser.error("--prompt-lens, --steps and --heads must be >= 1")
     if sum(-(-(n + args.steps) // 64) for n in args.prompt_lens) > 64:
         parser.error("the requests need more than the 64 pages of the cache: shorter "
                      "--prompt-lens or fewer --steps")
-    implementation = "flashmla" if args.flashmla else None
+    implementation = "custom_call" if args.custom_call else None
     if kernels.flashmla_available():
         runs = "FlashMLA's kernels"
     else:
-        runs = "FlashMLA's C++ model" if args.flashmla else "the pure-JAX reference"
+        runs = "FlashMLA's C++ model" if args.custom_call else "the pure-JAX reference"
     print(f"implementation: {runs}")
 
     # Host side: pages for prompt + every decoded token, then one padded bucket.

@@ -1,8 +1,8 @@
 """Serve a small DeepSeek-style model with paged MLA decode and continuous batching.
 
     python examples/serve_deepseek_mla.py                      # CPU: the pure-JAX reference
-    python examples/serve_deepseek_mla.py --implementation flashmla   # FlashMLA (C++ model on CPU)
-    python examples/serve_deepseek_mla.py --kv-cache-dtype fp8         # an FP8 (e4m3) cache
+    python examples/serve_deepseek_mla.py --implementation custom_call  # FlashMLA's C++ model
+    python examples/serve_deepseek_mla.py --kv-cache-dtype fp8  # an FP8 (e4m3) cache
 
 A few decoder layers (RMSNorm -> jax_flashmla.flax.MultiHeadLatentAttention -> RMSNorm ->
 SwiGLU MLP) with seeded random weights serve requests of different prompt lengths. Each
@@ -289,7 +289,7 @@ def serve(args):
 
 def implementation_in_use(implementation):
     """(the implementation's name, what it runs here in words)."""
-    name = implementation or ("flashmla" if kernels.flashmla_available() else "reference")
+    name = implementation or ("custom_call" if kernels.flashmla_available() else "reference")
     if name == "reference":
         return name, "the pure-JAX reference"
     on_gpu = kernels.flashmla_available()
@@ -299,7 +299,7 @@ def implementation_in_use(implementation):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--implementation", choices=["flashmla", "reference"], default=None,
+    p.add_argument("--implementation", choices=["custom_call", "reference"], default=None,
                    help="mla_decode's path; unset: FlashMLA on a Hopper GPU, else the reference")
     p.add_argument("--kv-cache-dtype", choices=sorted(KV_CACHE_DTYPES), default="bfloat16",
                    help="the paged cache's dtype (fp8: e4m3 with a per-layer scale)")

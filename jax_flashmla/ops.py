@@ -10,7 +10,7 @@ from jax_flashmla import fp8 as fp8_quant
 from jax_flashmla import checks, kernels, lowering, sharding, validation
 from jax_flashmla.reference import mla_decode_reference
 
-IMPLEMENTATIONS = ("flashmla", "reference")
+IMPLEMENTATIONS = ("custom_call", "reference")
 
 # Compiler options for a jitted decode step whose layers are a loop (lax.scan, fori_loop):
 # XLA's default command-buffer types (jax 0.11) plus WHILE, and command buffers however few
@@ -55,7 +55,7 @@ class MLAMetadata:
 
 def _resolve(implementation):
     if implementation is None:
-        return "flashmla" if kernels.flashmla_available() else "reference"
+        return "custom_call" if kernels.flashmla_available() else "reference"
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}; "
                          f"got {implementation!r}")
@@ -183,9 +183,10 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, metadata=None, softmax_sca
       causal: with s_q > 1, query i sees the first s_k - s_q + i + 1 keys (speculative verify
         / MTP); with s_q = 1 it makes no difference.
       head_dim_v: 512, the only V width FlashMLA supports.
-      implementation: None picks "flashmla" on a Hopper GPU whose kernels and CUDA bridge are
-        available, else "reference". "flashmla" is the custom call: FlashMLA's kernels on CUDA
-        (lowering fails naming what is missing), its C++ model on CPU. "reference" is pure JAX.
+      implementation: None picks "custom_call" on a Hopper GPU whose kernels and CUDA bridge
+        are available, else "reference". "custom_call" is jax_flashmla's XLA custom call:
+        FlashMLA's kernels on CUDA (lowering fails naming what is missing), its C++ model of
+        them on CPU. "reference" is pure JAX.
       k_scale: with a float8_e4m3fn kv_cache (and only then), its per-tensor scale: float32 of
         shape () or (1,), an array so that one compiled step serves any scale. As SGLang does,
         q is quantized to float8_e4m3fn with this same scale (saturating at +-448, see
@@ -208,7 +209,7 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, metadata=None, softmax_sca
     num_sms = _default_num_sms()
     if metadata is not None:
         validation.check_metadata_matches(metadata, block_table, batch, s_q, h_q, fp8)
-    elif implementation == "flashmla":
+    elif implementation == "custom_call":
         validation.num_sm_parts(num_sms, h_q, s_q, 1, where="mla_decode")
     if softmax_scale is None:
         softmax_scale = validation.HEAD_DIM ** -0.5

@@ -184,7 +184,7 @@ def fp8_layers():
 
 
 def fp8_layer(q, kv, bt, sl):
-    return jf.mla_decode(q, kv, bt, sl, k_scale=jnp.float32(K_SCALE), implementation="flashmla")
+    return jf.mla_decode(q, kv, bt, sl, k_scale=jnp.float32(K_SCALE), implementation="custom_call")
 
 
 def entry_computation(hlo):
@@ -201,11 +201,11 @@ def scan_over_fp8_layers(guard_in_metadata):
 
     @jax.jit
     def step(qs, kv, bt, sl):
-        md = jf.get_mla_metadata(sl, num_heads_q=qs.shape[3], fp8=True, implementation="flashmla",
+        md = jf.get_mla_metadata(sl, num_heads_q=qs.shape[3], fp8=True, implementation="custom_call",
                                  block_table=bt if guard_in_metadata else None)
         layer = lambda carry, q: (carry, jf.mla_decode(q, kv, bt, sl, metadata=md,
                                                        k_scale=jnp.float32(K_SCALE),
-                                                       implementation="flashmla"))
+                                                       implementation="custom_call"))
         return jax.lax.scan(layer, 0, qs)[1]
 
     hlo = step.lower(qs, kv8, bt, sl).compile().as_text()

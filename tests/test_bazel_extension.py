@@ -48,9 +48,9 @@ CHILD = textwrap.dedent("""
         out, lse = fn(q, kv, jnp.asarray(block_table), jnp.asarray(seq_lens))
         return np.asarray(out.astype(jnp.float32)), np.asarray(lse)
 
-    out, lse = run("flashmla")
+    out, lse = run("custom_call")
     ref_out, ref_lse = run("reference")
-    hlo = jax.jit(lambda *a: jax_flashmla.mla_decode(*a, implementation="flashmla")).lower(
+    hlo = jax.jit(lambda *a: jax_flashmla.mla_decode(*a, implementation="custom_call")).lower(
         q, kv, jnp.asarray(block_table), jnp.asarray(seq_lens)).as_text()
     print(json.dumps({
         "backend": jax.default_backend(),

@@ -47,7 +47,7 @@ def test_custom_call_matches_fp32_reference(batch, mean_sk, h_q, s_q, varlen, dt
     rng = np.random.default_rng(hash((batch, mean_sk, h_q, s_q, varlen)) % 2**32)
     q, kv, bt, sl = make_decode_inputs(rng, batch=batch, s_q=s_q, h_q=h_q, mean_sk=mean_sk,
                                        varlen=varlen, dtype=dtype, zero_lengths=1 if varlen else 0)
-    out, lse = _decode((q, kv, bt, sl), "flashmla")
+    out, lse = _decode((q, kv, bt, sl), "custom_call")
     ref_out, ref_lse = _fp32_reference_in_chunks(q, kv, bt, sl)
     assert out.dtype == dtype and out.shape == (batch, s_q, h_q, 512)
     assert lse.dtype == jnp.float32 and lse.shape == (batch, h_q, s_q)
@@ -55,7 +55,7 @@ def test_custom_call_matches_fp32_reference(batch, mean_sk, h_q, s_q, varlen, dt
     assert_flashmla_close("lse", lse, ref_lse, **LSE_TOL)
 
 
-@pytest.mark.parametrize("implementation", ["flashmla", "reference"])
+@pytest.mark.parametrize("implementation", ["custom_call", "reference"])
 @pytest.mark.parametrize("s_q,causal", [(1, True), (2, True), (4, True), (3, False)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_matches_float64_dense_attention(implementation, s_q, causal, dtype):
@@ -68,7 +68,7 @@ def test_matches_float64_dense_attention(implementation, s_q, causal, dtype):
     assert_flashmla_close("lse", lse, ref_lse, **LSE_TOL)
 
 
-@pytest.mark.parametrize("implementation", ["flashmla", "reference"])
+@pytest.mark.parametrize("implementation", ["custom_call", "reference"])
 def test_zero_length_requests_give_zero_out_and_inf_lse(implementation):
     rng = np.random.default_rng(1)
     q, kv, bt, sl = make_decode_inputs(rng, batch=3, s_q=2, h_q=16, mean_sk=70, varlen=False,
@@ -87,18 +87,18 @@ def test_lse_stays_in_flashmlas_layout_until_read(s_q):
     where it is read, and a step that drops it copies nothing."""
     q, kv, bt, sl = make_decode_inputs(np.random.default_rng(3), batch=2, s_q=s_q, h_q=16,
                                        mean_sk=100, varlen=True, dtype=jnp.bfloat16)
-    out_only = jax.jit(lambda *a: jf.mla_decode(*a, implementation="flashmla")[0])
+    out_only = jax.jit(lambda *a: jf.mla_decode(*a, implementation="custom_call")[0])
     hlo = out_only.lower(q, kv, bt, sl).compile().as_text()
     layout = "{1,2,0}" if s_q > 1 else "{2,1,0}"
     # The call's results: out, lse, then FlashMLA's split-KV accumulators.
     assert f"f32[2,16,{s_q}]{layout}, f32[134,16,{s_q},512]{{3,2,1,0}}, f32[134,16,{s_q}]{{2,1,0}}) custom-call(" in hlo
     assert "copy" not in hlo
-    _, lse = _decode((q, kv, bt, sl), "flashmla")
+    _, lse = _decode((q, kv, bt, sl), "custom_call")
     _, ref_lse = _decode((q, kv, bt, sl), "reference")
     assert_flashmla_close("lse", lse, ref_lse, **LSE_TOL)
     # Returned with lse_format, lse leaves the call as FlashMLA wrote it: no transposition.
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    as_written = jax.jit(functools.partial(jf.mla_decode, implementation="flashmla"),
+    as_written = jax.jit(functools.partial(jf.mla_decode, implementation="custom_call"),
                          out_shardings=(device, jf.lse_format(s_q, device)))
     hlo = as_written.lower(q, kv, bt, sl).compile().as_text()
     assert "copy" not in hlo and "transpose" not in hlo and "fusion" not in hlo
@@ -107,7 +107,7 @@ def test_lse_stays_in_flashmlas_layout_until_read(s_q):
     np.testing.assert_array_equal(np.asarray(lse_as_written), np.asarray(lse))
 
 
-@pytest.mark.parametrize("implementation", ["flashmla", "reference"])
+@pytest.mark.parametrize("implementation", ["custom_call", "reference"])
 def test_unused_pages_and_table_slots_change_nothing(implementation):
     rng = np.random.default_rng(2)
     q, kv, bt, sl = make_decode_inputs(rng, batch=3, s_q=2, h_q=32, mean_sk=100, varlen=True,
@@ -131,7 +131,7 @@ def test_softmax_scale_is_applied():
     inputs = make_decode_inputs(rng, batch=2, s_q=1, h_q=16, mean_sk=90, varlen=True,
                                 dtype=jnp.bfloat16)
     scale = 0.5 * 192 ** -0.5
-    for implementation in ["flashmla", "reference"]:
+    for implementation in ["custom_call", "reference"]:
         out, lse = _decode(inputs, implementation, softmax_scale=scale)
         ref_out, ref_lse = dense_attention_f64(*inputs, softmax_scale=scale, causal=True)
         assert_flashmla_close("out", out, ref_out, **OUT_TOL)
@@ -148,8 +148,8 @@ def test_any_schedule_gives_the_same_attention(num_sms):
                                        dtype=jnp.bfloat16, zero_lengths=1)
     args = [q, kv, jnp.asarray(bt), jnp.asarray(sl)]
     md = jf.get_mla_metadata(args[3], num_heads_q=16, num_q_tokens=2, num_sms=num_sms,
-                             implementation="flashmla")
-    out, lse = jf.mla_decode(*args, metadata=md, implementation="flashmla")
+                             implementation="custom_call")
+    out, lse = jf.mla_decode(*args, metadata=md, implementation="custom_call")
     ref_out, ref_lse = dense_attention_f64(q, kv, bt, sl, softmax_scale=SCALE, causal=True)
     assert_flashmla_close("out", out, ref_out, **OUT_TOL)
     assert_flashmla_close("lse", lse, ref_lse, **LSE_TOL)

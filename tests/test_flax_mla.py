@@ -164,7 +164,7 @@ def run_prefill_then_decode(layer, lengths, inputs, steps, implementation, num_p
     return out, outs
 
 
-@pytest.mark.parametrize("implementation", ["flashmla", "reference"])
+@pytest.mark.parametrize("implementation", ["custom_call", "reference"])
 @pytest.mark.parametrize("case", ["q_lora", "no_q_lora", "q_lora_yarn"])
 def test_paged_decode_matches_hf(case, implementation):
     config = hf_config(**CASES[case])
@@ -184,7 +184,7 @@ def test_paged_decode_matches_hf(case, implementation):
             assert err < 2e-2, (i, t, err)
 
 
-@pytest.mark.parametrize("implementation", ["flashmla", "reference"])
+@pytest.mark.parametrize("implementation", ["custom_call", "reference"])
 def test_fp8_cache_decode_matches_hf_within_fp8_precision(implementation):
     """An FP8 cache (scale 0.05: these rows stay well inside e4m3's +-448 * scale) keeps e4m3's
     3 mantissa bits: ~6% of the output here, against 0.4% with the bf16 cache."""
@@ -211,7 +211,7 @@ def test_decode_bf16_layer_matches_hf():
     lengths, steps = [9, 20], 3
     inputs = np.random.default_rng(5).standard_normal(
         (2, max(lengths) + steps, config.hidden_size)).astype(np.float32)
-    prefill_out, decode_outs = run_prefill_then_decode(layer, lengths, inputs, steps, "flashmla")
+    prefill_out, decode_outs = run_prefill_then_decode(layer, lengths, inputs, steps, "custom_call")
     assert prefill_out.dtype == jnp.bfloat16
     for i, n in enumerate(lengths):
         want = hf_forward(config, attn, inputs[i:i + 1, :n + steps])[0]
@@ -275,7 +275,7 @@ def load_example():
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "fp8"])
-@pytest.mark.parametrize("implementation", ["reference", "flashmla"])
+@pytest.mark.parametrize("implementation", ["reference", "custom_call"])
 def test_example_serves_to_completion(implementation, kv_cache_dtype, capsys):
     ex = load_example()
     args = ex.parse_args(["--implementation", implementation, "--kv-cache-dtype", kv_cache_dtype,
@@ -322,8 +322,8 @@ def check_decode_paths(ex, implementation):
 
 
 def test_example_decode_calls_custom_call_cpu():
-    """On CPU, implementation="flashmla" compiles to the custom call's C++ target."""
-    check_decode_paths(load_example(), "flashmla")
+    """On CPU, implementation="custom_call" compiles to the custom call's C++ target."""
+    check_decode_paths(load_example(), "custom_call")
 
 
 @pytest.mark.gpu

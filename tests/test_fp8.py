@@ -19,7 +19,7 @@ from jax_flashmla import fp8
 from helpers import (K_SCALE, LSE_TOL, OUT_TOL, assert_flashmla_close, dense_attention_f64,
                      fp8_custom_calls, fp8_inputs, make_decode_inputs)
 
-IMPLEMENTATIONS = ["flashmla", "reference"]
+IMPLEMENTATIONS = ["custom_call", "reference"]
 SCALE = 576 ** -0.5
 # Test data are N(0, 1)/10 clipped to [-1, 1] (oracle.make_decode_inputs): this scale maps
 # them onto e4m3's range with the largest values saturating, as a calibrated scale would not.
@@ -128,10 +128,10 @@ def test_the_fp8_schedule_plans_empty_requests_as_length_one():
     sl = jnp.asarray([0, 100, 10, 0], jnp.int32)
     for field in ("tile_scheduler_metadata", "num_splits"):
         np.testing.assert_array_equal(
-            getattr(jf.get_mla_metadata(sl, num_heads_q=16, fp8=True, implementation="flashmla"),
+            getattr(jf.get_mla_metadata(sl, num_heads_q=16, fp8=True, implementation="custom_call"),
                     field),
             getattr(jf.get_mla_metadata(jnp.maximum(sl, 1), num_heads_q=16, fp8=True,
-                                        implementation="flashmla"), field))
+                                        implementation="custom_call"), field))
 
 
 def test_the_guard_model_changes_only_slot_0_of_empty_requests():
@@ -154,7 +154,7 @@ def test_empty_requests_keep_flashmlas_convention_in_fp8():
     sl = sl.at[jnp.asarray([0, 3])].set(0)
     bt = bt.at[jnp.asarray([0, 3])].set(2**31 - 64)
     scale = jnp.float32(K_SCALE)
-    out, lse = jax.jit(lambda *a: jf.mla_decode(*a[:4], k_scale=a[4], implementation="flashmla"))(
+    out, lse = jax.jit(lambda *a: jf.mla_decode(*a[:4], k_scale=a[4], implementation="custom_call"))(
         q, kv8, bt, sl, scale)
     ref_out, ref_lse = jf.mla_decode(q, kv8, bt, sl, k_scale=scale, implementation="reference")
     np.testing.assert_array_equal(np.asarray(out[jnp.asarray([0, 3])], np.float32), 0)
@@ -188,9 +188,9 @@ def test_with_q_in_fp8_the_decode_is_the_guard_and_the_decode_alone():
     (ffi/fp8_guard.h), not XLA fusions."""
     q, kv8, bt, sl = fp8_inputs(13)
     scale = jnp.float32(K_SCALE)
-    md = jf.get_mla_metadata(sl, num_heads_q=16, fp8=True, implementation="flashmla")
+    md = jf.get_mla_metadata(sl, num_heads_q=16, fp8=True, implementation="custom_call")
     decode = jax.jit(lambda q, kv, bt, sl, md, s: jf.mla_decode(
-        q, kv, bt, sl, metadata=md, k_scale=s, implementation="flashmla"))
+        q, kv, bt, sl, metadata=md, k_scale=s, implementation="custom_call"))
     hlo = decode.lower(fp8.quantize(q, scale), kv8, bt, sl, md, scale).compile().as_text()
     assert fp8_custom_calls(hlo) == (1, 1)
     assert "fusion" not in hlo and "select" not in hlo and "convert" not in hlo
@@ -205,13 +205,13 @@ def test_a_step_guards_its_block_table_once():
 
     @jax.jit
     def step(qs, kv, bt, sl, s):
-        md = jf.get_mla_metadata(sl, num_heads_q=16, fp8=True, implementation="flashmla")
-        return [jf.mla_decode(q, kv, bt, sl, metadata=md, k_scale=s, implementation="flashmla")
+        md = jf.get_mla_metadata(sl, num_heads_q=16, fp8=True, implementation="custom_call")
+        return [jf.mla_decode(q, kv, bt, sl, metadata=md, k_scale=s, implementation="custom_call")
                 for q in qs]
 
     assert fp8_custom_calls(step.lower(qs, kv8, bt, sl, scale).compile().as_text()) == (1, 3)
     one = jax.jit(lambda q, kv, bt, sl, s: jf.mla_decode(q, kv, bt, sl, k_scale=s,
-                                                         implementation="flashmla"))
+                                                         implementation="custom_call"))
     for (out, lse), q8 in zip(step(qs, kv8, bt, sl, scale), qs):
         one_out, one_lse = one(q8, kv8, bt, sl, scale)
         np.testing.assert_array_equal(np.asarray(out, np.float32),
@@ -270,7 +270,7 @@ def test_one_compilation_serves_any_scale(implementation):
 def test_custom_call_equals_reference_and_lowers_to_the_fp8_target():
     q, kv8, bt, sl = fp8_inputs(6, s_q=2, h_q=32)
     scale = jnp.float32(K_SCALE)
-    call = jax.jit(lambda *a: jf.mla_decode(*a[:4], k_scale=a[4], implementation="flashmla"))
+    call = jax.jit(lambda *a: jf.mla_decode(*a[:4], k_scale=a[4], implementation="custom_call"))
     ref = jax.jit(lambda *a: jf.mla_decode(*a[:4], k_scale=a[4], implementation="reference"))
     assert 'custom_call_target="jax_flashmla_mla_decode_fp8"' in call.lower(
         q, kv8, bt, sl, scale).as_text(dialect="hlo")
@@ -285,7 +285,7 @@ def test_split_fp8_decode_equals_one_device(shape, batch_axis, head_axis):
     assert len(devices) >= 8, "tests/conftest.py sets 8 CPU devices"
     q, kv8, bt, sl = fp8_inputs(7, batch=8, h_q=32, mean_sk=150)
     scale = jnp.float32(K_SCALE)
-    decode = jax.jit(lambda *a: jf.mla_decode(*a[:4], k_scale=a[4], implementation="flashmla"))
+    decode = jax.jit(lambda *a: jf.mla_decode(*a[:4], k_scale=a[4], implementation="custom_call"))
     expected = decode(*jax.device_put((q, kv8, bt, sl, scale), devices[0]))
     mesh = Mesh(np.array(devices[:np.prod(shape)]).reshape(shape), ("x", "y")[:len(shape)])
     put = lambda x, *spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))
@@ -351,13 +351,13 @@ def test_decode_rejects(args, kwargs, exc, pattern):
 @pytest.mark.parametrize("cache_fp8", [True, False])
 def test_decode_rejects_metadata_of_the_other_scheduler(cache_fp8):
     q, kv, bt, sl = _args(jnp.float8_e4m3fn if cache_fp8 else jnp.bfloat16)
-    md = jf.get_mla_metadata(sl, num_heads_q=16, fp8=not cache_fp8, implementation="flashmla")
+    md = jf.get_mla_metadata(sl, num_heads_q=16, fp8=not cache_fp8, implementation="custom_call")
     kwargs = dict(k_scale=jnp.float32(1)) if cache_fp8 else {}
     pattern = (f"metadata was computed with fp8={not cache_fp8}, but the kv_cache is "
                f"{'' if cache_fp8 else 'not '}float8_e4m3fn; call get_mla_metadata\\(..., "
                f"fp8={cache_fp8}\\)")
     with pytest.raises(ValueError, match=pattern):
-        jf.mla_decode(q, kv, bt, sl, metadata=md, implementation="flashmla", **kwargs)
+        jf.mla_decode(q, kv, bt, sl, metadata=md, implementation="custom_call", **kwargs)
 
 
 def test_errors_are_raised_at_trace_time():

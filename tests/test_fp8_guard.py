@@ -27,10 +27,10 @@ def test_the_metadatas_guard_replaces_the_layers_own():
     qs, kv8, bt, sl = fp8_layers()
 
     def step(qs, kv, bt, sl, guard_in_metadata):
-        md = jf.get_mla_metadata(sl, num_heads_q=16, fp8=True, implementation="flashmla",
+        md = jf.get_mla_metadata(sl, num_heads_q=16, fp8=True, implementation="custom_call",
                                  block_table=bt if guard_in_metadata else None)
         return [jf.mla_decode(qs[i], kv, bt, sl, metadata=md, k_scale=jnp.float32(K_SCALE),
-                              implementation="flashmla") for i in range(FP8_LAYERS)]
+                              implementation="custom_call") for i in range(FP8_LAYERS)]
 
     with_md = jax.jit(lambda *a: step(*a, True))
     assert fp8_custom_calls(with_md.lower(qs, kv8, bt, sl).compile().as_text()) == (1, FP8_LAYERS)
@@ -49,10 +49,10 @@ def test_the_metadatas_guard_under_a_mesh_gathers_nothing():
     qs, kv8, bt, sl = fp8_layers()
 
     def step(q, kv, bt, sl):
-        md = jf.get_mla_metadata(sl, num_heads_q=16, fp8=True, implementation="flashmla",
+        md = jf.get_mla_metadata(sl, num_heads_q=16, fp8=True, implementation="custom_call",
                                  block_table=bt)
         return jf.mla_decode(q, kv, bt, sl, metadata=md, k_scale=jnp.float32(K_SCALE),
-                             implementation="flashmla")
+                             implementation="custom_call")
 
     step = jax.jit(step)
     expected = step(*jax.device_put((qs[0], kv8, bt, sl), devices[0]))
@@ -78,15 +78,15 @@ def test_get_mla_metadata_rejects_a_block_table(kwargs, exc, pattern):
     sl = jnp.ones((4,), jnp.int32)
     table = jnp.zeros(kwargs.get("table", (4, 2)), kwargs.get("dtype", jnp.int32))
     with pytest.raises(exc, match=pattern):
-        jf.get_mla_metadata(sl, num_heads_q=16, fp8=kwargs["fp8"], implementation="flashmla",
+        jf.get_mla_metadata(sl, num_heads_q=16, fp8=kwargs["fp8"], implementation="custom_call",
                             block_table=table)
 
 
 def test_mla_decode_rejects_the_guard_of_another_block_table():
     qs, kv8, bt, sl = fp8_layers()
-    md = jf.get_mla_metadata(sl, num_heads_q=16, fp8=True, implementation="flashmla",
+    md = jf.get_mla_metadata(sl, num_heads_q=16, fp8=True, implementation="custom_call",
                              block_table=jnp.concatenate([bt, bt], axis=1))
     with pytest.raises(ValueError, match=r"mla_decode: metadata carries the guarded copy of a "
                                          r"block_table of shape \(4, 8\)"):
         jf.mla_decode(qs[0], kv8, bt, sl, metadata=md, k_scale=jnp.float32(K_SCALE),
-                      implementation="flashmla")
+                      implementation="custom_call")

@@ -12,7 +12,7 @@ from jax_flashmla.serving import (PageAllocator, bucket_for, decode_loop, decode
                                   write_prompt)
 from helpers import request_attention_f64
 
-IMPLEMENTATIONS = ["flashmla", "reference"]
+IMPLEMENTATIONS = ["custom_call", "reference"]
 TOLERANCE = {jnp.bfloat16: 2e-2, jnp.float16: 2e-3}
 SCALE = 576 ** -0.5
 
@@ -183,9 +183,9 @@ def check_against_f64(r, dtype, k_scale=None, tolerance=None):
     return worst
 
 
-@pytest.mark.parametrize("implementation,dtype", [("flashmla", jnp.bfloat16),
+@pytest.mark.parametrize("implementation,dtype", [("custom_call", jnp.bfloat16),
                                                   ("reference", jnp.bfloat16),
-                                                  ("flashmla", jnp.float16)])
+                                                  ("custom_call", jnp.float16)])
 def test_decode_loop_equals_attention_recomputed_each_step(implementation, dtype):
     r = run_decode_loop(implementation, dtype)
     assert r["out"].shape == (4, 4, 1, 4, 512) and r["lse"].shape == (4, 4, 4, 1)
@@ -195,7 +195,7 @@ def test_decode_loop_equals_attention_recomputed_each_step(implementation, dtype
 @pytest.mark.gpu
 def test_decode_loop_flashmla_on_gpu_equals_reference():
     kwargs = dict(prompt_lens=(1, 64, 300, 0, 1000, 129), h=16, num_steps=6, seed=3)
-    got = run_decode_loop("flashmla", **kwargs)
+    got = run_decode_loop("custom_call", **kwargs)
     want = run_decode_loop("reference", **kwargs)
     # Each step feeds its output into the next query, so bf16 rounding differences between
     # the two paths compound a little along the loop: bf16 tolerances, relative for the lse.
@@ -238,7 +238,7 @@ FP8_KERNEL_TOLERANCE = (0.25, 0.15)  # out, lse: absolute and relative
 
 
 def _fp8_loops(**kwargs):
-    return (run_decode_loop("flashmla", k_scale=K_SCALE, **kwargs),
+    return (run_decode_loop("custom_call", k_scale=K_SCALE, **kwargs),
             run_decode_loop("reference", k_scale=K_SCALE, **kwargs))
 
 

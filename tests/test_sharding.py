@@ -15,7 +15,7 @@ from jax_flashmla import context_parallel as cp, fp8
 from helpers import (LSE_TOL, OUT_TOL, assert_flashmla_close, dense_attention_f64,
                      sharding_problem, split_for_dcp)
 
-IMPLEMENTATIONS = ["flashmla", "reference"]
+IMPLEMENTATIONS = ["custom_call", "reference"]
 SCALE = 576 ** -0.5
 
 
@@ -57,7 +57,7 @@ def test_split_decode_equals_one_device(devices, implementation, shape, batch_ax
     assert_flashmla_close("lse", lse, expected[1], **LSE_TOL)
     hlo = decode.lower(*args).compile().as_text()
     assert "all-gather" not in hlo and "all-to-all" not in hlo
-    if implementation == "flashmla":
+    if implementation == "custom_call":
         assert "jax_flashmla_mla_decode" in hlo
 
 
@@ -67,8 +67,8 @@ def test_given_metadata_with_a_split_q_is_refused(devices):
 
     @jax.jit
     def decode(q, kv, bt, sl):
-        md = jf.get_mla_metadata(sl, num_heads_q=q.shape[2], implementation="flashmla")
-        return jf.mla_decode(q, kv, bt, sl, metadata=md, implementation="flashmla")
+        md = jf.get_mla_metadata(sl, num_heads_q=q.shape[2], implementation="custom_call")
+        return jf.mla_decode(q, kv, bt, sl, metadata=md, implementation="custom_call")
 
     with pytest.raises(Exception, match="pass metadata=None"):
         decode(_put(mesh, q, None, None, "x", None), _put(mesh, kv), bt, sl)
@@ -77,12 +77,12 @@ def test_given_metadata_with_a_split_q_is_refused(devices):
 def test_mla_decode_inside_a_users_shard_map(devices):
     q, kv, bt, sl = sharding_problem(2)
     mesh = Mesh(np.array(devices[:4]), ("tp",))
-    local = jax.shard_map(lambda *a: jf.mla_decode(*a, implementation="flashmla"), mesh=mesh,
+    local = jax.shard_map(lambda *a: jf.mla_decode(*a, implementation="custom_call"), mesh=mesh,
                           in_specs=(P(None, None, "tp", None), P(), P(), P()),
                           out_specs=(P(None, None, "tp", None), P(None, "tp", None)))
     out, lse = jax.jit(local)(*(_put(mesh, x) for x in (q, kv, bt, sl)))
     expected = jf.mla_decode(*jax.device_put((q, kv, bt, sl), devices[0]),
-                             implementation="flashmla")
+                             implementation="custom_call")
     assert_flashmla_close("out", out, np.asarray(expected[0], np.float32), **OUT_TOL)
     assert_flashmla_close("lse", lse, expected[1], **LSE_TOL)
 
@@ -165,7 +165,7 @@ def test_dcp_times_tp(devices, scatter_heads):
     mesh = Mesh(np.array(devices[:8]).reshape(2, 4), ("dcp", "tp"))
     decode = jax.jit(lambda *a: cp.dcp_mla_decode(*a, mesh=mesh, axis="dcp", head_axis="tp",
                                                   scatter_heads=scatter_heads,
-                                                  implementation="flashmla"))
+                                                  implementation="custom_call"))
     out, lse = decode(_put(mesh, q, None, None, "tp", None), _put(mesh, pages, "dcp"),
                       _put(mesh, tables, "dcp"), _put(mesh, lens, "dcp"))
     heads = ("tp", "dcp") if scatter_heads else "tp"
@@ -184,7 +184,7 @@ def test_dcp_scatter_heads_needs_heads_the_axis_divides(devices):
     with pytest.raises(ValueError, match=r"scatter_heads splits each device's 6 heads over the "
                                          r"4 devices of axis 'dcp', which must divide them"):
         cp.dcp_mla_decode(q, pages, tables, lens, mesh=mesh, axis="dcp", scatter_heads=True,
-                          implementation="flashmla")
+                          implementation="custom_call")
 
 
 @pytest.mark.parametrize("layout,tokens_per_device", [("contiguous", 128), ("round_robin", None)])
@@ -247,7 +247,7 @@ def test_a_dcp_step_moves_only_lses_and_outs(devices, dcp, tp, scatter_heads):
             outs.append(cp.dcp_mla_decode(qs[layer], cache, tables, lens, mesh=mesh,
                                           axis="dcp", head_axis="tp",
                                           scatter_heads=scatter_heads,
-                                          implementation="flashmla")[0])
+                                          implementation="custom_call")[0])
         return cache, outs
 
     args = (_put(mesh, pages, "dcp"), _put(mesh, qs, None, None, None, "tp", None),

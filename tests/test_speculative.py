@@ -10,7 +10,7 @@ from jax_flashmla.speculative import (multi_step_draft, multi_step_draft_metadat
                                       target_verify, target_verify_metadata, verify_seq_lens)
 from helpers import request_attention_f64
 
-IMPLEMENTATIONS = ["flashmla", "reference"]
+IMPLEMENTATIONS = ["custom_call", "reference"]
 SCALE = 576 ** -0.5
 TOL = 2e-2  # bf16 on unit-scale data
 
@@ -89,7 +89,7 @@ def test_multi_step_draft_equals_decode_loop(implementation):
     q0, kv0 = base_q[0].astype(jnp.bfloat16), base_kv[0].astype(jnp.bfloat16)
     metadata = multi_step_draft_metadata(prefix, num_steps, num_heads_q=h,
                                          implementation=implementation)
-    if implementation == "flashmla":
+    if implementation == "custom_call":
         assert metadata.tile_scheduler_metadata.shape[0] == num_steps
         assert metadata.num_splits.shape == (num_steps, 5)
     draft = jax.jit(lambda c: multi_step_draft(

@@ -29,7 +29,7 @@ def _layer(stack, layer, q, block_table, seq_lens, md):
     slots = jf.token_slots(block_table, seq_lens[:, None] - 1) + layer * PAGES * 64
     stack = jf.write_kv(stack, slots, kv=q[:, :, 0, :])
     out, _ = jf.mla_decode(q, stack, block_table + layer * PAGES, seq_lens, metadata=md,
-                           implementation="flashmla")
+                           implementation="custom_call")
     return stack, out
 
 
@@ -38,7 +38,7 @@ def _next_q(out, rope):
 
 
 def unrolled(stack, block_table, seq_lens, q, rope):
-    md = jf.get_mla_metadata(seq_lens, num_heads_q=H_Q, implementation="flashmla")
+    md = jf.get_mla_metadata(seq_lens, num_heads_q=H_Q, implementation="custom_call")
     for layer in range(LAYERS):
         stack, out = _layer(stack, layer, q, block_table, seq_lens, md)
         q = _next_q(out, rope[layer])
@@ -46,7 +46,7 @@ def unrolled(stack, block_table, seq_lens, q, rope):
 
 
 def scanned(stack, block_table, seq_lens, q, rope):
-    md = jf.get_mla_metadata(seq_lens, num_heads_q=H_Q, implementation="flashmla")
+    md = jf.get_mla_metadata(seq_lens, num_heads_q=H_Q, implementation="custom_call")
 
     def body(carry, xs):
         stack, q = carry
@@ -78,12 +78,12 @@ def test_unrolled_and_scanned_steps_agree_with_layers_on_their_own_caches():
                                   np.asarray(expected_stack, np.float32))
     # The same layers on caches of their own, through the step's block table.
     caches = [stack[layer * PAGES:(layer + 1) * PAGES] for layer in range(LAYERS)]
-    md = jf.get_mla_metadata(seq_lens, num_heads_q=H_Q, implementation="flashmla")
+    md = jf.get_mla_metadata(seq_lens, num_heads_q=H_Q, implementation="custom_call")
     for layer in range(LAYERS):
         slots = jf.token_slots(block_table, seq_lens[:, None] - 1)
         caches[layer] = jf.write_kv(caches[layer], slots, kv=q[:, :, 0, :])
         out, _ = jf.mla_decode(q, caches[layer], block_table, seq_lens, metadata=md,
-                               implementation="flashmla")
+                               implementation="custom_call")
         q = _next_q(out, rope[layer])
     np.testing.assert_array_equal(np.asarray(out, np.float32),
                                   np.asarray(expected_out, np.float32))

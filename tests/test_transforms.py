@@ -7,7 +7,7 @@ import pytest
 import jax_flashmla as jf
 from helpers import make_decode_inputs
 
-IMPLEMENTATIONS = ["flashmla", "reference"]
+IMPLEMENTATIONS = ["custom_call", "reference"]
 
 
 def _inputs(seed, batch=2, s_q=1, h_q=16, mean_sk=100, varlen=True):
@@ -16,12 +16,12 @@ def _inputs(seed, batch=2, s_q=1, h_q=16, mean_sk=100, varlen=True):
     return q, kv, jnp.asarray(bt), jnp.asarray(sl)
 
 
-def _assert_same(a, b, implementation="flashmla"):
+def _assert_same(a, b, implementation="custom_call"):
     """The custom call maps sequentially, so it is bit-exact under vmap and scan; XLA may
     reorder the pure-JAX reference's reductions when batched (seen on the GPU), which can move a
     bf16 output by one unit in the last place."""
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    if implementation == "flashmla":
+    if implementation == "custom_call":
         np.testing.assert_array_equal(a, b)
     else:
         np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-3)
@@ -82,7 +82,7 @@ def test_scan_over_stacked_layers_shares_one_metadata(implementation):
 
 
 def test_repeated_calls_with_the_same_shapes_compile_once():
-    decode = jax.jit(lambda *a: jf.mla_decode(*a, implementation="flashmla"))
+    decode = jax.jit(lambda *a: jf.mla_decode(*a, implementation="custom_call"))
     q, kv, bt, sl = _inputs(10)
     for scale in (1.0, -1.0, 0.5):
         decode(q * scale, kv, bt, jnp.maximum(sl - 1, 0))

@@ -15,7 +15,7 @@ def _args(batch=2, s_q=1, h_q=16, pages=4, max_pages=2, dtype=jnp.bfloat16):
 
 def _decode(**overrides):
     args = _args()
-    kwargs = {"implementation": "flashmla"}
+    kwargs = {"implementation": "custom_call"}
     kwargs.update({k: overrides.pop(k) for k in list(overrides) if k not in args})
     args.update(overrides)
     return jf.mla_decode(args["q"], args["kv_cache"], args["block_table"], args["seq_lens"],
@@ -49,16 +49,16 @@ def test_decode_rejects(overrides, exc, pattern):
 
 def test_decode_rejects_metadata_for_another_layout():
     args = _args(h_q=16)
-    md = jf.get_mla_metadata(args["seq_lens"], num_heads_q=32, implementation="flashmla")
+    md = jf.get_mla_metadata(args["seq_lens"], num_heads_q=32, implementation="custom_call")
     with pytest.raises(ValueError, match="metadata was computed for num_heads_q=32, num_q_tokens=1; "
                                          "q has h_q=16, s_q=1"):
-        jf.mla_decode(*args.values(), metadata=md, implementation="flashmla")
+        jf.mla_decode(*args.values(), metadata=md, implementation="custom_call")
 
 
 def test_decode_rejects_metadata_for_another_batch():
-    md = jf.get_mla_metadata(jnp.zeros((5,), jnp.int32), num_heads_q=16, implementation="flashmla")
+    md = jf.get_mla_metadata(jnp.zeros((5,), jnp.int32), num_heads_q=16, implementation="custom_call")
     with pytest.raises(ValueError, match=r"num_splits must have shape \(3,\) for batch 2; got \(6,\)"):
-        jf.mla_decode(*_args().values(), metadata=md, implementation="flashmla")
+        jf.mla_decode(*_args().values(), metadata=md, implementation="custom_call")
 
 
 @pytest.mark.parametrize("seq_lens,kwargs,exc,pattern", [
@@ -72,7 +72,7 @@ def test_decode_rejects_metadata_for_another_batch():
 ])
 def test_metadata_rejects(seq_lens, kwargs, exc, pattern):
     with pytest.raises(exc, match=pattern):
-        jf.get_mla_metadata(seq_lens, implementation="flashmla", **kwargs)
+        jf.get_mla_metadata(seq_lens, implementation="custom_call", **kwargs)
 
 
 def test_errors_are_raised_at_trace_time():
@@ -86,4 +86,4 @@ def test_a_traced_softmax_scale_is_refused_by_name():
     args = _args()
     with pytest.raises(TypeError, match="softmax_scale must be a Python float"):
         jax.jit(lambda s: jf.mla_decode(*args.values(), softmax_scale=s,
-                                        implementation="flashmla"))(0.1)
+                                        implementation="custom_call"))(0.1)

@@ -12,7 +12,7 @@ import jax_flashmla as jf
 from jax_flashmla import fp8
 from helpers import make_decode_inputs
 
-IMPLEMENTATIONS = ["flashmla", "reference"]
+IMPLEMENTATIONS = ["custom_call", "reference"]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def test_a_negative_length_is_named_by_the_metadata(inputs):
     q, kv, bt, sl = inputs
     bad = sl.at[2].set(-3)
     err, _ = _checked(lambda s: jf.get_mla_metadata(s, num_heads_q=16,
-                                                    implementation="flashmla").num_splits, bad)
+                                                    implementation="custom_call").num_splits, bad)
     with pytest.raises(checkify.JaxRuntimeError,
                        match=r"get_mla_metadata: seq_lens\[2\] = -3 is negative"):
         err.throw()
@@ -83,13 +83,13 @@ def test_entries_a_request_does_not_read_are_not_checked(inputs):
     q, kv, bt, sl = inputs
     unread = np.asarray(bt).copy()
     unread[0, -(-int(sl[0]) // 64):] = -1  # past request 0's pages
-    err, _ = _checked(_step("flashmla"), q, kv, jnp.asarray(unread), sl, sl)
+    err, _ = _checked(_step("custom_call"), q, kv, jnp.asarray(unread), sl, sl)
     err.throw()
 
 
 def test_metadata_of_other_lengths_is_named(inputs):
     q, kv, bt, sl = inputs
-    err, _ = _checked(_step("flashmla"), q, kv, bt, sl, sl - 100)
+    err, _ = _checked(_step("custom_call"), q, kv, bt, sl, sl - 100)
     with pytest.raises(checkify.JaxRuntimeError,
                        match="metadata.tile_scheduler_metadata is not what get_mla_metadata "
                              "makes for this decode's seq_lens"):
@@ -104,9 +104,9 @@ def test_fp8_metadata_of_another_block_table_is_named(inputs):
 
     def step(q, kv8, bt, md_bt, sl):
         md = jf.get_mla_metadata(sl, num_heads_q=16, fp8=True, block_table=md_bt,
-                                 implementation="flashmla")
+                                 implementation="custom_call")
         return jf.mla_decode(q, kv8, bt, sl, metadata=md, k_scale=scale,
-                             implementation="flashmla")
+                             implementation="custom_call")
 
     err, _ = _checked(step, q, kv8, bt, bt, sl)
     err.throw()
@@ -129,12 +129,12 @@ def test_a_bad_fp8_scale_is_named(inputs, value):
 
 def test_off_by_default_the_step_holds_no_check(inputs):
     q, kv, bt, sl = inputs
-    plain = jax.jit(_step("flashmla")).lower(q, kv, bt, sl, sl).as_text()
+    plain = jax.jit(_step("custom_call")).lower(q, kv, bt, sl, sl).as_text()
     with jf.value_checks(False):
-        off = jax.jit(_step("flashmla")).lower(q, kv, bt, sl, sl).as_text()
+        off = jax.jit(_step("custom_call")).lower(q, kv, bt, sl, sl).as_text()
     assert plain == off
     with jf.value_checks():
-        on = jax.jit(checkify.checkify(_step("flashmla"))).lower(q, kv, bt, sl, sl).as_text()
+        on = jax.jit(checkify.checkify(_step("custom_call"))).lower(q, kv, bt, sl, sl).as_text()
     # The given metadata, the one it is checked against, and the call's (for safe inputs).
     assert on.count("jax_flashmla_mla_metadata") == 3
 
