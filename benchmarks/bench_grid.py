@@ -37,8 +37,8 @@ FlashMLA's test; GB/s is also given as a fraction of a device-to-device copy mea
 same run (bytes read + written).
 
 Writes under --out-dir after every point, so that a timeout leaves a partial report: NAME.json,
-NAME.md; at the end NAME_gbps.png and NAME_tflops.png (grid_report.py redraws them from the
-JSON). NAME defaults to grid_<device>, e.g. grid_h200 or grid_cpu.
+NAME.md; at the end NAME.png and, with an FP8 cache, NAME_fp8.png (GB/s and TFLOPS;
+grid_report.py redraws them from the JSON). NAME defaults to grid_<device>, e.g. grid_h200 or grid_cpu.
 
     python3 benchmarks/bench_grid.py --deadline-s 420    # a Hopper GPU: the whole grid
     python benchmarks/bench_grid.py --out-dir /tmp/grid   # no GPU: a tiny grid, the C++ model

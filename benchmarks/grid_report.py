@@ -309,9 +309,9 @@ def _panel(ax, here, metric, ceiling, layers):
 
 
 def write_plots(results, stem):
-    """stem_gbps.png and stem_tflops.png (bf16 cache), stem_fp8_gbps.png and
-    stem_fp8_tflops.png: a panel per (lengths, s_q) row and h_q column. Returns the paths
-    written; none where matplotlib is missing."""
+    """stem.png (bf16 cache) and stem_fp8.png: a panel per (lengths, s_q) row and per (metric,
+    h_q) column, GB/s then TFLOPS. Returns the paths written; none where matplotlib is
+    missing."""
     try:
         import matplotlib
     except ImportError:
@@ -330,34 +330,31 @@ def write_plots(results, stem):
 
 def _plots(plt, meta, points, dtype, stem):
     rows = sorted({(p["varlen"], p["s_q"]) for p in points})
-    cols = sorted({p["h_q"] for p in points})
+    cols = [(metric, unit, h_q) for metric, unit in (("gbps", "GB/s"), ("tflops", "TFLOPS"))
+            for h_q in sorted({p["h_q"] for p in points})]
     s_ks = sorted({p["mean_s_k"] for p in points})
-    written = []
-    for metric, unit in (("gbps", "GB/s"), ("tflops", "TFLOPS")):
-        fig, axes = plt.subplots(len(rows), len(cols), squeeze=False, sharex=True,
-                                 figsize=(max(6.0, 3.4 * len(cols)), 2.6 * len(rows) + 0.8),
-                                 layout="constrained")
-        for (varlen, s_q), ax_row in zip(rows, axes):
-            for h_q, ax in zip(cols, ax_row):
-                here = sorted((p for p in points if (p["varlen"], p["s_q"], p["h_q"]) ==
-                               (varlen, s_q, h_q)), key=lambda p: p["mean_s_k"])
-                if here:
-                    _panel(ax, here, metric, meta["copy"]["ceiling_gbps"], meta["layers"])
-                ax.set_title(f"{'varlen' if varlen else 'fixed'}, s_q={s_q}, h_q={h_q}", fontsize=9)
-            ax_row[0].set_ylabel(unit)
-        for ax in axes[-1]:
-            ax.set_xticks(s_ks, [str(s) for s in s_ks])
-            ax.set_xlabel("mean s_k")
-        handles, labels = axes[0][0].get_legend_handles_labels()
-        fig.legend(handles, labels, loc="outside lower center", fontsize=8,
-                   ncol=min(len(labels), 3 * len(cols)))
-        fig.suptitle(f"FlashMLA decode, {meta['device']}, b={meta['batch']}, {dtype} cache: "
-                     f"{unit}")
-        path = f"{stem}_{metric}.png"
-        fig.savefig(path, dpi=110, bbox_inches="tight")
-        plt.close(fig)
-        written.append(path)
-    return written
+    fig, axes = plt.subplots(len(rows), len(cols), squeeze=False, sharex=True,
+                             figsize=(max(6.0, 3.4 * len(cols)), 2.6 * len(rows) + 0.8),
+                             layout="constrained")
+    for (varlen, s_q), ax_row in zip(rows, axes):
+        for (metric, unit, h_q), ax in zip(cols, ax_row):
+            here = sorted((p for p in points if (p["varlen"], p["s_q"], p["h_q"]) ==
+                           (varlen, s_q, h_q)), key=lambda p: p["mean_s_k"])
+            if here:
+                _panel(ax, here, metric, meta["copy"]["ceiling_gbps"], meta["layers"])
+            ax.set_title(f"{unit}: {'varlen' if varlen else 'fixed'}, s_q={s_q}, h_q={h_q}",
+                         fontsize=9)
+    for ax in axes[-1]:
+        ax.set_xticks(s_ks, [str(s) for s in s_ks])
+        ax.set_xlabel("mean s_k")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", fontsize=8,
+               ncol=min(len(labels), 3 * len(cols)))
+    fig.suptitle(f"FlashMLA decode, {meta['device']}, b={meta['batch']}, {dtype} cache")
+    path = f"{stem}.png"
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return [path]
 
 
 def main():
