@@ -12,6 +12,8 @@
 #              (step_h200), STEP_DEADLINE_S (default 540)
 #     grid     bench_grid.py; GRID_ARGS, GRID_NAME (grid_h200), GRID_DEADLINE_S (default 420)
 #     fp8      bench_fp8.py
+#     launch   dev/probe_launch.py; LAUNCH_ARGS, LAUNCH_NAME (launch)
+#     xla-flags  the command-buffer flags the installed XLA plugin knows
 #     set:NAME=VALUE  exports NAME=VALUE for the modes after it
 set -uo pipefail
 modes=("${@:-capture}")
@@ -64,6 +66,21 @@ for mode in "${modes[@]}"; do
   fp8)
     timeout 240 python3 benchmarks/bench_fp8.py --out "$out/fp8_h200.json" 2>&1 \
       | tee "$out/fp8.txt" | tail -20 ;;
+  launch)
+    timeout 420 python3 dev/probe_launch.py --out "$out/${LAUNCH_NAME:-launch}.json" \
+      ${LAUNCH_ARGS:-} 2>&1 | tee "$out/${LAUNCH_NAME:-launch}.txt" | cut -c1-1500 | tail -6 ;;
+  xla-flags)
+    python3 - <<'PY' | tee "$out/xla_flags.txt"
+import glob, os, re, jax_plugins
+names = set()
+for d in jax_plugins.__path__:
+    for so in glob.glob(os.path.join(d, "**", "*.so*"), recursive=True):
+        names |= set(re.findall(rb"xla_(?:gpu_)?(?:command_buffer|cmd_buffer|graph)[a-z_]*"
+                                rb"|ALWAYS_UPDATE|SKIP_TEMP|SKIP_PROFILED|NEVER_UPDATE",
+                                open(so, "rb").read()))
+print("\n".join(sorted(n.decode() for n in names)))
+PY
+    ;;
   set:*) export "${mode#set:}" ;;
   *) echo "unknown mode $mode"; exit 2 ;;
   esac

@@ -1,0 +1,187 @@
+"""Where a replayed decode step's time beyond its GPU work goes: the host's time to hand a
+step of L layers to the GPU (dispatch: until the call returns) and until it is done (wall:
+until synced), without a profiler, for XLA's command buffer and for CUDA graphs of FlashMLA's
+decode op built the ways torch and XLA build them.
+
+XLA (bench_step.py's unrolled stacked step, called through AlternatingStep):
+  xla_decode    bench_step.py's step: per layer write_kv, mla_decode, the next q
+  xla_trivial   the same with a fusion in place of each mla_decode (no custom call)
+  xla_thunks    xla_decode with command buffers off (each thunk launched on its own)
+CUDA graphs of the decode op alone, L calls on one cache (FlashMLA from torch):
+  graph_flat      L decodes captured in one torch CUDA graph (torch's way)
+  graph_children  each decode captured in a graph of its own, the L graphs added as child
+                  nodes of one graph in a chain (XLA's way for a traced custom call)
+Each: the median over --steps of µs per step for dispatch and wall, and the GPU span per step
+from a profile (first kernel's start to last kernel's end); for the XLA variants a hash of the
+last out, to compare runs under other XLA_FLAGS.
+
+  python dev/probe_launch.py --points "1,4096,16;16,4096,16" --out launch.json
+"""
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
+import bench_step  # noqa: E402  (sets XLA_FLAGS and the allocator as bench_step.py runs)
+import jax_flashmla as jf  # noqa: E402
+
+
+def xla_variants(p, names):
+    """{name: (launch(), sync(), last out())} for the XLA variants among names."""
+    t = p.tables()
+    args = (p.rows, p.rope, p.q0, t)
+
+    def decode_step(stack, rows, rope, q, t):
+        md = bench_step._metadata(p, t)
+        latent = rows[0, ..., :bench_step.D_V]
+        for layer in range(p.layers):
+            stack, out = bench_step._layer(p, t, stack, layer * p.pages, q, latent,
+                                           rows[layer], md)
+            q, latent = bench_step._next(out, rope[layer])
+        return stack, q[..., :bench_step.D_V]
+
+    def trivial_step(stack, rows, rope, q, t):
+        latent = rows[0, ..., :bench_step.D_V]
+        for layer in range(p.layers):
+            new = jnp.concatenate([latent, rows[layer][..., bench_step.D_V:]], axis=-1)
+            stack = jf.write_kv(stack, t["slots"] + layer * p.pages * bench_step.PAGE, kv=new)
+            q, latent = bench_step._next(q[..., :bench_step.D_V] * 0.5, rope[layer])
+        return stack, q[..., :bench_step.D_V]
+
+    no_command_buffers = {"xla_gpu_graph_min_graph_size": 1 << 20}
+    made = {}
+    for name, f, options in (("xla_decode", decode_step, None),
+                             ("xla_trivial", trivial_step, None),
+                             ("xla_thunks", decode_step, no_command_buffers)):
+        if name not in names:
+            continue
+        state = {"stack": p.stacked_cache()}
+        compiled = jax.jit(f, donate_argnums=0, compiler_options=options).lower(
+            state["stack"], *args).compile()
+        step = jf.AlternatingStep(compiled)
+
+        def launch(step=step, state=state):
+            state["stack"], state["out"] = step(state["stack"], *args)
+
+        made[name] = (launch, lambda state=state: jax.block_until_ready(state["out"]),
+                      lambda state=state: state["out"])
+    return made
+
+
+def graph_variants(p):
+    """{name: (launch(), sync())} for CUDA graphs of L decode-op calls on layer 0's cache."""
+    import torch
+    from cuda.bindings import driver
+    from torch_side import TorchSide
+
+    side = TorchSide()
+    cache = p.stacked_cache()[:p.pages]
+    call = side.decode_call(cache, p.seq_lens, p.q0, p.block_table, p.h_q, p.s_q)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    flat = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(flat):
+        for _ in range(p.layers):
+            call()
+    children = []
+    for _ in range(p.layers):
+        g = torch.cuda.CUDAGraph(keep_graph=True)
+        with torch.cuda.graph(g, pool=flat.pool()):
+            call()
+        children.append(g)
+
+    def check(result):
+        err, *rest = result
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"CUDA driver: {err}")
+        return rest[0] if len(rest) == 1 else rest
+
+    def chain_of(graphs):
+        parent = check(driver.cuGraphCreate(0))
+        last = None
+        for g in graphs:
+            deps = [] if last is None else [last]
+            last = check(driver.cuGraphAddChildGraphNode(parent, deps, len(deps), g))
+        return check(driver.cuGraphInstantiate(parent, 0))
+
+    chained = chain_of([driver.CUgraph(g.raw_cuda_graph()) for g in children])
+    torch_stream = torch.cuda.current_stream()
+    cu_stream = driver.CUstream(torch_stream.cuda_stream)
+    sync = torch.cuda.synchronize
+    return {"graph_flat": (flat.replay, sync),
+            "graph_children": (lambda: check(driver.cuGraphLaunch(chained, cu_stream)), sync),
+            "_keep": (children, chained)}
+
+
+def timed(launch, sync, steps, warmup=3):
+    for _ in range(warmup):
+        launch()
+        sync()
+    dispatch, wall = [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        launch()
+        mid = time.perf_counter()
+        sync()
+        end = time.perf_counter()
+        dispatch.append((mid - start) * 1e6)
+        wall.append((end - start) * 1e6)
+    return round(statistics.median(dispatch), 1), round(statistics.median(wall), 1)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--points", default="1,4096,16;16,4096,16",
+                        help="b,s_k,h_q;... (default 1,4096,16;16,4096,16)")
+    parser.add_argument("--layers", type=int, default=61)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--variants", default="xla_decode,xla_trivial,xla_thunks,graph",
+                        help="among xla_decode, xla_trivial, xla_thunks, graph (the two graphs)")
+    parser.add_argument("--out", default=None, help="a JSON file for the results")
+    args = parser.parse_args()
+    results = []
+    for point in args.points.split(";"):
+        b, s_k, h_q = map(int, point.split(","))
+        p = bench_step.Point(b, s_k, h_q, 1, "bfloat16", args.layers, 30)
+        names = args.variants.split(",")
+        made = xla_variants(p, names)
+        runs = {name: (launch, sync) for name, (launch, sync, _) in made.items()}
+        if jax.default_backend() == "gpu" and "graph" in names:
+            runs.update(graph_variants(p))
+        keep = runs.pop("_keep", None)
+        record = dict(b=b, s_k=s_k, h_q=h_q, layers=p.layers,
+                      xla_flags=os.environ.get("XLA_FLAGS"))
+        for name, (launch, sync) in runs.items():
+            record[f"{name}_dispatch_us"], record[f"{name}_wall_us"] = timed(
+                launch, sync, args.steps)
+        for name, (_, _, out) in made.items():
+            record[f"{name}_out_sha"] = hashlib.sha256(np.asarray(out()).tobytes()).hexdigest()[:16]
+        if jax.default_backend() == "gpu":
+            spans = bench_step.gpu_span_us(
+                {name: (lambda launch=launch, sync=sync: (launch(), sync()))
+                 for name, (launch, sync) in runs.items()})
+            record.update({f"{name}_span_us": None if s is None else round(s, 1)
+                           for name, s in spans.items()})
+        print(json.dumps(record), flush=True)
+        results.append(record)
+        del keep, runs, made, p
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(dict(jax=jax.__version__, device=jax.devices()[0].device_kind,
+                               results=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
