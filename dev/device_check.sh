@@ -5,7 +5,7 @@
 #   bash dev/device_check.sh MODE...
 #     build    the install alone (a warm machine keeps build/, so it is incremental)
 #     capture  the command-buffer tests, the bf16 and FP8 op tests against torch (~1.5 min)
-#     gpu      every test marked gpu but the two-GPU ones (~6 min)
+#     gpu      every test marked gpu but the two-GPU ones (~6 min), or those in GPU_TESTS
 #     package  tests/test_gpu.py with the sgl-flash-mla package as the only kernel source
 #     multi    tests/test_gpu_multi.py (two GPUs visible)
 #     step     bench_step.py; STEP_ARGS (e.g. "--points 16,4096,128,1,bfloat16"), STEP_NAME
@@ -46,7 +46,7 @@ for mode in "${modes[@]}"; do
   capture)
     pytest_logged pytest_capture.txt 300 tests/test_gpu_capture.py tests/test_gpu.py \
       tests/test_gpu_fp8.py ;;
-  gpu) pytest_logged pytest_gpu.txt 540 -m gpu tests --ignore=tests/test_gpu_multi.py ;;
+  gpu) pytest_logged pytest_gpu.txt 540 -m gpu ${GPU_TESTS:-tests --ignore=tests/test_gpu_multi.py} ;;
   package)
     site=/tmp/flash_mla_site
     python3 -m pip install -q --no-index --no-deps --upgrade --target "$site" \

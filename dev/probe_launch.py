@@ -7,10 +7,14 @@ XLA (bench_step.py's unrolled stacked step, called through AlternatingStep):
   xla_decode    bench_step.py's step: per layer write_kv, mla_decode, the next q
   xla_trivial   the same with a fusion in place of each mla_decode (no custom call)
   xla_thunks    xla_decode with command buffers off (each thunk launched on its own)
+  xla_guard     xla_trivial with the FP8 guard's custom call (one small kernel) per layer: what
+                XLA costs for a custom call in a command buffer, FlashMLA aside
 CUDA graphs of the decode op alone, L calls on one cache (FlashMLA from torch):
   graph_flat      L decodes captured in one torch CUDA graph (torch's way)
   graph_children  each decode captured in a graph of its own, the L graphs added as child
                   nodes of one graph in a chain (XLA's way for a traced custom call)
+  graph_children_priority  that graph instantiated with CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_
+                  PRIORITY, as XLA instantiates its graphs
 Each: the median over --steps of µs per step for dispatch and wall, and the GPU span per step
 from a profile (first kernel's start to last kernel's end); for the XLA variants a hash of the
 last out, to compare runs under other XLA_FLAGS.
@@ -33,6 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
 import bench_step  # noqa: E402  (sets XLA_FLAGS and the allocator as bench_step.py runs)
 import jax_flashmla as jf  # noqa: E402
+from jax_flashmla import lowering  # noqa: E402
 
 
 def xla_variants(p, names):
@@ -57,11 +62,23 @@ def xla_variants(p, names):
             q, latent = bench_step._next(q[..., :bench_step.D_V] * 0.5, rope[layer])
         return stack, q[..., :bench_step.D_V]
 
+    def guard_step(stack, rows, rope, q, t):
+        latent = rows[0, ..., :bench_step.D_V]
+        for layer in range(p.layers):
+            new = jnp.concatenate([latent, rows[layer][..., bench_step.D_V:]], axis=-1)
+            stack = jf.write_kv(stack, t["slots"] + layer * p.pages * bench_step.PAGE, kv=new)
+            # A block table of its own per layer, so that XLA does not merge the guards.
+            _, lens = lowering.bind_fp8_guard(t["block_table"] + layer, t["seq_lens"])
+            q = q + (lens[0] - p.s_k).astype(q.dtype)
+            q, latent = bench_step._next(q[..., :bench_step.D_V] * 0.5, rope[layer])
+        return stack, q[..., :bench_step.D_V]
+
     no_command_buffers = {"xla_gpu_graph_min_graph_size": 1 << 20}
     made = {}
     for name, f, options in (("xla_decode", decode_step, None),
                              ("xla_trivial", trivial_step, None),
-                             ("xla_thunks", decode_step, no_command_buffers)):
+                             ("xla_thunks", decode_step, no_command_buffers),
+                             ("xla_guard", guard_step, None)):
         if name not in names:
             continue
         state = {"stack": p.stacked_cache()}
@@ -108,21 +125,26 @@ def graph_variants(p):
             raise RuntimeError(f"CUDA driver: {err}")
         return rest[0] if len(rest) == 1 else rest
 
-    def chain_of(graphs):
+    def chain_of(graphs, flags=0):
         parent = check(driver.cuGraphCreate(0))
         last = None
         for g in graphs:
             deps = [] if last is None else [last]
             last = check(driver.cuGraphAddChildGraphNode(parent, deps, len(deps), g))
-        return check(driver.cuGraphInstantiate(parent, 0))
+        return check(driver.cuGraphInstantiate(parent, flags))
 
-    chained = chain_of([driver.CUgraph(g.raw_cuda_graph()) for g in children])
+    raw = [driver.CUgraph(g.raw_cuda_graph()) for g in children]
+    chained = chain_of(raw)
+    by_priority = chain_of(raw, driver.CUgraphInstantiate_flags
+                           .CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY)
     torch_stream = torch.cuda.current_stream()
     cu_stream = driver.CUstream(torch_stream.cuda_stream)
     sync = torch.cuda.synchronize
     return {"graph_flat": (flat.replay, sync),
             "graph_children": (lambda: check(driver.cuGraphLaunch(chained, cu_stream)), sync),
-            "_keep": (children, chained)}
+            "graph_children_priority": (
+                lambda: check(driver.cuGraphLaunch(by_priority, cu_stream)), sync),
+            "_keep": (children, chained, by_priority)}
 
 
 def timed(launch, sync, steps, warmup=3):
@@ -147,8 +169,9 @@ def main():
                         help="b,s_k,h_q;... (default 1,4096,16;16,4096,16)")
     parser.add_argument("--layers", type=int, default=61)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--variants", default="xla_decode,xla_trivial,xla_thunks,graph",
-                        help="among xla_decode, xla_trivial, xla_thunks, graph (the two graphs)")
+    parser.add_argument("--variants", default="xla_decode,xla_trivial,xla_thunks,xla_guard,graph",
+                        help="among xla_decode, xla_trivial, xla_thunks, xla_guard, graph (the "
+                             "graphs; default all)")
     parser.add_argument("--out", default=None, help="a JSON file for the results")
     args = parser.parse_args()
     results = []
