@@ -15,7 +15,8 @@ Implementations (--impl):
   reference      the pure-JAX reference under jax.jit, skipped past --ref-budget-gib
   flashmla_step  one jitted decode step as a model's: get_mla_metadata, then --layers decodes
                  sharing it and one block table, each layer over a cache of its own (for an
-                 FP8 cache XLA then merges the layers' guards for empty requests into one)
+                 FP8 cache XLA then merges the layers' guards for empty requests into one),
+                 called through AlternatingStep
   torch_step     the torch loop of the same calls: the metadata op, then --layers decodes (GPU)
 
 Timing, the same for all (benchmarks/timing.py): N calls back to back, then one device sync,
@@ -174,8 +175,11 @@ def bench_point(work, dtype, h_q, s_q, impls, args, torch_side, ceiling_gbps, bl
         step_qs = [kernel_qs[j % rot] for j in range(layers)]
         caches = work.layer_caches(dtype, rot)
         step_caches = [caches[j % rot] for j in range(layers)]
+        # Called as a serving loop calls a step, through AlternatingStep.
+        step = jf.AlternatingStep(
+            decode_step.lower(step_qs, step_caches, bts[0], sl, k_scale).compile())
         variants["flashmla_step"] = (
-            lambda i: decode_step(step_qs, step_caches, bts[0], sl, k_scale), jax_sync)
+            lambda i: step(step_qs, step_caches, bts[0], sl, k_scale), jax_sync)
         per_call["flashmla_step"] = layers
     if set(impls) & set(TORCH_IMPLS):
         try:

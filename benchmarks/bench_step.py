@@ -111,7 +111,9 @@ class Point:
     def stacked_cache(self):
         """All layers' pages in one cache: layer l's are the base cache rolled by l pages."""
         L, base = self.layers, self.base
-        return jax.jit(lambda: jnp.concatenate([jnp.roll(base, l, axis=0) for l in range(L)]))()
+        # base is an argument: closed over, a cache of GBs would be a constant of the program.
+        return jax.jit(lambda base: jnp.concatenate([jnp.roll(base, l, axis=0)
+                                                     for l in range(L)]))(base)
 
     def layer_caches(self):
         roll = jax.jit(lambda base, layer: jnp.roll(base, layer, axis=0))
@@ -302,6 +304,14 @@ def records_by_layout(raw):
     return records
 
 
+def _option(text):
+    """NAME=VALUE as XLA takes it: true/false as a bool, digits as an int, else the text."""
+    name, value = text.split("=", 1)
+    if value in ("true", "false"):
+        return name, value == "true"
+    return name, int(value) if value.lstrip("-").isdigit() else value
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=61, help="layers per step (default 61)")
@@ -332,7 +342,7 @@ def main():
         torch_side = TorchStep()
         points = grid_points() if args.points == "grid" else [
             (*map(int, p.split(",")[:4]), p.split(",")[4]) for p in args.points.split(";")]
-    xla_options = dict(option.split("=", 1) for option in args.xla_option)
+    xla_options = dict(_option(option) for option in args.xla_option)
     k, n = map(int, args.part.split("/"))
     start, raw = time.perf_counter(), []
     for b, s_k, h_q, s_q, dtype in points[k::n]:
