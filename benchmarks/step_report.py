@@ -72,11 +72,13 @@ def plot(result, path):
     import matplotlib.pyplot as plt
 
     rows = [r for r in result["raw"] if r["s_q"] == 1 and r["dtype"] == "bfloat16"]
-    panels = sorted({(r["s_k"], r["h_q"]) for r in rows})
-    if not panels:
+    s_ks, h_qs = sorted({r["s_k"] for r in rows}), sorted({r["h_q"] for r in rows})
+    if not rows:
         return
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6), squeeze=False)
-    for ax, (s_k, h_q) in zip(axes[0], panels):
+    # A row of panels per h_q, a column per s_k.
+    fig, axes = plt.subplots(len(h_qs), len(s_ks), figsize=(4.2 * len(s_ks), 3.4 * len(h_qs)),
+                             squeeze=False)
+    for ax, (h_q, s_k) in zip(axes.flat, [(h, s) for h in h_qs for s in s_ks]):
         points = sorted((r for r in rows if (r["s_k"], r["h_q"]) == (s_k, h_q)),
                         key=lambda r: r["b"])
         for key, label in VARIANTS:
@@ -88,8 +90,9 @@ def plot(result, path):
         ax.set_title(f"s_k={s_k}, h_q={h_q}, bf16")
         ax.set_xlabel("batch")
         ax.set_ylabel("µs per layer")
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="lower center", ncol=4,
+               fontsize=8)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=110)
 
 
