@@ -77,9 +77,10 @@ CPU_GRID = dict(batch=2, s_k=[64, 128], h_q=[16], s_q=[1, 2], layers=2, target_m
 # implementations in turns within each repeat (the order reversed every other repeat), ratios
 # per repeat; the per-call ones also as the slope over batches of 0.5, 1 and 2 times their
 # calls (as timing.fit_in_turns); flashmla's lse returned as FlashMLA wrote it (lse_format);
-# a step's layers share one block table, each over its own cache.
-TIMING = ("in alternating turns, per call fitted, lse as written, step over layer caches, "
-          "FP8 guard in the metadata")
+# a step's layers share one block table, each over its own cache, the step called through
+# AlternatingStep.
+TIMING = ("in alternating turns, per call fitted, lse as written, step over layer caches "
+          "through AlternatingStep, FP8 guard in the metadata")
 FITTED = ("flashmla", "torch")
 # Timed by the GPU's timestamps too, where --device-time (device_time.py).
 DEVICE_TIMED = ("flashmla", "torch")
