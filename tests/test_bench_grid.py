@@ -67,7 +67,7 @@ def test_cpu_grid_writes_its_report(tmp_path):
     assert meta["fp8_q"] == "given quantized" and "given to both in FP8" in markdown
     assert "Pure-JAX reference / jax_flashmla: median" in markdown
     assert meta["timing"] == ("in alternating turns, per call fitted, lse as written, step over "
-                              "layer caches, FP8 guard in the metadata")
+                              "layer caches through AlternatingStep, FP8 guard in the metadata")
     assert "a metadata per set made with its block table" in markdown
     # No GPU timestamps to time by on CPU.
     assert meta["device_time"] is False and "device_ms" not in p["impls"]["flashmla"]
