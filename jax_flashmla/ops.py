@@ -27,7 +27,7 @@ LOOP_STEP_COMPILER_OPTIONS = {
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["tile_scheduler_metadata", "num_splits", "kernel_block_table",
-                                "kernel_seq_lens"],
+                                "kernel_seq_lens", "seq_lens"],
                    meta_fields=["num_heads_q", "num_q_tokens", "num_heads_k", "fp8"])
 @dataclasses.dataclass(frozen=True)
 class MLAMetadata:
@@ -41,6 +41,9 @@ class MLAMetadata:
       kernel_block_table, kernel_seq_lens: with fp8 and a block_table given to
         get_mla_metadata, the FP8 guard's copies of the step's block table (batch, max_pages)
         and lengths (batch,) int32, which the FP8 kernel reads; else None.
+      seq_lens: with a block_table and num_pages given to get_mla_metadata, the (batch,) int32
+        lengths it was made for: the step's, 0 for each request whose length or block-table
+        entries are out of range (see there); mla_decode decodes these. Else None.
     """
 
     tile_scheduler_metadata: jax.Array
@@ -51,6 +54,7 @@ class MLAMetadata:
     fp8: bool = False
     kernel_block_table: jax.Array | None = None
     kernel_seq_lens: jax.Array | None = None
+    seq_lens: jax.Array | None = None
 
 
 def _resolve(implementation):
@@ -68,7 +72,7 @@ def _default_num_sms():
 
 
 def get_mla_metadata(seq_lens, *, num_heads_q, num_q_tokens=1, num_heads_k=1, num_sms=None,
-                     implementation=None, fp8=False, block_table=None):
+                     implementation=None, fp8=False, block_table=None, num_pages=None):
     """Computes FlashMLA's tile-scheduler metadata for one decode step.
 
     Args:
@@ -85,12 +89,21 @@ def get_mla_metadata(seq_lens, *, num_heads_q, num_q_tokens=1, num_heads_k=1, nu
         (get_mla_decoding_metadata_dense_fp8), whose rows the bf16 decode cannot read, nor the
         reverse; mla_decode refuses a mismatch. It schedules a length of 0 as 1, as mla_decode
         gives it to the FP8 kernel (see there).
-      block_table: with fp8 only, the step's (batch, max_pages) int32 block table, which every
-        layer's mla_decode must then be given. The FP8 kernel reads a guarded copy of it and
-        of seq_lens (requests of length 0 as length 1 over page 0, ffi/fp8_guard.h); made
-        here, it is made once per step. Without it each mla_decode guards its own inputs:
-        XLA merges those guards across layers written out one after another, but XLA's GPU
-        compiler leaves them inside a lax.scan over layers, once per layer.
+      block_table: the step's (batch, max_pages) int32 block table, which every layer's
+        mla_decode must then be given (for a layer whose pages start at page k of a stacked
+        cache, this table plus k). With fp8 the FP8 kernel reads a guarded copy of it and of
+        seq_lens (requests of length 0 as length 1 over page 0, ffi/fp8_guard.h); made here,
+        it is made once per step. Without it each mla_decode guards its own inputs: XLA
+        merges those guards across layers written out one after another, but XLA's GPU
+        compiler leaves them inside a lax.scan over layers, once per layer. Without fp8 it
+        is for num_pages.
+      num_pages: with block_table, the pages a layer's block table may name (a layer's cache,
+        or its share of a stacked one). The metadata is then made for the step's lengths with
+        every out-of-range request's set to 0: a length outside [0, max_pages * 64], or a
+        page it reads (the first ceil(seq_lens / 64) entries of its row) outside
+        [0, num_pages). mla_decode decodes those lengths, so that such a request comes out
+        empty (out 0, lse +inf) on every implementation, and no kernel reads outside the
+        cache, once per step.
 
     Returns:
       MLAMetadata with tile_scheduler_metadata (num_sm_parts, 8) int32 and num_splits
@@ -101,21 +114,33 @@ def get_mla_metadata(seq_lens, *, num_heads_q, num_q_tokens=1, num_heads_k=1, nu
     validation.check_metadata_args(seq_lens, num_heads_q, num_q_tokens, num_heads_k)
     if num_sms is not None:
         validation.check_num_sms("get_mla_metadata", num_sms)
-    if block_table is not None:
-        validation.check_metadata_block_table(block_table, seq_lens, fp8)
+    if block_table is not None or num_pages is not None:
+        validation.check_metadata_block_table(block_table, seq_lens, fp8, num_pages)
     if checks.enabled():
         checks.lengths("get_mla_metadata", seq_lens)
     if _resolve(implementation) == "reference":
         return None
+    safe_lens = None
+    if num_pages is not None:
+        safe_lens = safe_seq_lens(block_table, seq_lens, num_pages)
+        seq_lens = safe_lens
     parts = validation.num_sm_parts(num_sms or _default_num_sms(), num_heads_q, num_q_tokens,
                                     num_heads_k)
     tile_md, num_splits = lowering.bind_metadata(
         seq_lens, num_heads_q=int(num_heads_q), num_q_tokens=int(num_q_tokens),
         num_heads_k=int(num_heads_k), num_sm_parts=parts, fp8=bool(fp8))
-    guarded = (None, None) if block_table is None else lowering.bind_fp8_guard(block_table,
-                                                                                seq_lens)
+    guarded = (None, None)
+    if block_table is not None and fp8:
+        guarded = lowering.bind_fp8_guard(block_table, seq_lens)
     return MLAMetadata(tile_md, num_splits, int(num_heads_q), int(num_q_tokens), int(num_heads_k),
-                       bool(fp8), *guarded)
+                       bool(fp8), *guarded, seq_lens=safe_lens)
+
+
+def safe_seq_lens(block_table, seq_lens, num_pages):
+    """seq_lens with 0 for each request whose length is outside [0, max_pages * 64] or one of
+    whose read pages (its row's first ceil(seq_lens / 64) entries) is outside [0, num_pages):
+    lengths no implementation reads outside the cache for, every other request's unchanged."""
+    return jnp.where(checks.bad_requests(block_table, seq_lens, num_pages), 0, seq_lens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +195,14 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, metadata=None, softmax_sca
         FP8 decode); V is the first 512 columns of each row.
       block_table: (batch, max_pages) int32; entry j of request i is the page holding its
         tokens [64 j, 64 j + 64). Entries past a request's last page are never read.
-      seq_lens: (batch,) int32 KV lengths; 0 is allowed (out 0, lse +inf).
+      seq_lens: (batch,) int32 KV lengths; 0 is allowed (out 0, lse +inf). A request whose
+        length is outside [0, max_pages * 64], or one of whose read pages (the first
+        ceil(seq_lens / 64) entries of its row) is outside [0, num_pages), is decoded as one
+        of length 0, on every implementation, the others as if it were not there. With a
+        metadata that carries its lengths (get_mla_metadata(..., block_table=, num_pages=))
+        those lengths are decoded and this one is not read; with metadata=None this call
+        works them out. With a metadata made without them out-of-range values are not
+        caught: FlashMLA then reads through them.
       metadata: MLAMetadata from get_mla_metadata for these seq_lens, h_q and s_q, to share
         one schedule between the layers of a step. When None it is computed next to the
         kernel, per device for the local batch and heads when q is sharded (a given metadata
@@ -217,6 +249,10 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, metadata=None, softmax_sca
     if checks.enabled():
         block_table, seq_lens, metadata = _checked_operands(q, kv_cache, block_table, seq_lens,
                                                             metadata, k_scale)
+    elif metadata is None:
+        seq_lens = safe_seq_lens(block_table, seq_lens, kv_cache.shape[0])
+    if metadata is not None and metadata.seq_lens is not None:
+        seq_lens = metadata.seq_lens
     descales = ()
     if fp8:
         scale = jnp.asarray(k_scale).reshape(1)
@@ -254,7 +290,8 @@ def _checked_operands(q, kv_cache, block_table, seq_lens, metadata, k_scale):
             guarded = lowering.bind_fp8_guard(table, lens)
         return dataclasses.replace(metadata, tile_scheduler_metadata=tile_md,
                                    num_splits=num_splits, kernel_block_table=guarded[0],
-                                   kernel_seq_lens=guarded[1])
+                                   kernel_seq_lens=guarded[1],
+                                   seq_lens=None if metadata.seq_lens is None else lens)
 
     expected = made_for(block_table, seq_lens)
     names = ["tile_scheduler_metadata", "num_splits"]

@@ -4,6 +4,7 @@ Every check raises ValueError or TypeError naming the argument, what was seen an
 expected, so that a bad call fails where it is written, not inside the kernel.
 """
 import math
+import operator
 
 import numpy as np
 
@@ -155,11 +156,27 @@ def check_decode_args(q, kv_cache, block_table, seq_lens, head_dim_v, k_scale=No
     return batch, s_q, h_q
 
 
-def check_metadata_block_table(block_table, seq_lens, fp8):
+def _is_index(value):
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
+def check_metadata_block_table(block_table, seq_lens, fp8, num_pages):
     where = "get_mla_metadata"
-    if not fp8:
-        _fail(ValueError, where, "block_table is for fp8=True alone: it lets the metadata carry "
-                                 "the FP8 kernel's guarded copy of the step's block table")
+    if block_table is None:
+        _fail(ValueError, where, f"num_pages={num_pages!r} needs the step's block_table: the "
+                                 "pages are those its entries name")
+    if not fp8 and num_pages is None:
+        _fail(ValueError, where, "block_table without fp8=True needs num_pages (the pages a "
+                                 "layer's block table may name), to make the metadata for "
+                                 "in-range requests")
+    if num_pages is not None and (isinstance(num_pages, bool) or not _is_index(num_pages)
+                                  or num_pages < 1):
+        _fail(ValueError, where, f"num_pages must be a positive int (the cache's first "
+                                 f"dimension); got {num_pages!r}")
     check_rank(where, "block_table", block_table, 2, "(batch, max_pages)")
     check_int32(where, "block_table", block_table)
     batch = seq_lens.shape[0]
@@ -182,6 +199,9 @@ def check_metadata_matches(metadata, block_table, batch, s_q, h_q, fp8):
     if metadata.num_splits.shape != (batch + 1,):
         _fail(ValueError, where, f"metadata.num_splits must have shape ({batch + 1},) for batch "
                                  f"{batch}; got {tuple(metadata.num_splits.shape)}")
+    if metadata.seq_lens is not None and metadata.seq_lens.shape != (batch,):
+        _fail(ValueError, where, f"metadata.seq_lens must have shape ({batch},) for batch {batch}; "
+                                 f"got {tuple(metadata.seq_lens.shape)}")
     guarded = metadata.kernel_block_table
     if guarded is not None and guarded.shape != block_table.shape:
         _fail(ValueError, where, f"metadata carries the guarded copy of a block_table of shape "

@@ -64,7 +64,8 @@ def test_the_metadatas_guard_under_a_mesh_gathers_nothing():
 
 
 @pytest.mark.parametrize("kwargs,exc,pattern", [
-    (dict(fp8=False), ValueError, r"get_mla_metadata: block_table is for fp8=True alone"),
+    (dict(fp8=False), ValueError,
+     r"get_mla_metadata: block_table without fp8=True needs num_pages"),
     (dict(fp8=True, table=(4, 0)), ValueError,
      r"block_table must have shape \(4, max_pages >= 1\) for seq_lens of shape \(4,\); got "
      r"\(4, 0\)"),

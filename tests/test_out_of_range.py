@@ -1,0 +1,104 @@
+"""Out-of-range lengths and block-table entries, by default: a request whose length is
+outside [0, max_pages * 64] or that reads a page outside [0, num_pages) is decoded as one of
+length 0 (out 0, lse +inf) on every implementation, and every other request's out and lse
+are bit for bit what they are without it. The lengths are made safe once per step by a
+metadata made with block_table and num_pages, or by mla_decode itself without a metadata."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flashmla as jf
+from helpers import K_SCALE, fp8_inputs, make_decode_inputs
+
+BAD = 1  # the request made bad
+
+
+def _last_read_page(seq_lens):
+    return (int(seq_lens[BAD]) + 63) // 64 - 1
+
+
+CASES = {
+    "a length past the block table": lambda bt, sl, pages: (bt, sl.at[BAD].set(bt.shape[1] * 64 + 1)),
+    "a negative length": lambda bt, sl, pages: (bt, sl.at[BAD].set(-5)),
+    "a page past the cache": lambda bt, sl, pages: (bt.at[BAD, 0].set(pages), sl),
+    "a negative last page": lambda bt, sl, pages: (bt.at[BAD, _last_read_page(sl)].set(-1), sl),
+}
+
+
+def _inputs(dtype, s_q):
+    if dtype == "fp8":
+        q, kv, bt, sl = fp8_inputs(3, batch=4, s_q=s_q, zero_lengths=0)
+        return q, kv, bt, sl, jnp.float32(K_SCALE)
+    q, kv, bt, sl = make_decode_inputs(np.random.default_rng(3), batch=4, s_q=s_q, h_q=16,
+                                       mean_sk=150, varlen=True, dtype=jnp.bfloat16)
+    return q, kv, jnp.asarray(bt), jnp.asarray(sl), None
+
+
+def _decode(q, kv, bt, sl, k_scale, implementation, metadata):
+    md = None
+    if metadata == "made with num_pages":
+        md = jf.get_mla_metadata(sl, num_heads_q=q.shape[2], num_q_tokens=q.shape[1],
+                                 fp8=k_scale is not None, implementation=implementation,
+                                 block_table=bt, num_pages=kv.shape[0])
+    return jf.mla_decode(q, kv, bt, sl, metadata=md, softmax_scale=0.1,
+                         implementation=implementation, k_scale=k_scale)
+
+
+# The reference has no metadata (get_mla_metadata returns None for it).
+DECODES = [("reference", "none"), ("custom_call", "none"), ("custom_call", "made with num_pages")]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("implementation,metadata", DECODES)
+@pytest.mark.parametrize("dtype,s_q", [("bf16", 1), ("bf16", 2), ("fp8", 1)])
+def test_an_out_of_range_request_is_decoded_empty(case, implementation, metadata, dtype, s_q):
+    q, kv, bt, sl, k_scale = _inputs(dtype, s_q)
+    assert int(sl[BAD]) > 0
+    bad_bt, bad_sl = CASES[case](bt, sl, kv.shape[0])
+    out, lse = _decode(q, kv, bad_bt, bad_sl, k_scale, implementation, metadata)
+    # The same step with the bad request's length 0 and its table row as it was.
+    want_out, want_lse = _decode(q, kv, bt, sl.at[BAD].set(0), k_scale, implementation, metadata)
+    assert not np.any(np.asarray(out[BAD], np.float32))
+    assert np.all(np.asarray(lse[BAD]) == np.inf)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want_out, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(want_lse))
+
+
+@pytest.mark.parametrize("implementation", ["reference", "custom_call"])
+def test_entries_past_a_requests_pages_leave_it_as_it_is(implementation):
+    """Entries a request does not read may hold anything (here one past the cache)."""
+    q, kv, bt, sl, _ = _inputs("bf16", 1)
+    pages_read = (int(sl[BAD]) + 63) // 64
+    assert pages_read < bt.shape[1]
+    out, lse = _decode(q, kv, bt.at[BAD, pages_read].set(kv.shape[0] + 7), sl, None,
+                       implementation, "made with num_pages")
+    want_out, want_lse = _decode(q, kv, bt, sl, None, implementation, "none")
+    assert np.all(np.isfinite(np.asarray(lse[BAD])))
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want_out, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(want_lse))
+
+
+def test_the_metadata_carries_the_lengths_it_was_made_for():
+    _, kv, bt, sl, _ = _inputs("bf16", 1)
+    bad_bt = bt.at[2, 0].set(-3)
+    bad_sl = sl.at[BAD].set(10**6)
+    md = jf.get_mla_metadata(bad_sl, num_heads_q=16, implementation="custom_call",
+                             block_table=bad_bt, num_pages=kv.shape[0])
+    np.testing.assert_array_equal(np.asarray(md.seq_lens),
+                                  np.asarray(sl.at[BAD].set(0).at[2].set(0)))
+    plain = jf.get_mla_metadata(sl, num_heads_q=16, implementation="custom_call")
+    assert plain.seq_lens is None
+
+
+@pytest.mark.parametrize("kwargs,pattern", [
+    (dict(num_pages=8), r"get_mla_metadata: num_pages=8 needs the step's block_table"),
+    (dict(block_table=True, num_pages=0), r"num_pages must be a positive int .* got 0"),
+    (dict(block_table=True, num_pages=2.0), r"num_pages must be a positive int .* got 2.0"),
+    (dict(block_table=True, num_pages=True), r"num_pages must be a positive int .* got True"),
+])
+def test_get_mla_metadata_rejects_num_pages(kwargs, pattern):
+    sl = jnp.ones((4,), jnp.int32)
+    if kwargs.pop("block_table", False):
+        kwargs["block_table"] = jnp.zeros((4, 2), jnp.int32)
+    with pytest.raises(ValueError, match=pattern):
+        jf.get_mla_metadata(sl, num_heads_q=16, implementation="custom_call", **kwargs)
