@@ -6,7 +6,7 @@ import pytest
 
 import jax_flashmla as jf
 from jax_flashmla import kernels, lowering
-from helpers import call_by_name, make_decode_inputs
+from helpers import K_SCALE, call_by_name, fp8_inputs, make_decode_inputs, torch_decode
 
 pytestmark = pytest.mark.gpu
 
@@ -87,3 +87,38 @@ def test_metadata_for_another_sm_count_is_refused_at_lowering():
     sl = jnp.full((4,), 100, jnp.int32)
     with pytest.raises(ValueError, match="leave num_sms unset on GPUs"):
         jax.jit(lambda s: jf.get_mla_metadata(s, num_heads_q=16, num_sms=7)).lower(sl)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_out_of_range_requests_under_flashmla(fp8):
+    """A length past the block table and a page past the cache, with the metadata made for
+    in-range requests: FlashMLA decodes those requests empty and the others bit for bit as
+    without them; the process decodes as torch-direct afterwards."""
+    if fp8:
+        q, kv, bt, sl = fp8_inputs(7, batch=16, mean_sk=1000, zero_lengths=0)
+        k_scale = jnp.float32(K_SCALE)
+    else:
+        q, kv, bt, sl = make_decode_inputs(np.random.default_rng(7), batch=16, s_q=1, h_q=16,
+                                           mean_sk=1000, varlen=True, dtype=jnp.bfloat16)
+        bt, sl, k_scale = jnp.asarray(bt), jnp.asarray(sl), None
+
+    @jax.jit
+    def step(q, kv, bt, sl):
+        md = jf.get_mla_metadata(sl, num_heads_q=16, fp8=fp8, block_table=bt,
+                                 num_pages=kv.shape[0])
+        return jf.mla_decode(q, kv, bt, sl, metadata=md, softmax_scale=0.1, k_scale=k_scale)
+
+    bad_sl = sl.at[3].set(bt.shape[1] * 64 + 1000)
+    bad_bt = bt.at[5, 0].set(kv.shape[0] + 10**6)
+    out, lse = jax.block_until_ready(step(q, kv, bad_bt, bad_sl))
+    want_out, want_lse = step(q, kv, bt, sl.at[3].set(0).at[5].set(0))
+    for i in (3, 5):
+        assert not np.any(np.asarray(out[i], np.float32)) and np.all(np.asarray(lse[i]) == np.inf)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want_out, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(want_lse))
+    # The CUDA context is healthy: a clean decode is still torch-direct's.
+    out, lse = step(q, kv, bt, sl)
+    kernel_q = q if not fp8 else jf.fp8.quantize(q, k_scale)
+    ref_out, ref_lse = torch_decode(kernel_q, kv, bt, sl, softmax_scale=0.1, k_scale=k_scale)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), ref_out)
+    np.testing.assert_array_equal(np.asarray(lse), ref_lse)
