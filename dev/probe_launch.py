@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
 import bench_step  # noqa: E402  (sets XLA_FLAGS and the allocator as bench_step.py runs)
 import jax_flashmla as jf  # noqa: E402
 from jax_flashmla import lowering  # noqa: E402
+from probe_step_host import unrolled  # noqa: E402
 
 
 def xla_variants(p, names):
@@ -45,14 +46,7 @@ def xla_variants(p, names):
     t = p.tables()
     args = (p.rows, p.rope, p.q0, t)
 
-    def decode_step(stack, rows, rope, q, t):
-        md = bench_step._metadata(p, t)
-        latent = rows[0, ..., :bench_step.D_V]
-        for layer in range(p.layers):
-            stack, out = bench_step._layer(p, t, stack, layer * p.pages, q, latent,
-                                           rows[layer], md)
-            q, latent = bench_step._next(out, rope[layer])
-        return stack, q[..., :bench_step.D_V]
+    decode_step = unrolled(p)
 
     def trivial_step(stack, rows, rope, q, t):
         latent = rows[0, ..., :bench_step.D_V]

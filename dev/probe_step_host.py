@@ -23,16 +23,12 @@ import subprocess
 import sys
 import time
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_enable_command_buffers_during_profiling=true").strip()
-
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
-import bench_step  # noqa: E402
+import bench_step  # noqa: E402  (sets XLA_FLAGS and the allocator as bench_step.py runs)
 from device_time import profile_options, traced  # noqa: E402
 
 VARIANTS = ("base", "out_donated", "base+SKIP_TEMP", "pair", "sleep")
