@@ -353,3 +353,30 @@ def test_example_reports_a_pool_too_small_as_an_argument_error(capsys):
         load_example().parse_args(["--num-pages", "1"])
     assert "--num-pages 1 cannot hold a request of --max-prompt + --max-new" in (
         capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("implementation", ["custom_call", "reference"])
+def test_a_position_past_the_block_table_decodes_empty(implementation):
+    """A request whose new token lies past its block table (its length over max_pages * 64)
+    writes nothing and attends to nothing: its output is o_proj's of zeros (no bias here), and
+    the other requests' outputs are bit for bit those of the step with it idle."""
+    config = hf_config(**CASES["q_lora"])
+    layer = flax_layer(config, hf_attention(config, seed=2))
+    lengths, max_pages, num_pages = [10, 20, 30], 3, 8
+    table = block_tables(lengths, max_pages, num_pages)
+    kv = cache.PagedKVCache.create(num_pages, jnp.bfloat16)
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((3, 1, config.hidden_size)),
+                    jnp.float32)
+
+    @jax.jit
+    def decode(pos, seq_lens, kv):
+        return layer.decode(x, pos[:, None], kv, table, seq_lens, implementation=implementation)
+
+    past = max_pages * 64 + 5
+    pos = jnp.asarray([10, past, 30], jnp.int32)
+    out, new_kv = decode(pos, pos + 1, kv)
+    idle_out, idle_kv = decode(pos, (pos + 1).at[1].set(0), kv)
+    assert not np.any(np.asarray(out[1]))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(idle_out))
+    np.testing.assert_array_equal(np.asarray(new_kv.data, np.float32),
+                                  np.asarray(idle_kv.data, np.float32))

@@ -269,10 +269,13 @@ class MultiHeadLatentAttention(nnx.Module):
           kv_cache: (num_pages, 64, 1, 576) bfloat16 / float16 / float8_e4m3fn array, or a
             PagedKVCache.
           block_table: (b, max_pages) int32.
-          seq_lens: (b,) int32 KV lengths including the new tokens (0 for an idle row).
+          seq_lens: (b,) int32 KV lengths including the new tokens (0 for an idle row). A
+            request past its block table (a length over max_pages * 64) writes nothing and
+            attends to nothing, as mla_decode decodes an out-of-range request.
           slots: (b, s_q) int32 cache slots of the new tokens; by default
             jax_flashmla.cache.token_slots(block_table, positions).
-          metadata: MLAMetadata from get_mla_metadata, shared by the layers of one step.
+          metadata: MLAMetadata from get_mla_metadata, shared by the layers of one step (made
+            with block_table and num_pages, so that out-of-range requests come out empty).
           implementation: as in jax_flashmla.mla_decode.
           k_scale: with a float8_e4m3fn cache (and only then), its float32 scale: the new rows
             are quantized with it and the decode is FlashMLA's FP8 one (get_mla_metadata's
