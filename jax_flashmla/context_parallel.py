@@ -18,7 +18,10 @@ LAYOUTS = ("contiguous", "round_robin")
 
 
 def _merge_weights(lses):
-    """Normalised weight of each part, (n, b, h, s), and the merged LSE, (b, h, s)."""
+    """Normalised weight of each part, (n, b, h, s), and the merged LSE, (b, h, s). A NaN lse
+    of any part gives that query a NaN weight (so a NaN out) and a NaN merged lse: a part's
+    NaN is never weighted away as a part that saw no key."""
+    poisoned = jnp.any(jnp.isnan(lses), axis=0)
     lses = jnp.where(jnp.isposinf(lses), -jnp.inf, lses.astype(jnp.float32))
     top = jnp.max(lses, axis=0)
     top = jnp.where(jnp.isfinite(top), top, 0.0)
@@ -26,7 +29,8 @@ def _merge_weights(lses):
     total = jnp.sum(weights, axis=0)
     seen = total > 0
     safe_total = jnp.where(seen, total, 1.0)
-    return weights / safe_total, jnp.where(seen, top + jnp.log(safe_total), jnp.inf)
+    lse = jnp.where(seen, top + jnp.log(safe_total), jnp.inf)
+    return weights / safe_total, jnp.where(poisoned, jnp.nan, lse)
 
 
 def merge_attention_states(outs, lses):
@@ -39,7 +43,8 @@ def merge_attention_states(outs, lses):
 
     Returns:
       (out (batch, s_q, h_q, dv) in outs' dtype, lse (batch, h_q, s_q) float32); a query no
-      part saw gets out 0 and lse +inf.
+      part saw gets out 0 and lse +inf; one with a NaN lse or out in any part gets a NaN out,
+      and with a NaN lse a NaN lse.
     """
     weights, lse = _merge_weights(lses)
     out = jnp.einsum("nbhs,nbshd->bshd", weights, outs.astype(jnp.float32),

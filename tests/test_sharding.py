@@ -112,6 +112,20 @@ def test_merge_of_empty_parts():
     np.testing.assert_array_equal(np.asarray(lse), 0.5)
 
 
+def test_a_parts_nan_is_not_weighted_away():
+    """A NaN lse in one part makes the merged out and lse NaN for that query alone, whatever
+    the other parts saw; a NaN out with a finite lse makes the merged out NaN."""
+    outs = jnp.ones((3, 1, 1, 2, 4), jnp.float32)
+    lses = jnp.array([0.5, jnp.inf, 2.0])[:, None, None, None] * jnp.ones((3, 1, 2, 1))
+    out, lse = cp.merge_attention_states(outs, lses.at[1, 0, 0, 0].set(jnp.nan))
+    assert np.all(np.isnan(np.asarray(out[0, 0, 0]))) and np.isnan(float(lse[0, 0, 0]))
+    np.testing.assert_allclose(np.asarray(out[0, 0, 1]), 1.0, rtol=1e-6)
+    assert np.isfinite(float(lse[0, 1, 0]))
+    out, lse = cp.merge_attention_states(outs.at[2, 0, 0, 1, 3].set(jnp.nan), lses)
+    assert np.isnan(float(out[0, 0, 1, 3])) and np.all(np.isfinite(np.asarray(lse)))
+    np.testing.assert_allclose(np.asarray(out[0, 0, 0]), 1.0, rtol=1e-6)
+
+
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("layout,n,tokens_per_device", [
     ("contiguous", 2, 192), ("contiguous", 4, 64), ("round_robin", 2, None),
