@@ -74,9 +74,13 @@ class Point:
     lengths (all s_k), each layer's rows, rope columns and first q."""
 
     def __init__(self, b, s_k, h_q, s_q, dtype, layers, cache_gb, rows_from_inputs=False,
-                 seed=0):
+                 in_range_metadata=False, seed=0):
+        if in_range_metadata and dtype == FP8:
+            # FP8's metadata would carry the guard of the step's table, which the layers of a
+            # stacked cache (the table plus an offset) cannot share.
+            raise ValueError("--in-range-metadata is for bf16 points")
         self.b, self.s_k, self.h_q, self.s_q, self.dtype = b, s_k, h_q, s_q, dtype
-        self.rows_from_inputs = rows_from_inputs
+        self.rows_from_inputs, self.in_range_metadata = rows_from_inputs, in_range_metadata
         pages_per_request = -(-s_k // PAGE)
         self.pages = b * pages_per_request
         itemsize = 1 if dtype == FP8 else 2
@@ -141,8 +145,11 @@ def _next(out, rope):
 
 
 def _metadata(p, t):
+    """The step's metadata; with p.in_range_metadata made for its in-range requests (the
+    step's block table and a layer's pages: an out-of-range request decoded empty)."""
+    in_range = dict(block_table=t["block_table"], num_pages=p.pages) if p.in_range_metadata else {}
     return jf.get_mla_metadata(t["seq_lens"], num_heads_q=p.h_q, num_q_tokens=p.s_q,
-                               fp8=p.dtype == FP8, implementation="custom_call")
+                               fp8=p.dtype == FP8, implementation="custom_call", **in_range)
 
 
 def jax_steps(p, xla_options=None):
@@ -331,6 +338,10 @@ def main():
     parser.add_argument("--rows-from-inputs", action="store_true",
                         help="each layer's new rows are inputs of the step, not made from the "
                              "layer before (default: made from it, as in a model)")
+    parser.add_argument("--in-range-metadata", action="store_true",
+                        help="make the step's metadata with its block table and a layer's pages "
+                             "(get_mla_metadata's num_pages: out-of-range requests decoded "
+                             "empty; bf16 points only)")
     parser.add_argument("--tiny", action="store_true",
                         help="a small configuration on the default device, without torch")
     parser.add_argument("--out", default=None, help="path prefix of the .json/.md/.png results")
@@ -350,13 +361,14 @@ def main():
             print(f"deadline: stopped before b={b} s_k={s_k} h_q={h_q} s_q={s_q} {dtype}")
             break
         p = Point(b, s_k, h_q, s_q, dtype, 3 if args.tiny else args.layers, args.cache_gb,
-                  args.rows_from_inputs)
+                  args.rows_from_inputs, args.in_range_metadata)
         raw.append(run_point(p, 3 if args.tiny else args.steps, torch_side, xla_options))
         print(json.dumps(raw[-1]), flush=True)
         del p
         result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                       host=platform.node(), xla_options=xla_options,
                       rows_from_inputs=args.rows_from_inputs,
+                      in_range_metadata=args.in_range_metadata,
                       records=records_by_layout(raw), raw=raw,
                       torch=None if torch_side is None else torch_side.info)
         if args.out:  # after every point, so that a run cut short keeps what it measured

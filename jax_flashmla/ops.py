@@ -89,14 +89,15 @@ def get_mla_metadata(seq_lens, *, num_heads_q, num_q_tokens=1, num_heads_k=1, nu
         (get_mla_decoding_metadata_dense_fp8), whose rows the bf16 decode cannot read, nor the
         reverse; mla_decode refuses a mismatch. It schedules a length of 0 as 1, as mla_decode
         gives it to the FP8 kernel (see there).
-      block_table: the step's (batch, max_pages) int32 block table, which every layer's
-        mla_decode must then be given (for a layer whose pages start at page k of a stacked
-        cache, this table plus k). With fp8 the FP8 kernel reads a guarded copy of it and of
-        seq_lens (requests of length 0 as length 1 over page 0, ffi/fp8_guard.h); made here,
-        it is made once per step. Without it each mla_decode guards its own inputs: XLA
-        merges those guards across layers written out one after another, but XLA's GPU
-        compiler leaves them inside a lax.scan over layers, once per layer. Without fp8 it
-        is for num_pages.
+      block_table: the step's (batch, max_pages) int32 block table. Without fp8 it is for
+        num_pages, and the metadata serves every layer's decode, whose table may also be
+        this one plus the page where the layer starts in a stacked cache. With fp8 the FP8
+        kernel reads a guarded copy of it and of seq_lens (requests of length 0 as length 1
+        over page 0, ffi/fp8_guard.h) in place of the decode's, so every layer's mla_decode
+        must be given this very table; made here, the guard runs once per step. Without it
+        each mla_decode guards its own inputs: XLA merges those guards across layers
+        written out one after another, but XLA's GPU compiler leaves them inside a lax.scan
+        over layers, once per layer.
       num_pages: with block_table, the pages a layer's block table may name (a layer's cache,
         or its share of a stacked one). The metadata is then made for the step's lengths with
         every out-of-range request's set to 0: a length outside [0, max_pages * 64], or a
