@@ -1,4 +1,9 @@
-"""Public ops: get_mla_metadata and mla_decode (the logical op over jax_flashmla/lowering.py)."""
+"""Public ops: get_mla_metadata and mla_decode (the logical op over jax_flashmla/lowering.py).
+
+mla_decode's custom call sits under three wrappers, each for what the one below lacks: a
+jax.custom_jvp (FlashMLA has no backward pass; differentiating says so instead of failing
+inside the wrappers below), sharding.py's custom_vmap (custom_partitioning has no vmap rule)
+and custom_partitioning (the Shardy rule, so that a split q is not gathered)."""
 import dataclasses
 import functools
 
