@@ -50,7 +50,7 @@ DECODES = [("reference", "none"), ("custom_call", "none"), ("custom_call", "made
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("implementation,metadata", DECODES)
-@pytest.mark.parametrize("dtype,s_q", [("bf16", 1), ("bf16", 2), ("fp8", 1)])
+@pytest.mark.parametrize("dtype,s_q", [("bf16", 1), ("bf16", 2), ("fp8", 1), ("fp8", 2)])
 def test_an_out_of_range_request_is_decoded_empty(case, implementation, metadata, dtype, s_q):
     q, kv, bt, sl, k_scale = _inputs(dtype, s_q)
     assert int(sl[BAD]) > 0
