@@ -178,3 +178,26 @@ def test_input_errors():
         target_verify_metadata(prefix, 0, num_heads_q=4)
     with pytest.raises(ValueError, match=r"kv must have shape \(4, 1, 576\)"):
         target_verify(cache, table, prefix, q, kv[:, :, :512])
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_an_out_of_range_draft_request_is_decoded_empty(implementation):
+    """multi_step_draft makes its metadata for the in-range requests: a request reading a
+    page past the cache is decoded empty at every step, the others as with it padded."""
+    cache, table, prefix, _, _ = _setup()
+    num_steps, h = 3, 4
+    rng = np.random.default_rng(1)
+    base_q = jnp.asarray(rng.standard_normal((num_steps + 1, 4, 1, h, 576)), jnp.float32)
+    base_kv = jnp.asarray(rng.standard_normal((num_steps + 1, 4, 1, 576)), jnp.float32)
+    q0, kv0 = base_q[0].astype(jnp.bfloat16), base_kv[0].astype(jnp.bfloat16)
+
+    def draft(table, prefix):
+        return multi_step_draft(cache, table, prefix, q0, kv0, _draft_fn(base_q, base_kv),
+                                jnp.int32(0), num_steps=num_steps, implementation=implementation)
+
+    _, out, lse, _ = jax.jit(draft)(table.at[0, 0].set(99), prefix)
+    _, want_out, want_lse, _ = jax.jit(draft)(table, prefix.at[0].set(0))
+    assert not np.any(np.asarray(out[:, 0], np.float32))
+    assert np.all(np.isposinf(np.asarray(lse[:, 0])))
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want_out, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(want_lse))
