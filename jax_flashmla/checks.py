@@ -17,9 +17,11 @@ Shapes and dtypes are checked at trace time, always. Values live on the device: 
 
 With the checks on, a request whose length or block-table entries are bad is decoded as an
 empty request (out 0, lse +inf), and each decode runs on metadata made anew for its inputs,
-so that no implementation reads outside the cache while the error is on its way. Off (the
-default) the traced step holds none of this. On, each decode adds a few reductions over
-seq_lens and its block table, and computes the metadata twice (for the check and the call).
+so that no implementation reads outside the cache while the error is on its way, whatever
+metadata it was given. Off (the default) the traced step holds none of these checks; a decode
+then makes such a request empty only with a metadata made with block_table and num_pages, or
+none (mla_decode's seq_lens). On, each decode adds a few reductions over seq_lens and its
+block table, and computes the metadata twice (for the check and the call).
 """
 import contextlib
 import contextvars
