@@ -124,7 +124,9 @@ def dcp_mla_decode(q, kv_cache, block_tables, seq_lens, *, mesh, axis, head_axis
         Replicated along `axis`; may be split along its heads over `head_axis` (DCP x TP).
       kv_cache: (n * pages_per_device, 64, 1, 576) sharded along `axis`.
       block_tables: (n, batch, max_local_pages) int32, each device's table over its pages.
-      seq_lens: (n, batch) int32, each device's local lengths (see local_lengths).
+      seq_lens: (n, batch) int32, each device's local lengths (see local_lengths). Each
+        device decodes a request out of range on it as empty (mla_decode's rule), so such a
+        request is merged from the other devices' keys alone.
       scatter_heads: return out with its heads split over `axis` (a reduce-scatter instead
         of an all-reduce), as a following head-parallel projection wants it.
       softmax_scale, causal, implementation: as in mla_decode.
