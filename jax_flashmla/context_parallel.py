@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax_flashmla import cache
+from jax_flashmla import cache, checks
 from jax_flashmla.ops import mla_decode
 
 LAYOUTS = ("contiguous", "round_robin")
@@ -124,9 +124,10 @@ def dcp_mla_decode(q, kv_cache, block_tables, seq_lens, *, mesh, axis, head_axis
         Replicated along `axis`; may be split along its heads over `head_axis` (DCP x TP).
       kv_cache: (n * pages_per_device, 64, 1, 576) sharded along `axis`.
       block_tables: (n, batch, max_local_pages) int32, each device's table over its pages.
-      seq_lens: (n, batch) int32, each device's local lengths (see local_lengths). Each
-        device decodes a request out of range on it as empty (mla_decode's rule), so such a
-        request is merged from the other devices' keys alone.
+      seq_lens: (n, batch) int32, each device's local lengths (see local_lengths). A request
+        out of range on any device (a local length past its table, or a page it reads
+        outside that device's cache) is decoded empty, out 0 and lse +inf, as mla_decode
+        decodes one on a single device.
       scatter_heads: return out with its heads split over `axis` (a reduce-scatter instead
         of an all-reduce), as a following head-parallel projection wants it.
       softmax_scale, causal, implementation: as in mla_decode.
@@ -153,8 +154,13 @@ def dcp_mla_decode(q, kv_cache, block_tables, seq_lens, *, mesh, axis, head_axis
     def local(q, kv, table, lens, k_scale):
         out, lse = mla_decode(q, kv, table[0], lens[0], softmax_scale=softmax_scale,
                               causal=causal, implementation=implementation, k_scale=k_scale)
-        # Only the LSEs travel in full (they are small); outputs are summed once, weighted.
-        weights, merged_lse = _merge_weights(jax.lax.all_gather(lse, axis))
+        # Only the LSEs travel in full (they are small); outputs are summed once, weighted. A
+        # request out of range here (decoded empty here) travels as lse -inf, which no decode
+        # returns, so that every device weights all its parts 0.
+        out_of_range = checks.bad_requests(table[0], lens[0], kv.shape[0])
+        lses = jax.lax.all_gather(jnp.where(out_of_range[:, None, None], -jnp.inf, lse), axis)
+        lses = jnp.where(jnp.any(jnp.isneginf(lses), axis=0), jnp.inf, lses)
+        weights, merged_lse = _merge_weights(lses)
         rank = jax.lax.axis_index(axis)
         part = out.astype(jnp.float32) * weights[rank].transpose(0, 2, 1)[..., None]
         if not scatter_heads:

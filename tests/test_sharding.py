@@ -149,6 +149,30 @@ def test_dcp_equals_one_device(devices, implementation, layout, n, tokens_per_de
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("bad", ["a page past one device's cache", "a local length past its table"])
+def test_dcp_decodes_an_out_of_range_request_empty(devices, implementation, bad):
+    """Out of range on one device only, the request is empty on all (out 0, lse +inf), as on
+    one device; the other requests are as in the step without it."""
+    n = 4
+    q, kv, bt, sl = sharding_problem(4, batch=4, h_q=16, mean_sk=150)
+    pages, tables, lens = split_for_dcp(kv, bt, sl, n, "round_robin", None)
+    if bad == "a page past one device's cache":
+        bad_tables, bad_lens = tables.at[2, 1, 0].set(pages.shape[0] // n), lens
+    else:
+        bad_tables, bad_lens = tables, lens.at[2, 1].set(tables.shape[2] * 64 + 1)
+    mesh = Mesh(np.array(devices[:n]), ("dcp",))
+    decode = jax.jit(lambda *a: cp.dcp_mla_decode(*a, mesh=mesh, axis="dcp",
+                                                  implementation=implementation))
+    run = lambda t, l: decode(_put(mesh, q), _put(mesh, pages, "dcp"), _put(mesh, t, "dcp"),
+                              _put(mesh, l, "dcp"))
+    out, lse = run(bad_tables, bad_lens)
+    want_out, want_lse = run(tables, lens.at[:, 1].set(0))
+    assert not np.any(np.asarray(out[1], np.float32)) and np.all(np.isposinf(np.asarray(lse[1])))
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want_out, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(want_lse))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_fp8_dcp_equals_one_device(devices, implementation):
     """An FP8 cache split round-robin over 4 devices (some local lengths 0, which the FP8
     kernel needs guarded), against the one-device FP8 decode of the same cache."""
