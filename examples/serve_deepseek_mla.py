@@ -198,6 +198,12 @@ def serve(args):
     graphdef, state, caches, k_scales = build(cfg, num_pages, args.seed,
                                               kv_cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype])
     prefill, decode = make_steps(graphdef, args.implementation)
+    # The decode step has one shape, called over and over: through AlternatingStep, as
+    # jax_flashmla documents for a decode step (XLA then replays it without recording again).
+    rows = jnp.zeros((args.batch,), jnp.int32)
+    decode = jf.AlternatingStep(decode.lower(
+        state, rows, rows - 1, jnp.full((args.batch, max_pages), -1, jnp.int32), rows, caches,
+        k_scales).compile())
     allocator = PageAllocator(num_pages)
 
     waiting = list(range(args.requests))
