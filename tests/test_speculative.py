@@ -71,6 +71,15 @@ def test_target_verify_equals_single_token_steps(implementation):
         np.testing.assert_allclose(np.asarray(lse_v[b]), lse, atol=TOL, rtol=TOL)
 
 
+def _draft_inputs(num_steps, h):
+    """Each step's base q (num_steps + 1, 4, 1, h, 576) and row (num_steps + 1, 4, 1, 576),
+    float32, and the first step's in bfloat16."""
+    rng = np.random.default_rng(1)
+    base_q = jnp.asarray(rng.standard_normal((num_steps + 1, 4, 1, h, 576)), jnp.float32)
+    base_kv = jnp.asarray(rng.standard_normal((num_steps + 1, 4, 1, 576)), jnp.float32)
+    return base_q, base_kv, base_q[0].astype(jnp.bfloat16), base_kv[0].astype(jnp.bfloat16)
+
+
 def _draft_fn(base_q, base_kv):
     """A deterministic toy draft model: the next token's q and row follow from the output."""
     def draft_fn(t, out):
@@ -83,10 +92,7 @@ def _draft_fn(base_q, base_kv):
 def test_multi_step_draft_equals_decode_loop(implementation):
     cache, table, prefix, _, _ = _setup()
     num_steps, h = 3, 4
-    rng = np.random.default_rng(1)
-    base_q = jnp.asarray(rng.standard_normal((num_steps + 1, 4, 1, h, 576)), jnp.float32)
-    base_kv = jnp.asarray(rng.standard_normal((num_steps + 1, 4, 1, 576)), jnp.float32)
-    q0, kv0 = base_q[0].astype(jnp.bfloat16), base_kv[0].astype(jnp.bfloat16)
+    base_q, base_kv, q0, kv0 = _draft_inputs(num_steps, h)
     metadata = multi_step_draft_metadata(prefix, num_steps, num_heads_q=h,
                                          implementation=implementation)
     if implementation == "custom_call":
@@ -149,10 +155,7 @@ def test_fp8_multi_step_draft_equals_decode_loop(implementation):
     k_scale = jnp.float32(K_SCALE)
     cache = fp8.quantize(cache, k_scale)
     num_steps, h = 3, 4
-    rng = np.random.default_rng(1)
-    base_q = jnp.asarray(rng.standard_normal((num_steps + 1, 4, 1, h, 576)), jnp.float32)
-    base_kv = jnp.asarray(rng.standard_normal((num_steps + 1, 4, 1, 576)), jnp.float32)
-    q0, kv0 = base_q[0].astype(jnp.bfloat16), base_kv[0].astype(jnp.bfloat16)
+    base_q, base_kv, q0, kv0 = _draft_inputs(num_steps, h)
     draft = jax.jit(lambda c: multi_step_draft(
         c, table, prefix, q0, kv0, _draft_fn(base_q, base_kv), jnp.int32(0),
         num_steps=num_steps, implementation=implementation, k_scale=k_scale))
@@ -186,10 +189,7 @@ def test_an_out_of_range_draft_request_is_decoded_empty(implementation):
     page past the cache is decoded empty at every step, the others as with it padded."""
     cache, table, prefix, _, _ = _setup()
     num_steps, h = 3, 4
-    rng = np.random.default_rng(1)
-    base_q = jnp.asarray(rng.standard_normal((num_steps + 1, 4, 1, h, 576)), jnp.float32)
-    base_kv = jnp.asarray(rng.standard_normal((num_steps + 1, 4, 1, 576)), jnp.float32)
-    q0, kv0 = base_q[0].astype(jnp.bfloat16), base_kv[0].astype(jnp.bfloat16)
+    base_q, base_kv, q0, kv0 = _draft_inputs(num_steps, h)
 
     def draft(table, prefix):
         return multi_step_draft(cache, table, prefix, q0, kv0, _draft_fn(base_q, base_kv),
