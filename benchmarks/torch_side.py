@@ -33,19 +33,6 @@ class TorchSide:
                          decode_op=ops.decode, metadata_op=ops.metadata,
                          decode_op_fp8=ops.decode_fp8, metadata_op_fp8=ops.metadata_fp8)
 
-    @staticmethod
-    def by_name(op, values):
-        """The op's positional arguments, filled by name from its schema."""
-        out = []
-        for arg in op.default._schema.arguments:
-            if arg.name in values:
-                out.append(values[arg.name])
-            elif arg.default_value is not None or arg.type.kind() == "OptionalType":
-                out.append(arg.default_value)
-            else:
-                raise KeyError(f"{op}: no value for {arg.name}")
-        return out
-
     def sync(self, _=None):
         self.torch.cuda.synchronize()
 
@@ -67,7 +54,7 @@ class TorchSide:
         metadata_op, decode_op = self.ops[dtype]
         t = self.view
         tsl = t(seq_lens)
-        metadata_args = self.by_name(metadata_op, dict(
+        metadata_args = kernels.arguments_by_name(metadata_op, dict(
             seqlens_k=tsl, num_q_tokens_per_head_k=s_q * h_q, num_heads_per_head_k=s_q * h_q,
             h_k=1, num_heads_k=1, h_q=h_q, is_fp8_kvcache=False))
         descale = None
@@ -75,7 +62,7 @@ class TorchSide:
             qs = [jax.block_until_ready(fp8.quantize(q, k_scale)) for q in qs]
             descale = t(k_scale.reshape(1))
         tkv = t(cache)
-        decode_args = [self.by_name(decode_op, dict(
+        decode_args = [kernels.arguments_by_name(decode_op, dict(
             q=t(q), kv_cache=tkv, kcache=tkv, head_size_v=d_v, seqlens_k=tsl, block_table=t(bt),
             softmax_scale=q.shape[-1] ** -0.5, is_causal=True, tile_scheduler_metadata=None,
             num_splits=None, is_fp8=False, descale_q=descale, descale_k=descale))
@@ -133,7 +120,7 @@ class TorchStep:
         rows, rope = self._view(p.rows), self._view(p.rope)
         q0 = self._view(p.q0)
         scale = self._view(p.k_scale.reshape(1)) if fp8 else None
-        metadata_args = self.side.by_name(metadata_op, dict(
+        metadata_args = kernels.arguments_by_name(metadata_op, dict(
             seqlens_k=seq_lens, num_q_tokens_per_head_k=p.s_q * p.h_q,
             num_heads_per_head_k=p.s_q * p.h_q, h_k=1, num_heads_k=1, h_q=p.h_q,
             is_fp8_kvcache=False))
@@ -150,7 +137,7 @@ class TorchStep:
                     flat[slots] = self._quantize(new, scale).view(torch.uint8)
                 else:
                     caches[layer].view(-1, D_QK)[slots] = new
-                args = self.side.by_name(decode_op, dict(
+                args = kernels.arguments_by_name(decode_op, dict(
                     q=self._quantize(q, scale) if fp8 else q, kv_cache=caches[layer],
                     kcache=caches[layer], head_size_v=D_V, seqlens_k=seq_lens,
                     block_table=block_table, softmax_scale=p.softmax_scale, is_causal=True,

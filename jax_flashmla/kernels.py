@@ -67,6 +67,21 @@ def find_kernel_library():
     return None
 
 
+def arguments_by_name(op, values):
+    """A FlashMLA torch op's positional arguments, filled by name from its schema (read at run
+    time, as the CUDA handlers read it, since the schemas differ between kernel releases): an
+    argument missing from values takes its default; KeyError where it has none."""
+    args = []
+    for arg in op.default._schema.arguments:
+        if arg.name in values:
+            args.append(values[arg.name])
+        elif arg.default_value is not None or arg.type.kind() == "OptionalType":
+            args.append(arg.default_value)
+        else:
+            raise KeyError(f"{op}: no value for {arg.name}")
+    return args
+
+
 def _first_registered(namespace, names):
     import torch
 

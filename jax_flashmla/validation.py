@@ -4,7 +4,6 @@ Every check raises ValueError or TypeError naming the argument, what was seen an
 expected, so that a bad call fails where it is written, not inside the kernel.
 """
 import math
-import operator
 
 import numpy as np
 
@@ -156,14 +155,6 @@ def check_decode_args(q, kv_cache, block_table, seq_lens, head_dim_v, k_scale=No
     return batch, s_q, h_q
 
 
-def _is_index(value):
-    try:
-        operator.index(value)
-    except TypeError:
-        return False
-    return True
-
-
 def check_metadata_block_table(block_table, seq_lens, fp8, num_pages):
     where = "get_mla_metadata"
     if block_table is None:
@@ -173,7 +164,8 @@ def check_metadata_block_table(block_table, seq_lens, fp8, num_pages):
         _fail(ValueError, where, "block_table without fp8=True needs num_pages (the pages a "
                                  "layer's block table may name), to make the metadata for "
                                  "in-range requests")
-    if num_pages is not None and (isinstance(num_pages, bool) or not _is_index(num_pages)
+    if num_pages is not None and (isinstance(num_pages, bool)
+                                  or not isinstance(num_pages, (int, np.integer))
                                   or num_pages < 1):
         _fail(ValueError, where, f"num_pages must be a positive int (the cache's first "
                                  f"dimension); got {num_pages!r}")

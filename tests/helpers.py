@@ -2,8 +2,12 @@
 own accuracy criteria (tests/flash_mla's check_is_allclose: per element abs or rel, plus a
 cosine-difference bound); FlashMLA's torch ops called directly on JAX's buffers, arguments
 filled by name from each op's schema as the bridge fills them; and the FP8, cache and
-sharding problems and HLO readers that several test files use."""
+sharding problems and HLO readers that several test files use; the benchmarks run tiny."""
+import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -112,15 +116,7 @@ def torch_view(torch, x):
 
 def call_by_name(op, values):
     """Calls a FlashMLA op with its arguments filled by name from its schema."""
-    args = []
-    for arg in op.default._schema.arguments:
-        if arg.name in values:
-            args.append(values[arg.name])
-        elif arg.default_value is not None or arg.type.kind() == "OptionalType":
-            args.append(arg.default_value)
-        else:
-            raise KeyError(arg.name)
-    return op(*args)
+    return op(*kernels.arguments_by_name(op, values))
 
 
 def torch_ops(fp8=False):
@@ -271,3 +267,14 @@ def split_for_dcp(kv, bt, sl, n, layout, tokens_per_device):
                 pages[r, i * max_pages + j, : len(chunk), 0] = chunk
     return (jnp.asarray(pages.reshape(-1, 64, 1, 576), jnp.bfloat16), jnp.asarray(tables),
             jnp.asarray(local_lens))
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def run_tiny_benchmark(script, prefix):
+    """Runs benchmarks/<script> --tiny --out prefix in a child process; its JSON report."""
+    run = subprocess.run([sys.executable, str(BENCHMARKS / script), "--tiny", "--out",
+                          str(prefix)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(prefix.with_suffix(".json").read_text())

@@ -1,20 +1,12 @@
 """benchmarks/bench_multi_gpu.py's tiny configuration on 8 CPU devices: every TP x DCP split
 of at most 8 devices runs the step through the C++ target; TP alone gives one device's out bit
 for bit, DCP within the merge's float rounding; the report is written."""
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_multi_gpu.py"
+from helpers import run_tiny_benchmark
 
 
 def test_the_tiny_step_runs_on_every_split_and_reports(tmp_path):
     prefix = tmp_path / "multi"
-    run = subprocess.run([sys.executable, str(BENCH), "--tiny", "--out", str(prefix)],
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    records = json.loads(prefix.with_suffix(".json").read_text())["records"]
+    records = run_tiny_benchmark("bench_multi_gpu.py", prefix)["records"]
     assert [(r["tp"], r["dcp"]) for r in records] == [
         (1, 1), (2, 1), (4, 1), (8, 1), (1, 2), (2, 2), (4, 2), (1, 4), (2, 4), (1, 8)]
     for r in records:

@@ -1,19 +1,13 @@
 """benchmarks/bench_step.py's tiny configuration on CPU: every layout runs through the C++
 target, their outs agree bit for bit, and the report is written."""
-import json
-import subprocess
 import sys
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_step.py"
+from helpers import BENCHMARKS, run_tiny_benchmark
 
 
 def test_the_tiny_step_runs_and_reports(tmp_path):
     prefix = tmp_path / "step"
-    run = subprocess.run([sys.executable, str(BENCH), "--tiny", "--out", str(prefix)],
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(prefix.with_suffix(".json").read_text())
+    result = run_tiny_benchmark("bench_step.py", prefix)
     assert [(r["dtype"], r["s_q"]) for r in result["raw"]] == [("bfloat16", 1),
                                                                ("float8_e4m3fn", 2)]
     assert all(r["layouts_agree"] for r in result["raw"])
@@ -33,7 +27,7 @@ def test_the_in_range_metadata_step_computes_the_same():
     import numpy as np
     import pytest
 
-    sys.path.insert(0, str(BENCH.parent))
+    sys.path.insert(0, str(BENCHMARKS))
     import bench_step
 
     outs = []
