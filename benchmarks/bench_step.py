@@ -15,7 +15,9 @@ jax_flashmla.LOOP_STEP_COMPILER_OPTIONS) and unrolled over the layers, and with 
 per layer. Beside those: the same step of FlashMLA's torch ops (an indexed write of the rows,
 the decode, the concatenation) captured in a torch CUDA graph and replayed, as SGLang serves
 decode, and eagerly; and the per-layer step with a trivial fusion in place of each decode,
-which is what JAX itself costs for that many arrays.
+which is what JAX itself costs for that many arrays. With --in-range-metadata the unrolled
+step also runs with its metadata made for the in-range requests (get_mla_metadata's
+block_table and num_pages), the cost of decoding out-of-range requests empty.
 
 Reported per point: µs per layer (the median step's wall clock / L) and the GPU's span per
 layer (first kernel's start to last kernel's end of a step, from the profiler's trace), and
@@ -26,6 +28,7 @@ small configuration through the C++ target, without torch.
 """
 import argparse
 import concurrent.futures
+import functools
 import json
 import os
 import platform
@@ -52,7 +55,11 @@ from step_report import write_report  # noqa: E402
 PAGE, D_QK, D_V = 64, 576, 512
 FP8 = "float8_e4m3fn"
 JAX_LAYOUTS = ("scan", "unrolled", "per_layer", "scan_alternating", "unrolled_alternating")
-ALTERNATING = {"scan_alternating": "scan", "unrolled_alternating": "unrolled"}
+# With --in-range-metadata: the unrolled step whose metadata is made for its in-range requests.
+IN_RANGE = "unrolled_in_range"
+IN_RANGE_LAYOUTS = (IN_RANGE, IN_RANGE + "_alternating")
+ALTERNATING = {"scan_alternating": "scan", "unrolled_alternating": "unrolled",
+               IN_RANGE + "_alternating": IN_RANGE}
 GRID_B = (1, 4, 16, 32, 64, 128)
 GRID_S_K = (1024, 4096, 16384)
 GRID_H_Q = (16, 128)
@@ -144,10 +151,10 @@ def _next(out, rope):
     return jnp.concatenate([out, rope], axis=-1), out[:, :, 0, :]
 
 
-def _metadata(p, t):
-    """The step's metadata; with p.in_range_metadata made for its in-range requests (the
-    step's block table and a layer's pages: an out-of-range request decoded empty)."""
-    in_range = dict(block_table=t["block_table"], num_pages=p.pages) if p.in_range_metadata else {}
+def _metadata(p, t, in_range=False):
+    """The step's metadata; with in_range made for its in-range requests (from the step's
+    block table and a layer's pages: an out-of-range request is decoded empty)."""
+    in_range = dict(block_table=t["block_table"], num_pages=p.pages) if in_range else {}
     return jf.get_mla_metadata(t["seq_lens"], num_heads_q=p.h_q, num_q_tokens=p.s_q,
                                fp8=p.dtype == FP8, implementation="custom_call", **in_range)
 
@@ -167,8 +174,8 @@ def jax_steps(p, xla_options=None):
                                         (jnp.arange(p.layers, dtype=jnp.int32), rows, rope))
         return stack, q[..., :D_V]
 
-    def unrolled_step(stack, rows, rope, q, t):
-        md = _metadata(p, t)
+    def unrolled_step(stack, rows, rope, q, t, in_range=False):
+        md = _metadata(p, t, in_range)
         latent = rows[0, ..., :D_V]
         for layer in range(p.layers):
             stack, out = _layer(p, t, stack, layer * p.pages, q, latent, rows[layer], md)
@@ -196,10 +203,13 @@ def jax_steps(p, xla_options=None):
     extra = dict(xla_options or {})
     jit = lambda f, options=None: jax.jit(f, donate_argnums=0,
                                           compiler_options={**(options or {}), **extra} or None)
-    return {"scan": (jit(scan_step, jf.LOOP_STEP_COMPILER_OPTIONS), p.stacked_cache),
-            "unrolled": (jit(unrolled_step), p.stacked_cache),
-            "per_layer": (jit(per_layer_step), p.layer_caches),
-            "per_layer_trivial": (jit(trivial_step), p.layer_caches)}
+    steps = {"scan": (jit(scan_step, jf.LOOP_STEP_COMPILER_OPTIONS), p.stacked_cache),
+             "unrolled": (jit(unrolled_step), p.stacked_cache),
+             "per_layer": (jit(per_layer_step), p.layer_caches),
+             "per_layer_trivial": (jit(trivial_step), p.layer_caches)}
+    if p.in_range_metadata:
+        steps[IN_RANGE] = (jit(functools.partial(unrolled_step, in_range=True)), p.stacked_cache)
+    return steps
 
 
 def time_steps(run, steps, warmup=3):
@@ -256,8 +266,9 @@ def run_point(p, steps, torch_side, xla_options=None):
             lambda name: variants[name][0].lower(state[name], *args).compile(), variants)))
         record["compile_s"] = round(time.perf_counter() - start, 1)
     for name, single in ALTERNATING.items():
-        compiled[name] = jf.AlternatingStep(compiled[single])
-        variants[name] = variants[single]
+        if single in compiled:
+            compiled[name] = jf.AlternatingStep(compiled[single])
+            variants[name] = variants[single]
 
     def runner(name):
         make = variants[name][1]
@@ -278,12 +289,13 @@ def run_point(p, steps, torch_side, xla_options=None):
         key = "jax_" + name if name in variants else name
         record[f"{key}_us"] = round(wall[name], 2)
         record[f"{key}_gpu_us"] = None if span[name] is None else round(span[name], 2)
-    first = np.asarray(outs[JAX_LAYOUTS[0]], np.float32)
+    decodes = [name for name in variants if name != "per_layer_trivial"]
+    first = np.asarray(outs[decodes[0]], np.float32)
     record["layouts_agree"] = all(np.array_equal(np.asarray(outs[name], np.float32), first)
-                                  for name in JAX_LAYOUTS[1:])
+                                  for name in decodes[1:])
     if torch_side is not None:
         expected = np.asarray(torch_out(), np.float32)
-        for name in JAX_LAYOUTS:
+        for name in decodes:
             record[f"{name}_out_identical"] = bool(np.array_equal(
                 np.asarray(outs[name], np.float32), expected))
     record["point_s"] = round(time.perf_counter() - started, 1)
@@ -295,7 +307,7 @@ def records_by_layout(raw):
     records = []
     for r in raw:
         base = {k: r[k] for k in ("b", "s_k", "h_q", "s_q", "dtype", "layers", "compile_s")}
-        for layout in JAX_LAYOUTS:
+        for layout in (l for l in (*JAX_LAYOUTS, *IN_RANGE_LAYOUTS) if f"jax_{l}_us" in r):
             rec = dict(base, layout=layout, jax_us=r[f"jax_{layout}_us"],
                        jax_gpu_us=r[f"jax_{layout}_gpu_us"])
             for key in ("torch_graph", "torch_eager"):
@@ -339,9 +351,9 @@ def main():
                         help="each layer's new rows are inputs of the step, not made from the "
                              "layer before (default: made from it, as in a model)")
     parser.add_argument("--in-range-metadata", action="store_true",
-                        help="make the step's metadata with its block table and a layer's pages "
-                             "(get_mla_metadata's num_pages: out-of-range requests decoded "
-                             "empty; bf16 points only)")
+                        help="also the unrolled step whose metadata is made with its block "
+                             "table and a layer's pages (get_mla_metadata's num_pages: "
+                             "out-of-range requests decoded empty), to compare; bf16 only")
     parser.add_argument("--tiny", action="store_true",
                         help="a small configuration on the default device, without torch")
     parser.add_argument("--out", default=None, help="path prefix of the .json/.md/.png results")

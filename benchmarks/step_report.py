@@ -1,7 +1,8 @@
 """bench_step.py's results as JSON, a markdown table and a plot (µs per layer against b).
 
   python benchmarks/step_report.py --merge OUT PART.json [PART.json ...]
-joins parts that ran separately into OUT.{json,md,png}."""
+joins parts that ran separately into OUT.{json,md,png}; a point measured in a later part
+replaces the earlier part's."""
 import argparse
 import json
 
@@ -13,6 +14,7 @@ VARIANTS = (("jax_scan", "jax_flashmla, stacked, lax.scan"),
             ("torch_graph", "torch, CUDA graph"),
             ("torch_eager", "torch, eager"))
 BAR_SHORT, BAR_LONG, LONG_STEP_US = 1.15, 1.05, 2000
+IN_RANGE_TITLE = "## Out-of-range requests decoded empty: the cost in the step"
 
 
 def bar(record):
@@ -63,7 +65,32 @@ def markdown(result):
         else:
             cells += ["-", "-", "-", "-"]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _in_range_section(result["raw"])) + "\n"
+
+
+def _in_range_section(raw):
+    """The points measured with --in-range-metadata: the unrolled step through AlternatingStep
+    with the plain metadata and with one made for the in-range requests, side by side."""
+    rows = [r for r in raw if "jax_unrolled_in_range_alternating_us" in r]
+    if not rows:
+        return []
+    lines = ["", IN_RANGE_TITLE, "",
+             "The unrolled step through AlternatingStep with its metadata made by "
+             "`get_mla_metadata(seq_lens, ...)` and by `get_mla_metadata(seq_lens, ..., "
+             "block_table=, num_pages=)`, which decodes out-of-range requests empty; measured "
+             "in the same run, µs per layer (GPU span per layer in brackets).", "",
+             "| b | s_k | h_q | s_q | L | plain metadata | in-range metadata | cost | "
+             "out identical |", "| " + " | ".join(["---"] * 9) + " |"]
+    for r in rows:
+        plain, guarded = (r["jax_unrolled_alternating_us"],
+                          r["jax_unrolled_in_range_alternating_us"])
+        identical = r.get("unrolled_in_range_alternating_out_identical", r["layouts_agree"])
+        lines.append("| " + " | ".join(
+            [str(r[k]) for k in ("b", "s_k", "h_q", "s_q", "layers")]
+            + [f"{_fmt(plain)} ({_fmt(r.get('jax_unrolled_alternating_gpu_us'))})",
+               f"{_fmt(guarded)} ({_fmt(r.get('jax_unrolled_in_range_alternating_gpu_us'))})",
+               f"{100 * (guarded / plain - 1):+.2f}%", "yes" if identical else "NO"]) + " |")
+    return lines
 
 
 def plot(result, path):
@@ -105,10 +132,18 @@ def write_report(result, prefix):
 
 
 def merge(parts):
+    """One result of parts; a point (b, s_k, h_q, s_q, dtype) in a later part replaces its
+    records in the earlier ones."""
     merged = dict(parts[0])
-    order = lambda r: (r["s_k"], r["dtype"], r["s_q"], r["h_q"], r["b"])
+    point = lambda r: (r["s_k"], r["dtype"], r["s_q"], r["h_q"], r["b"])
     for key in ("records", "raw"):
-        merged[key] = sorted((r for part in parts for r in part[key]), key=order)
+        latest = {}
+        for part in parts:
+            by_point = {}
+            for r in part[key]:
+                by_point.setdefault(point(r), []).append(r)
+            latest.update(by_point)
+        merged[key] = [r for p in sorted(latest) for r in latest[p]]
     return merged
 
 

@@ -14,6 +14,7 @@
 #     grid     bench_grid.py; GRID_ARGS, GRID_NAME (grid_h200), GRID_DEADLINE_S (default 420)
 #     fp8      bench_fp8.py
 #     launch   dev/probe_launch.py; LAUNCH_ARGS, LAUNCH_NAME (launch)
+#     nan      dev/probe_nan.py for FlashMLA and for the reference on the GPU
 #     xla-flags  the command-buffer flags the installed XLA plugin knows
 #     set:NAME=VALUE  exports NAME=VALUE for the modes after it
 set -uo pipefail
@@ -70,6 +71,12 @@ for mode in "${modes[@]}"; do
   launch)
     timeout 420 python3 dev/probe_launch.py --out "$out/${LAUNCH_NAME:-launch}.json" \
       ${LAUNCH_ARGS:-} 2>&1 | tee "$out/${LAUNCH_NAME:-launch}.txt" | cut -c1-1500 | tail -6 ;;
+  nan)
+    for impl in custom_call reference; do
+      timeout 200 python3 dev/probe_nan.py --implementation $impl --out "$out/nan_$impl.json" \
+        > "$out/nan_$impl.txt" 2>&1 || tail -20 "$out/nan_$impl.txt"
+    done
+    grep -v "same=True" "$out/nan_custom_call.txt" | cut -c1-200 | head -70 ;;
   xla-flags)
     python3 - <<'PY' | tee "$out/xla_flags.txt"
 import glob, os, re, jax_plugins

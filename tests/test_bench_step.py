@@ -21,24 +21,40 @@ def test_the_tiny_step_runs_and_reports(tmp_path):
     assert prefix.with_suffix(".png").stat().st_size > 0
 
 
-def test_the_in_range_metadata_step_computes_the_same():
-    """--in-range-metadata: the step's metadata made with its block table and a layer's pages
-    (all requests in range here) gives every layout the out of the plain step."""
-    import numpy as np
+def test_the_in_range_metadata_step_runs_beside_the_plain_one():
+    """--in-range-metadata adds the unrolled step whose metadata is made with its block table
+    and a layer's pages (all requests in range here): its out is the plain step's, and the
+    report compares their times."""
     import pytest
 
     sys.path.insert(0, str(BENCHMARKS))
     import bench_step
+    import step_report
 
-    outs = []
-    for in_range in (False, True):
-        p = bench_step.Point(2, 128, 16, 1, "bfloat16", 3, 1, in_range_metadata=in_range)
-        assert (bench_step._metadata(p, p.tables()).seq_lens is not None) == in_range
-        steps = bench_step.jax_steps(p)
-        compiled = steps["unrolled"][0].lower(p.stacked_cache(), p.rows, p.rope, p.q0,
-                                              p.tables()).compile()
-        outs.append(np.asarray(compiled(p.stacked_cache(), p.rows, p.rope, p.q0,
-                                        p.tables())[1], np.float32))
-    np.testing.assert_array_equal(outs[0], outs[1])
+    p = bench_step.Point(2, 128, 16, 1, "bfloat16", 3, 1, in_range_metadata=True)
+    assert bench_step._metadata(p, p.tables()).seq_lens is None
+    assert bench_step._metadata(p, p.tables(), in_range=True).seq_lens is not None
+    raw = bench_step.run_point(p, 2, None)
+    assert raw["layouts_agree"] and raw["jax_unrolled_in_range_alternating_us"] > 0
+    layouts = [r["layout"] for r in bench_step.records_by_layout([raw])]
+    assert layouts[-2:] == ["unrolled_in_range", "unrolled_in_range_alternating"]
+    result = dict(device="cpu", jax="x", raw=[raw], records=[])
+    assert "| 2 | 128 | 16 | 1 | 3 |" in step_report.markdown(result).split(
+        step_report.IN_RANGE_TITLE)[1]
     with pytest.raises(ValueError, match="--in-range-metadata is for bf16 points"):
         bench_step.Point(2, 128, 16, 1, bench_step.FP8, 3, 1, in_range_metadata=True)
+
+
+def test_a_merged_part_replaces_the_points_it_measured_again():
+    sys.path.insert(0, str(BENCHMARKS))
+    import step_report
+
+    point = dict(b=1, s_k=64, h_q=16, s_q=1, dtype="bfloat16")
+    old = dict(records=[dict(point, layout="scan", jax_us=2.0)], raw=[dict(point, jax_scan_us=2.0)])
+    other = dict(point, b=2)
+    new = dict(records=[dict(point, layout="scan", jax_us=1.0), dict(other, layout="scan")],
+               raw=[dict(point, jax_scan_us=1.0), other])
+    merged = step_report.merge([old, new])
+    assert [r["jax_scan_us"] for r in merged["raw"] if r["b"] == 1] == [1.0]
+    assert [r["jax_us"] for r in merged["records"] if r["b"] == 1] == [1.0]
+    assert len(merged["raw"]) == 2 and len(merged["records"]) == 2
