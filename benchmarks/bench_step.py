@@ -17,7 +17,9 @@ the decode, the concatenation) captured in a torch CUDA graph and replayed, as S
 decode, and eagerly; and the per-layer step with a trivial fusion in place of each decode,
 which is what JAX itself costs for that many arrays. With --in-range-metadata the unrolled
 step also runs with its metadata made for the in-range requests (get_mla_metadata's
-block_table and num_pages), the cost of decoding out-of-range requests empty.
+block_table and num_pages), the cost of decoding out-of-range requests empty; with
+--value-checks, traced under jax_flashmla.value_checks() (checkify), its error thrown after
+each step.
 
 Reported per point: µs per layer (the median step's wall clock / L) and the GPU's span per
 layer (first kernel's start to last kernel's end of a step, from the profiler's trace), and
@@ -44,6 +46,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.experimental import checkify  # noqa: E402
 
 import jax_flashmla as jf  # noqa: E402
 from jax_flashmla import fp8  # noqa: E402
@@ -55,9 +58,11 @@ from step_report import write_report  # noqa: E402
 PAGE, D_QK, D_V = 64, 576, 512
 FP8 = "float8_e4m3fn"
 JAX_LAYOUTS = ("scan", "unrolled", "per_layer", "scan_alternating", "unrolled_alternating")
-# With --in-range-metadata: the unrolled step whose metadata is made for its in-range requests.
-IN_RANGE = "unrolled_in_range"
-IN_RANGE_LAYOUTS = (IN_RANGE, IN_RANGE + "_alternating")
+# With --in-range-metadata: the unrolled step whose metadata is made for its in-range requests;
+# with --value-checks: the unrolled step traced under jax_flashmla.value_checks(), checkified,
+# its error thrown after each step.
+IN_RANGE, CHECKED = "unrolled_in_range", "unrolled_checked"
+SAFETY_LAYOUTS = (IN_RANGE, IN_RANGE + "_alternating", CHECKED)
 ALTERNATING = {"scan_alternating": "scan", "unrolled_alternating": "unrolled",
                IN_RANGE + "_alternating": IN_RANGE}
 GRID_B = (1, 4, 16, 32, 64, 128)
@@ -81,13 +86,14 @@ class Point:
     lengths (all s_k), each layer's rows, rope columns and first q."""
 
     def __init__(self, b, s_k, h_q, s_q, dtype, layers, cache_gb, rows_from_inputs=False,
-                 in_range_metadata=False, seed=0):
-        if in_range_metadata and dtype == FP8:
+                 in_range_metadata=False, value_checks=False, seed=0):
+        if (in_range_metadata or value_checks) and dtype == FP8:
             # FP8's metadata would carry the guard of the step's table, which the layers of a
             # stacked cache (the table plus an offset) cannot share.
-            raise ValueError("--in-range-metadata is for bf16 points")
+            raise ValueError("--in-range-metadata and --value-checks are for bf16 points")
         self.b, self.s_k, self.h_q, self.s_q, self.dtype = b, s_k, h_q, s_q, dtype
         self.rows_from_inputs, self.in_range_metadata = rows_from_inputs, in_range_metadata
+        self.value_checks = value_checks
         pages_per_request = -(-s_k // PAGE)
         self.pages = b * pages_per_request
         itemsize = 1 if dtype == FP8 else 2
@@ -209,6 +215,12 @@ def jax_steps(p, xla_options=None):
              "per_layer_trivial": (jit(trivial_step), p.layer_caches)}
     if p.in_range_metadata:
         steps[IN_RANGE] = (jit(functools.partial(unrolled_step, in_range=True)), p.stacked_cache)
+    if p.value_checks:
+        def checked_step(stack, rows, rope, q, t):
+            with jf.value_checks():
+                error, (stack, out) = checkify.checkify(unrolled_step)(stack, rows, rope, q, t)
+            return stack, (out, error)
+        steps[CHECKED] = (jit(checked_step), p.stacked_cache)
     return steps
 
 
@@ -275,6 +287,9 @@ def run_point(p, steps, torch_side, xla_options=None):
 
         def run():
             made[make], outs[name] = compiled[name](made[make], *args)
+            if name == CHECKED:
+                outs[name], error = outs[name]
+                error.throw()  # a host sync, as a loop that checks each step pays it
             jax.block_until_ready(outs[name])
         return run
 
@@ -307,7 +322,7 @@ def records_by_layout(raw):
     records = []
     for r in raw:
         base = {k: r[k] for k in ("b", "s_k", "h_q", "s_q", "dtype", "layers", "compile_s")}
-        for layout in (l for l in (*JAX_LAYOUTS, *IN_RANGE_LAYOUTS) if f"jax_{l}_us" in r):
+        for layout in (l for l in (*JAX_LAYOUTS, *SAFETY_LAYOUTS) if f"jax_{l}_us" in r):
             rec = dict(base, layout=layout, jax_us=r[f"jax_{layout}_us"],
                        jax_gpu_us=r[f"jax_{layout}_gpu_us"])
             for key in ("torch_graph", "torch_eager"):
@@ -354,6 +369,10 @@ def main():
                         help="also the unrolled step whose metadata is made with its block "
                              "table and a layer's pages (get_mla_metadata's num_pages: "
                              "out-of-range requests decoded empty), to compare; bf16 only")
+    parser.add_argument("--value-checks", action="store_true",
+                        help="also the unrolled step traced under jax_flashmla.value_checks() "
+                             "(checkified, its error thrown after each step), to compare; "
+                             "bf16 only")
     parser.add_argument("--tiny", action="store_true",
                         help="a small configuration on the default device, without torch")
     parser.add_argument("--out", default=None, help="path prefix of the .json/.md/.png results")
@@ -373,7 +392,7 @@ def main():
             print(f"deadline: stopped before b={b} s_k={s_k} h_q={h_q} s_q={s_q} {dtype}")
             break
         p = Point(b, s_k, h_q, s_q, dtype, 3 if args.tiny else args.layers, args.cache_gb,
-                  args.rows_from_inputs, args.in_range_metadata)
+                  args.rows_from_inputs, args.in_range_metadata, args.value_checks)
         raw.append(run_point(p, 3 if args.tiny else args.steps, torch_side, xla_options))
         print(json.dumps(raw[-1]), flush=True)
         del p
@@ -381,6 +400,7 @@ def main():
                       host=platform.node(), xla_options=xla_options,
                       rows_from_inputs=args.rows_from_inputs,
                       in_range_metadata=args.in_range_metadata,
+                      value_checks=args.value_checks,
                       records=records_by_layout(raw), raw=raw,
                       torch=None if torch_side is None else torch_side.info)
         if args.out:  # after every point, so that a run cut short keeps what it measured

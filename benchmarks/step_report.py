@@ -14,7 +14,7 @@ VARIANTS = (("jax_scan", "jax_flashmla, stacked, lax.scan"),
             ("torch_graph", "torch, CUDA graph"),
             ("torch_eager", "torch, eager"))
 BAR_SHORT, BAR_LONG, LONG_STEP_US = 1.15, 1.05, 2000
-IN_RANGE_TITLE = "## Out-of-range requests decoded empty: the cost in the step"
+SAFETY_TITLE = "## The cost of out-of-range protection and of value checks in the step"
 
 
 def bar(record):
@@ -65,31 +65,34 @@ def markdown(result):
         else:
             cells += ["-", "-", "-", "-"]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines + _in_range_section(result["raw"])) + "\n"
+    return "\n".join(lines + _safety_section(result["raw"])) + "\n"
 
 
-def _in_range_section(raw):
-    """The points measured with --in-range-metadata: the unrolled step through AlternatingStep
-    with the plain metadata and with one made for the in-range requests, side by side."""
-    rows = [r for r in raw if "jax_unrolled_in_range_alternating_us" in r]
+def _safety_section(raw):
+    """The points measured with --in-range-metadata or --value-checks: the unrolled step with
+    and without each, measured in the same run."""
+    pairs = (("jax_unrolled_alternating", "jax_unrolled_in_range_alternating",
+              "in-range metadata"), ("jax_unrolled", "jax_unrolled_checked", "value_checks()"))
+    rows = [(r, plain, safe, name) for r in raw for plain, safe, name in pairs
+            if safe + "_us" in r]
     if not rows:
         return []
-    lines = ["", IN_RANGE_TITLE, "",
-             "The unrolled step through AlternatingStep with its metadata made by "
-             "`get_mla_metadata(seq_lens, ...)` and by `get_mla_metadata(seq_lens, ..., "
-             "block_table=, num_pages=)`, which decodes out-of-range requests empty; measured "
-             "in the same run, µs per layer (GPU span per layer in brackets).", "",
-             "| b | s_k | h_q | s_q | L | plain metadata | in-range metadata | cost | "
-             "out identical |", "| " + " | ".join(["---"] * 9) + " |"]
-    for r in rows:
-        plain, guarded = (r["jax_unrolled_alternating_us"],
-                          r["jax_unrolled_in_range_alternating_us"])
-        identical = r.get("unrolled_in_range_alternating_out_identical", r["layouts_agree"])
+    lines = ["", SAFETY_TITLE, "",
+             "The unrolled step with its metadata made by `get_mla_metadata(seq_lens, ...)`, "
+             "against the same step with its metadata made with `block_table=` and "
+             "`num_pages=` (out-of-range requests decoded empty; both through "
+             "AlternatingStep), and traced under `value_checks()` (checkified, the error "
+             "thrown after each step; both called directly). Measured in the same run, µs per "
+             "layer (GPU span per layer in brackets).", "",
+             "| b | s_k | h_q | s_q | L | with | without | with it | cost | out identical |",
+             "| " + " | ".join(["---"] * 10) + " |"]
+    for r, plain, safe, name in rows:
+        identical = r.get(safe[len("jax_"):] + "_out_identical", r["layouts_agree"])
         lines.append("| " + " | ".join(
-            [str(r[k]) for k in ("b", "s_k", "h_q", "s_q", "layers")]
-            + [f"{_fmt(plain)} ({_fmt(r.get('jax_unrolled_alternating_gpu_us'))})",
-               f"{_fmt(guarded)} ({_fmt(r.get('jax_unrolled_in_range_alternating_gpu_us'))})",
-               f"{100 * (guarded / plain - 1):+.2f}%", "yes" if identical else "NO"]) + " |")
+            [str(r[k]) for k in ("b", "s_k", "h_q", "s_q", "layers")] + [name]
+            + [f"{_fmt(r[key + '_us'])} ({_fmt(r.get(key + '_gpu_us'))})" for key in (plain, safe)]
+            + [f"{100 * (r[safe + '_us'] / r[plain + '_us'] - 1):+.2f}%",
+               "yes" if identical else "NO"]) + " |")
     return lines
 
 

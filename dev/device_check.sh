@@ -4,8 +4,9 @@
 # each mode in turn; logs and results go under $OUT (or ./device-out).
 #   bash dev/device_check.sh MODE...
 #     build    the install alone (a warm machine keeps build/, so it is incremental)
-#     capture  the command-buffer tests, the bf16 and FP8 op tests against torch, the
-#              out-of-range tests under FlashMLA (~2 min)
+#     capture  the command-buffer tests, the bf16 and FP8 op tests against torch (~2 min)
+#     values   the bad-value tests with FlashMLA as their custom_call: out-of-range requests,
+#              NaN semantics, value checks
 #     gpu      every test marked gpu but the two-GPU ones (~6 min), or those in GPU_TESTS
 #     package  tests/test_gpu.py with the sgl-flash-mla package as the only kernel source
 #     multi    tests/test_gpu_multi.py (two GPUs visible)
@@ -47,7 +48,10 @@ for mode in "${modes[@]}"; do
   build) ;;
   capture)
     pytest_logged pytest_capture.txt 300 tests/test_gpu_capture.py tests/test_gpu.py \
-      tests/test_gpu_fp8.py tests/test_out_of_range.py ;;
+      tests/test_gpu_fp8.py ;;
+  values)
+    pytest_logged pytest_values.txt 300 tests/test_out_of_range.py tests/test_nan.py \
+      tests/test_value_checks.py ;;
   gpu) pytest_logged pytest_gpu.txt 540 -m gpu ${GPU_TESTS:-tests --ignore=tests/test_gpu_multi.py} ;;
   package)
     site=/tmp/flash_mla_site

@@ -206,15 +206,22 @@ std::string DecodeReference(const DecodeProblem& p, const void* q, const void* k
               for (int64_t d = 0; d < p.head_dim_v; ++d) a[d] = a[d] * rescale + w * k[d];
               st.max = new_max;
             }
+            // FlashMLA multiplies the keys the causal mask hides from this query by a weight
+            // of 0, so a NaN in their V columns reaches this query's out (0 * NaN).
+            for (int64_t t = std::max<int64_t>(n, 0); t < tokens; ++t)
+              for (int64_t d = 0; d < p.head_dim_v; ++d) a[d] += 0.f * key[t * p.head_dim + d];
           }
         }
       }
       for (int64_t idx = 0; idx < rows_per_req; ++idx) {
         const RowState& st = state[idx];
-        if (st.sum == 0.f) continue;  // this piece saw no key of this query: lse stays -inf
+        // As FlashMLA: a piece that saw no key of this query, or whose sum is NaN (a NaN
+        // score), keeps lse -inf and its unnormalised out (0, or NaN).
+        const bool no_weight = st.sum == 0.f || std::isnan(st.sum);
         float* o = &part_out[(split * rows_per_req + idx) * p.head_dim_v];
-        for (int64_t d = 0; d < p.head_dim_v; ++d) o[d] = acc[idx * p.head_dim_v + d] / st.sum;
-        part_lse[split * rows_per_req + idx] = st.max + std::log(st.sum);
+        const float inv_sum = no_weight ? 1.f : 1.f / st.sum;
+        for (int64_t d = 0; d < p.head_dim_v; ++d) o[d] = acc[idx * p.head_dim_v + d] * inv_sum;
+        if (!no_weight) part_lse[split * rows_per_req + idx] = st.max + std::log(st.sum);
       }
     }
   }
@@ -237,14 +244,16 @@ std::string DecodeReference(const DecodeProblem& p, const void* q, const void* k
           max_lse = std::max(max_lse, part_lse[s * rows_per_req + idx]);
         std::fill(combined.begin(), combined.end(), 0.f);
         float row_lse = std::numeric_limits<float>::infinity();  // FlashMLA: no key seen
-        if (max_lse != -std::numeric_limits<float>::infinity()) {
-          float weight_sum = 0.f;
-          for (int64_t s = num_splits[r]; s < num_splits[r + 1]; ++s) {
-            const float w = std::exp(part_lse[s * rows_per_req + idx] - max_lse);
-            weight_sum += w;
-            const float* o = &part_out[(s * rows_per_req + idx) * p.head_dim_v];
-            for (int64_t d = 0; d < p.head_dim_v; ++d) combined[d] += w * o[d];
-          }
+        const bool seen = max_lse != -std::numeric_limits<float>::infinity();
+        float weight_sum = 0.f;
+        // Splits of weight 0 still add 0 * out: a NaN out stays NaN, as in FlashMLA.
+        for (int64_t s = num_splits[r]; s < num_splits[r + 1]; ++s) {
+          const float w = seen ? std::exp(part_lse[s * rows_per_req + idx] - max_lse) : 0.f;
+          weight_sum += w;
+          const float* o = &part_out[(s * rows_per_req + idx) * p.head_dim_v];
+          for (int64_t d = 0; d < p.head_dim_v; ++d) combined[d] += w * o[d];
+        }
+        if (seen) {
           for (float& c : combined) c /= weight_sum;
           row_lse = max_lse + std::log(weight_sum);
         }

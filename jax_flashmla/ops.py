@@ -239,6 +239,14 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, metadata=None, softmax_sca
       out: (batch, s_q, h_q, 512) in q's dtype; bfloat16 with a float8_e4m3fn cache.
       lse: (batch, h_q, s_q) float32, natural-log sum of exp(softmax_scale * q.k) over the keys
         each query sees; +inf where it sees none.
+
+    NaN, on every implementation as in FlashMLA: a NaN in q's row of (token, head), or in
+    any column of a key that query sees, makes that query's out NaN in all 512 columns (for
+    a key: every head's). Its lse is then +inf, except under a metadata that splits the
+    request over several SM parts (FlashMLA, the C++ model): there it is the log-sum-exp of
+    the parts without the NaN, so out, not lse, carries it. A NaN in V column d of a key the
+    causal mask hides from a query makes column d of that query's out NaN (the kernel weighs
+    hidden keys by 0). Rows past a request's length are never read.
     """
     batch, s_q, h_q = validation.check_decode_args(q, kv_cache, block_table, seq_lens, head_dim_v,
                                                    k_scale)

@@ -4,7 +4,8 @@ It follows FlashMLA's conventions: V is the first head_dim_v columns of each cac
 with causal=True query i of s_q sees the first s_k - s_q + i + 1 keys (bottom-right mask);
 the LSE is the natural log of the sum of exp(scaled scores); a query that sees no key gets
 out 0 and LSE +inf. Keys past a request's length are never read into the arithmetic, so NaN in
-unused pages and arbitrary values in unused block-table slots change nothing.
+unused pages and arbitrary values in unused block-table slots change nothing; a NaN elsewhere
+has FlashMLA's effect (mla_decode's docstring), with lse +inf as for a request in one split.
 With FlashMLA's FP8 cache, q and the cache are float8_e4m3fn with per-tensor scales; the
 reference dequantizes them to float32 (the cache after the gather, so only the pages read)
 and returns bfloat16 out, as the FP8 kernel does.

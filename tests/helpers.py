@@ -216,6 +216,31 @@ def scan_over_fp8_layers(guard_in_metadata):
     return fp8_custom_calls(hlo)[0], fp8_custom_calls(entry_computation(hlo))[0]
 
 
+# Request 0 is decoded in one split, request 1 in several, request 3 is empty.
+NAN_LENGTHS = (40, 2000, 300, 0)
+
+
+def nan_problem(s_q, fp8_cache, h_q=16):
+    """bf16 q, a bf16 cache (or FP8, quantized with K_SCALE) whose rows past each request's
+    length hold NaN, the block table and the lengths NAN_LENGTHS: a clean problem to put one
+    NaN into."""
+    q, kv, bt, _ = make_decode_inputs(np.random.default_rng(3), batch=len(NAN_LENGTHS), s_q=s_q,
+                                      h_q=h_q, mean_sk=max(NAN_LENGTHS), varlen=False,
+                                      dtype=jnp.float32)
+    rows = np.arange(PAGE)
+    for r, n in enumerate(NAN_LENGTHS):
+        for j, page in enumerate(bt[r]):
+            kv = kv.at[page, rows >= n - PAGE * j].set(jnp.nan)
+    kv = fp8.quantize(kv, jnp.float32(K_SCALE)) if fp8_cache else kv.astype(jnp.bfloat16)
+    return (q.astype(jnp.bfloat16), kv, jnp.asarray(bt), jnp.asarray(NAN_LENGTHS, jnp.int32))
+
+
+def with_nan_in_key(kv, bt, request, token, column):
+    """kv with a NaN in `column` of the row holding `token` of `request`."""
+    page, row = int(bt[request, token // PAGE]), token % PAGE
+    return kv.at[page, row, 0, column].set(jnp.asarray(jnp.nan, kv.dtype))
+
+
 def cache_shaped_buffers(hlo_text, shape):
     """(dtype, opcode, name) of every unfused instruction producing an array of `shape`.
 

@@ -21,28 +21,32 @@ def test_the_tiny_step_runs_and_reports(tmp_path):
     assert prefix.with_suffix(".png").stat().st_size > 0
 
 
-def test_the_in_range_metadata_step_runs_beside_the_plain_one():
+def test_the_safety_variants_run_beside_the_plain_step():
     """--in-range-metadata adds the unrolled step whose metadata is made with its block table
-    and a layer's pages (all requests in range here): its out is the plain step's, and the
-    report compares their times."""
+    and a layer's pages, --value-checks the unrolled step under value_checks() (all requests in
+    range here): their outs are the plain step's, and the report compares their times."""
     import pytest
 
     sys.path.insert(0, str(BENCHMARKS))
     import bench_step
     import step_report
 
-    p = bench_step.Point(2, 128, 16, 1, "bfloat16", 3, 1, in_range_metadata=True)
+    p = bench_step.Point(2, 128, 16, 1, "bfloat16", 3, 1, in_range_metadata=True,
+                         value_checks=True)
     assert bench_step._metadata(p, p.tables()).seq_lens is None
     assert bench_step._metadata(p, p.tables(), in_range=True).seq_lens is not None
     raw = bench_step.run_point(p, 2, None)
     assert raw["layouts_agree"] and raw["jax_unrolled_in_range_alternating_us"] > 0
+    assert raw["jax_unrolled_checked_us"] > 0
     layouts = [r["layout"] for r in bench_step.records_by_layout([raw])]
-    assert layouts[-2:] == ["unrolled_in_range", "unrolled_in_range_alternating"]
+    assert layouts[-3:] == ["unrolled_in_range", "unrolled_in_range_alternating",
+                            "unrolled_checked"]
     result = dict(device="cpu", jax="x", raw=[raw], records=[])
-    assert "| 2 | 128 | 16 | 1 | 3 |" in step_report.markdown(result).split(
-        step_report.IN_RANGE_TITLE)[1]
-    with pytest.raises(ValueError, match="--in-range-metadata is for bf16 points"):
-        bench_step.Point(2, 128, 16, 1, bench_step.FP8, 3, 1, in_range_metadata=True)
+    section = step_report.markdown(result).split(step_report.SAFETY_TITLE)[1]
+    assert "| 2 | 128 | 16 | 1 | 3 | in-range metadata |" in section
+    assert "| 2 | 128 | 16 | 1 | 3 | value_checks() |" in section
+    with pytest.raises(ValueError, match="--in-range-metadata and --value-checks are for bf16"):
+        bench_step.Point(2, 128, 16, 1, bench_step.FP8, 3, 1, value_checks=True)
 
 
 def test_a_merged_part_replaces_the_points_it_measured_again():

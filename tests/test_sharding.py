@@ -114,7 +114,7 @@ def test_merge_of_empty_parts():
 
 def test_a_parts_nan_is_not_weighted_away():
     """A NaN lse in one part makes the merged out and lse NaN for that query alone, whatever
-    the other parts saw; a NaN out with a finite lse makes the merged out NaN."""
+    the other parts saw; a NaN out makes the merged out NaN, whatever its part's lse."""
     outs = jnp.ones((3, 1, 1, 2, 4), jnp.float32)
     lses = jnp.array([0.5, jnp.inf, 2.0])[:, None, None, None] * jnp.ones((3, 1, 2, 1))
     out, lse = cp.merge_attention_states(outs, lses.at[1, 0, 0, 0].set(jnp.nan))
@@ -124,6 +124,9 @@ def test_a_parts_nan_is_not_weighted_away():
     out, lse = cp.merge_attention_states(outs.at[2, 0, 0, 1, 3].set(jnp.nan), lses)
     assert np.isnan(float(out[0, 0, 1, 3])) and np.all(np.isfinite(np.asarray(lse)))
     np.testing.assert_allclose(np.asarray(out[0, 0, 0]), 1.0, rtol=1e-6)
+    # A NaN out with lse +inf (a decode whose one split met a NaN) weighs 0 and stays NaN.
+    out, _ = cp.merge_attention_states(outs.at[1, 0, 0, 1, 3].set(jnp.nan), lses)
+    assert np.isnan(float(out[0, 0, 1, 3]))
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -170,6 +173,30 @@ def test_dcp_decodes_an_out_of_range_request_empty(devices, implementation, bad)
     assert not np.any(np.asarray(out[1], np.float32)) and np.all(np.isposinf(np.asarray(lse[1])))
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want_out, np.float32))
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(want_lse))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_a_nan_key_on_one_device_poisons_its_request_on_all(devices, implementation):
+    """A NaN in a key one device holds: that device's out is NaN (its lse +inf or finite, as
+    mla_decode's NaN semantics give), and the merge keeps it NaN for that request whatever
+    its weight; the other requests are as without it."""
+    n = 4
+    q, kv, bt, sl = sharding_problem(4, batch=4, h_q=16, mean_sk=150)
+    pages, tables, lens = split_for_dcp(kv, bt, sl, n, "round_robin", None)
+    poisoned_page = int(tables[2, 1, 0]) + 2 * (pages.shape[0] // n)  # device 2's first
+    bad_pages = pages.at[poisoned_page, 0, 0, 9].set(jnp.nan)
+    mesh = Mesh(np.array(devices[:n]), ("dcp",))
+    decode = jax.jit(lambda *a: cp.dcp_mla_decode(*a, mesh=mesh, axis="dcp",
+                                                  implementation=implementation))
+    run = lambda p: decode(_put(mesh, q), _put(mesh, p, "dcp"), _put(mesh, tables, "dcp"),
+                           _put(mesh, lens, "dcp"))
+    out, lse = run(bad_pages)
+    want_out, want_lse = run(pages)
+    assert np.all(np.isnan(np.asarray(out[1], np.float32)))
+    others = np.arange(4) != 1
+    np.testing.assert_array_equal(np.asarray(out, np.float32)[others],
+                                  np.asarray(want_out, np.float32)[others])
+    np.testing.assert_array_equal(np.asarray(lse)[others], np.asarray(want_lse)[others])
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
