@@ -63,6 +63,8 @@ JAX_LAYOUTS = ("scan", "unrolled", "per_layer", "scan_alternating", "unrolled_al
 # its error thrown after each step.
 IN_RANGE, CHECKED = "unrolled_in_range", "unrolled_checked"
 SAFETY_LAYOUTS = (IN_RANGE, IN_RANGE + "_alternating", CHECKED)
+# (plain, with protection): timed in turns for the cost, a step of each per turn.
+SAFETY_PAIRS = (("unrolled_alternating", IN_RANGE + "_alternating"), ("unrolled", CHECKED))
 ALTERNATING = {"scan_alternating": "scan", "unrolled_alternating": "unrolled",
                IN_RANGE + "_alternating": IN_RANGE}
 GRID_B = (1, 4, 16, 32, 64, 128)
@@ -236,6 +238,22 @@ def time_steps(run, steps, warmup=3):
     return times
 
 
+def cost_in_turns(plain, other, steps):
+    """Median over `steps` turns of other's step time over plain's, minus 1; each turn runs a
+    step of each, in an order that alternates between turns, so that drift affects both."""
+    for _ in range(3):
+        plain(), other()
+    ratios = []
+    for turn in range(steps):
+        times = {}
+        for name, run in (("plain", plain), ("other", other))[::1 if turn % 2 else -1]:
+            start = time.perf_counter()
+            run()
+            times[name] = time.perf_counter() - start
+        ratios.append(times["other"] / times["plain"])
+    return statistics.median(ratios) - 1
+
+
 def gpu_span_us(runs):
     """{name: median GPU span (µs) of a step}: PROFILED_STEPS of each run, under one trace, each
     inside a host annotation; a step's span is its first GPU activity's start to its last's
@@ -297,6 +315,9 @@ def run_point(p, steps, torch_side, xla_options=None):
         runs[name] = runner(name)
     wall = {name: statistics.median(time_steps(run, steps)) / p.layers
             for name, run in runs.items()}
+    for plain, other in SAFETY_PAIRS:
+        if other in runs:
+            record[f"{other}_cost"] = round(cost_in_turns(runs[plain], runs[other], steps), 5)
     on_gpu = jax.default_backend() == "gpu"
     span = {name: (s / p.layers if s is not None else None)
             for name, s in (gpu_span_us(runs) if on_gpu else dict.fromkeys(runs)).items()}

@@ -83,7 +83,8 @@ def _safety_section(raw):
              "`num_pages=` (out-of-range requests decoded empty; both through "
              "AlternatingStep), and traced under `value_checks()` (checkified, the error "
              "thrown after each step; both called directly). Measured in the same run, µs per "
-             "layer (GPU span per layer in brackets).", "",
+             "layer (GPU span per layer in brackets). Cost: the median over the run's steps of "
+             "the ratio of the two steps' times, a step of each per turn.", "",
              "| b | s_k | h_q | s_q | L | with | without | with it | cost | out identical |",
              "| " + " | ".join(["---"] * 10) + " |"]
     for r, plain, safe, name in rows:
@@ -91,7 +92,7 @@ def _safety_section(raw):
         lines.append("| " + " | ".join(
             [str(r[k]) for k in ("b", "s_k", "h_q", "s_q", "layers")] + [name]
             + [f"{_fmt(r[key + '_us'])} ({_fmt(r.get(key + '_gpu_us'))})" for key in (plain, safe)]
-            + [f"{100 * (r[safe + '_us'] / r[plain + '_us'] - 1):+.2f}%",
+            + [f"{100 * r[safe[len('jax_'):] + '_cost']:+.2f}%",
                "yes" if identical else "NO"]) + " |")
     return lines
 
@@ -111,6 +112,9 @@ def plot(result, path):
     for ax, (h_q, s_k) in zip(axes.flat, [(h, s) for h in h_qs for s in s_ks]):
         points = sorted((r for r in rows if (r["s_k"], r["h_q"]) == (s_k, h_q)),
                         key=lambda r: r["b"])
+        if not points:
+            ax.set_visible(False)
+            continue
         for key, label in VARIANTS:
             if all(key + "_us" in r for r in points):
                 ax.plot([r["b"] for r in points], [r[key + "_us"] for r in points], "o-",

@@ -21,7 +21,7 @@ def test_the_tiny_step_runs_and_reports(tmp_path):
     assert prefix.with_suffix(".png").stat().st_size > 0
 
 
-def test_the_safety_variants_run_beside_the_plain_step():
+def test_the_safety_variants_run_beside_the_plain_step(tmp_path):
     """--in-range-metadata adds the unrolled step whose metadata is made with its block table
     and a layer's pages, --value-checks the unrolled step under value_checks() (all requests in
     range here): their outs are the plain step's, and the report compares their times."""
@@ -38,6 +38,7 @@ def test_the_safety_variants_run_beside_the_plain_step():
     raw = bench_step.run_point(p, 2, None)
     assert raw["layouts_agree"] and raw["jax_unrolled_in_range_alternating_us"] > 0
     assert raw["jax_unrolled_checked_us"] > 0
+    assert raw["unrolled_checked_cost"] > -1 and raw["unrolled_in_range_alternating_cost"] > -1
     layouts = [r["layout"] for r in bench_step.records_by_layout([raw])]
     assert layouts[-3:] == ["unrolled_in_range", "unrolled_in_range_alternating",
                             "unrolled_checked"]
@@ -45,6 +46,9 @@ def test_the_safety_variants_run_beside_the_plain_step():
     section = step_report.markdown(result).split(step_report.SAFETY_TITLE)[1]
     assert "| 2 | 128 | 16 | 1 | 3 | in-range metadata |" in section
     assert "| 2 | 128 | 16 | 1 | 3 | value_checks() |" in section
+    # Two points over two s_k and two h_q: the two panels without a point are left empty.
+    step_report.plot(dict(result, raw=[raw, dict(raw, s_k=4096, h_q=128)]),
+                     str(tmp_path / "two_points.png"))
     with pytest.raises(ValueError, match="--in-range-metadata and --value-checks are for bf16"):
         bench_step.Point(2, 128, 16, 1, bench_step.FP8, 3, 1, value_checks=True)
 
