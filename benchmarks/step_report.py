@@ -85,7 +85,7 @@ def _safety_section(raw):
              "thrown after each step; both called directly). Measured in the same run, µs per "
              "layer (GPU span per layer in brackets). Cost: the median over the run's steps of "
              "the ratio of the two steps' times, a step of each per turn.", "",
-             "| b | s_k | h_q | s_q | L | with | without | with it | cost | out identical |",
+             "| b | s_k | h_q | s_q | L | protection | without | with | cost | out identical |",
              "| " + " | ".join(["---"] * 10) + " |"]
     for r, plain, safe, name in rows:
         identical = r.get(safe[len("jax_"):] + "_out_identical", r["layouts_agree"])

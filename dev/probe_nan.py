@@ -1,9 +1,9 @@
 """What a NaN in q or in the cache does to each implementation's out and lse: FlashMLA on the
 GPU ("custom_call" there), the C++ model ("custom_call" on CPU) and the reference.
 
-Four requests (lengths 40, 8000, 300, 0), h_q 16; request 1 is split over many SM parts and
-request 0 is one split. Each case puts one NaN into a clean problem (whose unused rows already
-hold NaN, as in FlashMLA's tests); per request it prints how many (query, head) rows of out hold
+Four requests (tests/helpers.py's NAN_LENGTHS), h_q 16; request 1 is split over several SM
+parts and request 0 is one split. Each case puts one NaN into a clean problem (whose unused
+rows already hold NaN, as in FlashMLA's tests); per request it prints how many (query, head) rows of out hold
 a NaN or are all zero, the classes of lse, and whether the request equals the clean run.
 
   python dev/probe_nan.py --out nan.json [--implementation reference]
@@ -19,39 +19,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import jax_flashmla as jf  # noqa: E402
-from helpers import K_SCALE, make_decode_inputs  # noqa: E402
+from helpers import K_SCALE, NAN_LENGTHS, nan_problem, with_nan_in_key  # noqa: E402
 
-LENGTHS = (40, 8000, 300, 0)
 H_Q = 16
-
-
-def problem(s_q, fp8):
-    """q, cache, block table, LENGTHS; every row past a request's length holds NaN."""
-    q, kv, bt, _ = make_decode_inputs(np.random.default_rng(3), batch=len(LENGTHS), s_q=s_q,
-                                      h_q=H_Q, mean_sk=max(LENGTHS), varlen=False,
-                                      dtype=jnp.float32)
-    for r, n in enumerate(LENGTHS):
-        pages = bt[r, n // 64:]
-        kv = kv.at[pages, :, 0, :].set(jnp.where(
-            (np.arange(pages.size * 64) >= (n % 64)).reshape(pages.size, 64, 1), jnp.nan,
-            kv[pages, :, 0, :]))
-    if fp8:
-        kv = jf.fp8.quantize(kv, jnp.float32(K_SCALE))
-    else:
-        kv = kv.astype(jnp.bfloat16)
-    return q.astype(jnp.bfloat16), kv, jnp.asarray(bt), jnp.asarray(LENGTHS, jnp.int32)
-
-
-def row_of(bt, request, token):
-    """(page, row) of a request's token in the cache."""
-    return int(bt[request, token // 64]), token % 64
-
-
-def nan_in_kv(kv, bt, request, token, column):
-    page, row = row_of(bt, request, token)
-    if kv.dtype == jnp.float8_e4m3fn:
-        return kv.at[page, row, 0, column].set(jnp.asarray(jnp.nan, jnp.float8_e4m3fn))
-    return kv.at[page, row, 0, column].set(jnp.nan)
+LAST = tuple(n - 1 for n in NAN_LENGTHS)
 
 
 CASES = {
@@ -60,16 +31,16 @@ CASES = {
     "q_req0_head3": (1, lambda q, kv, bt: (q.at[0, 0, 3, 10].set(jnp.nan), kv)),
     "q_req1_head3": (1, lambda q, kv, bt: (q.at[1, 0, 3, 10].set(jnp.nan), kv)),
     "q_rope_req0_head3": (1, lambda q, kv, bt: (q.at[0, 0, 3, 540].set(jnp.nan), kv)),
-    "kv_latent_req0_tok5": (1, lambda q, kv, bt: (q, nan_in_kv(kv, bt, 0, 5, 7))),
-    "kv_rope_req0_tok5": (1, lambda q, kv, bt: (q, nan_in_kv(kv, bt, 0, 5, 540))),
-    "kv_latent_req1_tok5": (1, lambda q, kv, bt: (q, nan_in_kv(kv, bt, 1, 5, 7))),
-    "kv_latent_req1_last": (1, lambda q, kv, bt: (q, nan_in_kv(kv, bt, 1, LENGTHS[1] - 1, 7))),
-    "kv_rope_req1_last": (1, lambda q, kv, bt: (q, nan_in_kv(kv, bt, 1, LENGTHS[1] - 1, 540))),
+    "kv_latent_req0_tok5": (1, lambda q, kv, bt: (q, with_nan_in_key(kv, bt, 0, 5, 7))),
+    "kv_rope_req0_tok5": (1, lambda q, kv, bt: (q, with_nan_in_key(kv, bt, 0, 5, 540))),
+    "kv_latent_req1_tok5": (1, lambda q, kv, bt: (q, with_nan_in_key(kv, bt, 1, 5, 7))),
+    "kv_latent_req1_last": (1, lambda q, kv, bt: (q, with_nan_in_key(kv, bt, 1, LAST[1], 7))),
+    "kv_rope_req1_last": (1, lambda q, kv, bt: (q, with_nan_in_key(kv, bt, 1, LAST[1], 540))),
     "s_q2_clean": (2, lambda q, kv, bt: (q, kv)),
     # The last key of a request is hidden from query 0 by the causal mask when s_q = 2.
-    "s_q2_kv_latent_req0_last": (2, lambda q, kv, bt: (q, nan_in_kv(kv, bt, 0, LENGTHS[0] - 1, 7))),
-    "s_q2_kv_rope_req0_last": (2, lambda q, kv, bt: (q, nan_in_kv(kv, bt, 0, LENGTHS[0] - 1, 540))),
-    "s_q2_kv_latent_req1_last": (2, lambda q, kv, bt: (q, nan_in_kv(kv, bt, 1, LENGTHS[1] - 1, 7))),
+    "s_q2_kv_latent_req0_last": (2, lambda q, kv, bt: (q, with_nan_in_key(kv, bt, 0, LAST[0], 7))),
+    "s_q2_kv_rope_req0_last": (2, lambda q, kv, bt: (q, with_nan_in_key(kv, bt, 0, LAST[0], 540))),
+    "s_q2_kv_latent_req1_last": (2, lambda q, kv, bt: (q, with_nan_in_key(kv, bt, 1, LAST[1], 7))),
 }
 
 
@@ -121,12 +92,13 @@ def main():
 
         clean = {}
         for name, (s_q, change) in CASES.items():
-            q, kv, bt, sl = problem(s_q, fp8)
+            q, kv, bt, sl = nan_problem(s_q, fp8, h_q=H_Q)
             if s_q not in clean:
                 clean[s_q] = decode(q, kv, bt, sl)
             out, lse, splits = decode(*change(q, kv, bt), bt, sl)
             rec = dict(case=name, fp8=fp8, implementation=args.implementation,
-                       backend=jax.default_backend(), num_splits=None if splits is None else np.asarray(splits).tolist(),
+                       backend=jax.default_backend(),
+                       num_splits=None if splits is None else np.asarray(splits).tolist(),
                        requests=summary(out, lse, *clean[s_q][:2]))
             results.append(rec)
             print(name, "fp8" if fp8 else "bf16", "splits", rec["num_splits"])
