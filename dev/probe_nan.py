@@ -3,8 +3,9 @@ GPU ("custom_call" there), the C++ model ("custom_call" on CPU) and the referenc
 
 Four requests (tests/helpers.py's NAN_LENGTHS), h_q 16; request 1 is split over several SM
 parts and request 0 is one split. Each case puts one NaN into a clean problem (whose unused
-rows already hold NaN, as in FlashMLA's tests); per request it prints how many (query, head) rows of out hold
-a NaN or are all zero, the classes of lse, and whether the request equals the clean run.
+rows already hold NaN, as in FlashMLA's tests); per request it prints how many (query, head)
+rows of out hold a NaN or are all zero, the classes of lse, and whether the request equals
+the clean run.
 
   python dev/probe_nan.py --out nan.json [--implementation reference]
 """
