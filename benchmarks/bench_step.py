@@ -90,8 +90,9 @@ class Point:
     def __init__(self, b, s_k, h_q, s_q, dtype, layers, cache_gb, rows_from_inputs=False,
                  in_range_metadata=False, value_checks=False, seed=0):
         if (in_range_metadata or value_checks) and dtype == FP8:
-            # FP8's metadata would carry the guard of the step's table, which the layers of a
-            # stacked cache (the table plus an offset) cannot share.
+            # The protections are measured on bf16 points: FP8's in-range metadata would carry
+            # the guard of the step's table, which the layers of a stacked cache (the table
+            # plus an offset) cannot share.
             raise ValueError("--in-range-metadata and --value-checks are for bf16 points")
         self.b, self.s_k, self.h_q, self.s_q, self.dtype = b, s_k, h_q, s_q, dtype
         self.rows_from_inputs, self.in_range_metadata = rows_from_inputs, in_range_metadata
@@ -162,9 +163,9 @@ def _next(out, rope):
 def _metadata(p, t, in_range=False):
     """The step's metadata; with in_range made for its in-range requests (from the step's
     block table and a layer's pages: an out-of-range request is decoded empty)."""
-    in_range = dict(block_table=t["block_table"], num_pages=p.pages) if in_range else {}
+    table = dict(block_table=t["block_table"], num_pages=p.pages) if in_range else {}
     return jf.get_mla_metadata(t["seq_lens"], num_heads_q=p.h_q, num_q_tokens=p.s_q,
-                               fp8=p.dtype == FP8, implementation="custom_call", **in_range)
+                               fp8=p.dtype == FP8, implementation="custom_call", **table)
 
 
 def jax_steps(p, xla_options=None):
