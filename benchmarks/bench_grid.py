@@ -1,4 +1,4 @@
-"""FlashMLA's decode grid (issue 7): jax_flashmla against the same FlashMLA op called from
+"""FlashMLA's decode grid: jax_flashmla against the same FlashMLA op called from
 torch, against the pure-JAX reference, and as a decode step of N layers.
 
 Each point is one cache dtype (--dtype): bfloat16, or float8_e4m3fn with one per-tensor k scale

@@ -340,7 +340,7 @@ def run_point(p, steps, torch_side, xla_options=None):
 
 
 def records_by_layout(raw):
-    """The issue's records: one per (point, jax layout)."""
+    """The result's records: one per (point, jax layout) measured."""
     records = []
     for r in raw:
         base = {k: r[k] for k in ("b", "s_k", "h_q", "s_q", "dtype", "layers", "compile_s")}

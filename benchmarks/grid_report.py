@@ -22,7 +22,8 @@ STYLE = {
 # Settings that must agree for runs to be reported as one grid.
 SHARED_SETTINGS = ("device", "batch", "layers", "rotations", "target_ms", "repeats", "timing",
                    "fp8_q", "jax", "decode_op", "device_time")
-# "The large shapes", where the issue asks mla_decode to be within 3% of torch-direct per call.
+# The large shapes: mean s_k from here on, where mla_decode is to be within 3% of torch-direct per
+# call.
 LARGE_S_K = 8192
 
 
