@@ -15,6 +15,9 @@ VARIANTS = (("jax_scan", "jax_flashmla, stacked, lax.scan"),
             ("torch_eager", "torch, eager"))
 BAR_SHORT, BAR_LONG, LONG_STEP_US = 1.15, 1.05, 2000
 SAFETY_TITLE = "## The cost of out-of-range protection and of value checks in the step"
+# bench_step.py's (plain layout, the same with a protection, the protection's name).
+SAFETY_PAIRS = (("unrolled_alternating", "unrolled_in_range_alternating", "in-range metadata"),
+                ("unrolled", "unrolled_checked", "value_checks()"))
 
 
 def bar(record):
@@ -71,10 +74,8 @@ def markdown(result):
 def _safety_section(raw):
     """The points measured with --in-range-metadata or --value-checks: the unrolled step with
     and without each, measured in the same run."""
-    pairs = (("jax_unrolled_alternating", "jax_unrolled_in_range_alternating",
-              "in-range metadata"), ("jax_unrolled", "jax_unrolled_checked", "value_checks()"))
-    rows = [(r, plain, safe, name) for r in raw for plain, safe, name in pairs
-            if safe + "_us" in r]
+    rows = [(r, plain, safe, name) for r in raw for plain, safe, name in SAFETY_PAIRS
+            if f"jax_{safe}_us" in r]
     if not rows:
         return []
     lines = ["", SAFETY_TITLE, "",
@@ -88,11 +89,12 @@ def _safety_section(raw):
              "| b | s_k | h_q | s_q | L | protection | without | with | cost | out identical |",
              "| " + " | ".join(["---"] * 10) + " |"]
     for r, plain, safe, name in rows:
-        identical = r.get(safe[len("jax_"):] + "_out_identical", r["layouts_agree"])
+        identical = r.get(safe + "_out_identical", r["layouts_agree"])
         lines.append("| " + " | ".join(
             [str(r[k]) for k in ("b", "s_k", "h_q", "s_q", "layers")] + [name]
-            + [f"{_fmt(r[key + '_us'])} ({_fmt(r.get(key + '_gpu_us'))})" for key in (plain, safe)]
-            + [f"{100 * r[safe[len('jax_'):] + '_cost']:+.2f}%",
+            + [f"{_fmt(r[f'jax_{key}_us'])} ({_fmt(r.get(f'jax_{key}_gpu_us'))})"
+               for key in (plain, safe)]
+            + [f"{100 * r[safe + '_cost']:+.2f}%",
                "yes" if identical else "NO"]) + " |")
     return lines
 
