@@ -17,7 +17,9 @@ CUDA graphs of the decode op alone, L calls on one cache (FlashMLA from torch):
                   PRIORITY, as XLA instantiates its graphs
 Each: the median over --steps of µs per step for dispatch and wall, and the GPU span per step
 from a profile (first kernel's start to last kernel's end); for the XLA variants a hash of the
-last out, to compare runs under other XLA_FLAGS.
+last out, to compare runs under other XLA_FLAGS, and with --host-events the host's events of a
+step by name from a profile at XLA's most detailed tracer level (µs and count per step), to see
+which of XLA's per-execution work grows with the custom calls.
 
   python dev/probe_launch.py --points "1,4096,16;16,4096,16" --out launch.json
 """
@@ -38,7 +40,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
 import bench_step  # noqa: E402  (sets XLA_FLAGS and the allocator as bench_step.py runs)
 import jax_flashmla as jf  # noqa: E402
 from jax_flashmla import lowering  # noqa: E402
-from probe_step_host import unrolled  # noqa: E402
+from probe_step_host import host_profile, unrolled  # noqa: E402
 
 
 def xla_variants(p, names):
@@ -166,6 +168,8 @@ def main():
     parser.add_argument("--variants", default="xla_decode,xla_trivial,xla_thunks,xla_guard,graph",
                         help="among xla_decode, xla_trivial, xla_thunks, xla_guard, graph (the "
                              "graphs; default all)")
+    parser.add_argument("--host-events", action="store_true",
+                        help="also the host's events per step of each XLA variant (a profile)")
     parser.add_argument("--out", default=None, help="a JSON file for the results")
     args = parser.parse_args()
     results = []
@@ -191,6 +195,10 @@ def main():
                  for name, (launch, sync) in runs.items()})
             record.update({f"{name}_span_us": None if s is None else round(s, 1)
                            for name, s in spans.items()})
+        if jax.default_backend() == "gpu" and args.host_events:
+            for name, (launch, sync, _) in made.items():
+                record[f"{name}_host"] = host_profile(lambda: (launch(), sync()),
+                                                      host_tracer_level=3, top=40)
         print(json.dumps(record), flush=True)
         results.append(record)
         del keep, runs, made, p

@@ -101,14 +101,18 @@ def variant(p, name):
     return run, state
 
 
-def host_profile(run, steps=3):
+def host_profile(run, steps=3, host_tracer_level=None, top=25):
     """Per step: GPU span, call-to-first-kernel, last-kernel-to-return (µs), and the host's
-    events inside the step by name (µs per step, count per step)."""
+    events inside the step by name, an HLO instruction's number dropped from it (µs per step,
+    count per step; the `top` longest). host_tracer_level 3 adds XLA's most detailed events."""
     def all_steps():
         for k in range(steps):
             with jax.profiler.TraceAnnotation(f"{MARK}{k}"):
                 run()
-    gpu, _, host = traced(all_steps, profile_options(), keep_host_line=lambda name: True)
+    options = profile_options()
+    if host_tracer_level is not None:
+        options.host_tracer_level = host_tracer_level
+    gpu, _, host = traced(all_steps, options, keep_host_line=lambda name: True)
     spans, firsts, lasts = [], [], []
     by_name = collections.defaultdict(lambda: [0.0, 0])
     for k in range(steps):
@@ -120,12 +124,13 @@ def host_profile(run, steps=3):
         lasts.append((window[1] - last) / 1e3)
         for e in host:
             if window[0] <= e.start < window[1] and not e.name.startswith(MARK):
-                by_name[e.name][0] += (e.end - e.start) / 1e3 / steps
-                by_name[e.name][1] += 1 / steps
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:25]
+                name = re.sub(r"\.\d+", "", e.name)
+                by_name[name][0] += (e.end - e.start) / 1e3 / steps
+                by_name[name][1] += 1 / steps
+    longest = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
     return dict(span_us=statistics.median(spans), call_to_first_kernel_us=statistics.median(firsts),
                 last_kernel_to_return_us=statistics.median(lasts),
-                host_events={name: [round(us, 1), round(n, 1)] for name, (us, n) in top})
+                host_events={name: [round(us, 1), round(n, 1)] for name, (us, n) in longest})
 
 
 def log_summary(text):

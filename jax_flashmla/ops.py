@@ -19,14 +19,17 @@ IMPLEMENTATIONS = ("custom_call", "reference")
 
 # Compiler options for a jitted decode step whose layers are a loop (lax.scan, fori_loop):
 # XLA's default command-buffer types (jax 0.11) plus WHILE, and command buffers however few
-# their commands, so that the loop runs as one CUDA graph (a conditional node whose body XLA
-# captures once, custom calls included) instead of launching each layer's kernels and custom
-# calls from the host. A step written out layer by layer is captured with XLA's defaults.
+# their commands, so that the loop runs as one CUDA graph instead of launching each layer's
+# kernels and custom calls from the host; and a loop of known trip count recorded iteration by
+# iteration into that graph, rather than as a CUDA conditional node around its body, which
+# left the GPU idle between iterations. A step written out layer by layer is captured with
+# XLA's defaults.
 # Use: jax.jit(step, compiler_options=jax_flashmla.LOOP_STEP_COMPILER_OPTIONS).
 LOOP_STEP_COMPILER_OPTIONS = {
     "xla_gpu_enable_command_buffer":
         "FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL,CONDITIONAL,DYNAMIC_SLICE_FUSION,WHILE",
     "xla_gpu_graph_min_graph_size": 1,
+    "xla_gpu_command_buffer_unroll_loops": True,
 }
 
 

@@ -1,6 +1,8 @@
 """Run by tests/test_gpu_capture.py in a process of its own (XLA's log settings must be set
 before JAX starts, and a failure must not take the test session down):
   python tests/gpu_probe.py capture bf16|fp8   a 6-layer step, run three times
+  python tests/gpu_probe.py loop scan               a 6-layer step under lax.scan with
+                                                LOOP_STEP_COMPILER_OPTIONS, run three times
   python tests/gpu_probe.py rerecord single|alternating
                                                 a donated 6-layer step called 8 times, as one
                                                 executable or through AlternatingStep; "call k"
@@ -42,6 +44,27 @@ def capture(dtype):
 
     for _ in range(3):
         jax.block_until_ready(step(qs, cache, bt, sl))
+
+
+def loop(kind):
+    assert kind == "scan", kind
+    rng = np.random.default_rng(3)
+    sl = jnp.asarray(rng.integers(1, 500, 4), jnp.int32)
+    bt = jnp.asarray(rng.permutation(32).reshape(4, 8), jnp.int32)
+    cache = jnp.asarray(rng.normal(0, 0.1, (32, 64, 1, 576)), jnp.bfloat16)
+    q = jnp.asarray(rng.normal(0, 0.1, (4, 1, 16, 576)), jnp.bfloat16)
+
+    def step(q, cache, bt, sl):
+        md = jf.get_mla_metadata(sl, num_heads_q=16)
+
+        def body(q, _):
+            out, _ = jf.mla_decode(q, cache, bt, sl, metadata=md)
+            return jnp.concatenate([out.astype(q.dtype), q[..., 512:]], axis=-1), None
+        return jax.lax.scan(body, q, None, length=LAYERS)[0]
+
+    run = jax.jit(step, compiler_options=jf.LOOP_STEP_COMPILER_OPTIONS)
+    for _ in range(3):
+        jax.block_until_ready(run(q, cache, bt, sl))
 
 
 def rerecord(how):
@@ -105,5 +128,6 @@ def refuse(target):
 
 
 if __name__ == "__main__":
-    {"capture": capture, "rerecord": rerecord, "refuse": refuse}[sys.argv[1]](sys.argv[2])
+    {"capture": capture, "loop": loop, "rerecord": rerecord,
+     "refuse": refuse}[sys.argv[1]](sys.argv[2])
     print("done")

@@ -131,10 +131,20 @@ def test_replays_with_new_values_and_addresses_equal_torch(fp8_cache, s_q, h_q):
     _assert_bit_identical(step(*third), _expected(*third, fp8_cache))
 
 
+def test_a_loop_step_is_captured_under_the_loop_step_options():
+    """A scanned step jitted with LOOP_STEP_COMPILER_OPTIONS: its metadata and its decodes are
+    traced into XLA's command buffer."""
+    _, log = _probe("loop", "scan", env=TRACE_LOG)
+    assert log.count(TRACED_CUSTOM_CALL) >= 2, log[-3000:]
+
+
+@pytest.mark.parametrize("options", [None, jf.LOOP_STEP_COMPILER_OPTIONS],
+                         ids=["xla_defaults", "loop_step_options"])
 @pytest.mark.parametrize("loop", ["scan", "fori_loop"])
-def test_a_loop_over_stacked_layers_with_a_donated_cache_equals_torch(loop):
+def test_a_loop_over_stacked_layers_with_a_donated_cache_equals_torch(loop, options):
     """Layers as a loop over one stacked cache, written in place each step (donated), as a
-    model holds them; three steps on one executable."""
+    model holds them; three steps on one executable, with XLA's default options (the loop
+    outside command buffers) and with the loop step's (the loop recorded into one)."""
     h_q, s_q = 32, 1
 
     def step(qs, stack, rows, slots, bt, sl):
@@ -161,7 +171,7 @@ def test_a_loop_over_stacked_layers_with_a_donated_cache_equals_torch(loop):
             stack, outs, lses = jax.lax.fori_loop(0, LAYERS, body, (stack, outs, lses))
         return stack, outs, lses
 
-    run = jax.jit(step, donate_argnums=1)
+    run = jax.jit(step, donate_argnums=1, compiler_options=options)
     qs, caches, bt, sl = _step_inputs(4, batch=5, s_q=s_q, h_q=h_q)
     stack = jnp.stack(caches)
     rng = np.random.default_rng(4)
