@@ -130,6 +130,7 @@ def plot(result, path):
                fontsize=8)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=110)
+    plt.close(fig)  # bench_step writes the report after every point
 
 
 def write_report(result, prefix):
