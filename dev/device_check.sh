@@ -15,6 +15,7 @@
 #     grid     bench_grid.py; GRID_ARGS, GRID_NAME (grid_h200), GRID_DEADLINE_S (default 420)
 #     fp8      bench_fp8.py
 #     launch   dev/probe_launch.py; LAUNCH_ARGS, LAUNCH_NAME (launch)
+#     host     dev/probe_step_host.py; HOST_ARGS, HOST_NAME (host)
 #     nan      dev/probe_nan.py for FlashMLA and for the reference on the GPU
 #     xla-flags  the command-buffer flags the installed XLA plugin knows
 #     set:NAME=VALUE  exports NAME=VALUE for the modes after it
@@ -75,6 +76,9 @@ for mode in "${modes[@]}"; do
   launch)
     timeout 420 python3 dev/probe_launch.py --out "$out/${LAUNCH_NAME:-launch}.json" \
       ${LAUNCH_ARGS:-} 2>&1 | tee "$out/${LAUNCH_NAME:-launch}.txt" | cut -c1-1500 | tail -6 ;;
+  host)
+    timeout 420 python3 dev/probe_step_host.py --out "$out/${HOST_NAME:-host}.json" \
+      ${HOST_ARGS:-} 2>&1 | tee "$out/${HOST_NAME:-host}.txt" | cut -c1-1500 | tail -8 ;;
   nan)
     for impl in custom_call reference; do
       timeout 200 python3 dev/probe_nan.py --implementation $impl --out "$out/nan_$impl.json" \

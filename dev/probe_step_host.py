@@ -6,6 +6,8 @@ For bench_step.py's unrolled stacked step at a few points, and variants of how i
   +SKIP_TEMP   xla_gpu_command_buffer_update_mode=SKIP_TEMP (temporaries at fixed addresses)
   pair         two executables of the step, called in turn
   sleep        base with 5 ms of host sleep after each synced step (inside its wall clock)
+  unrolled_alternating, scan_alternating
+               bench_step.py's unrolled and scanned steps through AlternatingStep
 it reports the median wall clock per layer, the GPU span per layer, the host's XLA events in a
 step (by name, µs per step), the delay from the call to the first kernel and from the last
 kernel to the return; and, from XLA's log in a child process, what each steady-state
@@ -29,6 +31,7 @@ import numpy as np  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
 import bench_step  # noqa: E402  (sets XLA_FLAGS and the allocator as bench_step.py runs)
+import jax_flashmla as jf  # noqa: E402
 from device_time import profile_options, traced  # noqa: E402
 
 VARIANTS = ("base", "out_donated", "base+SKIP_TEMP", "pair", "sleep")
@@ -73,6 +76,13 @@ def variant(p, name):
 
         def run():
             state["stack"], state["out"] = compiled(state["stack"], state["out"], *args)
+            jax.block_until_ready(state["out"])
+    elif name in ("unrolled_alternating", "scan_alternating"):
+        f, _ = bench_step.jax_steps(p)[name.split("_")[0]]
+        step_pair = jf.AlternatingStep(f.lower(state["stack"], *args).compile())
+
+        def run():
+            state["stack"], state["out"] = step_pair(state["stack"], *args)
             jax.block_until_ready(state["out"])
     elif name == "pair":
         # Two executables (an option without effect here tells them apart), called in turn.
@@ -226,7 +236,8 @@ def main():
             del state
             record["variants"][name] = v
             print(json.dumps(dict(point=point, variant=name, **v)), flush=True)
-        record["outs_identical"] = all(np.array_equal(o, outs["base"]) for o in outs.values())
+        first = next(iter(outs.values()), None)
+        record["outs_identical"] = all(np.array_equal(o, first) for o in outs.values())
         if args.logged:
             for name in args.logged.split(","):
                 dump = f"/tmp/probe_dump_{b}_{h_q}" if name == "base" else None
