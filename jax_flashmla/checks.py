@@ -22,8 +22,8 @@ metadata it was given. Off (the default) the traced step holds none of these che
 then makes such a request empty only with a metadata made with block_table and num_pages, or
 none (mla_decode's seq_lens). On, each decode adds a few reductions over seq_lens and its
 block table, and computes the metadata twice (for the check and the call): on an H200 a
-checked 61-layer step at b=128 (s_k 1024) took 1.5-2x the unchecked one, 1.3-1.5x at s_k=4096,
-the error thrown after each step (benchmarks/results/step_h200.md).
+checked 61-layer step at b=128 (s_k 1024) took 1.5-1.9x the unchecked one, a 53-layer one at
+s_k=4096 1.3-1.4x, the error thrown after each step (benchmarks/results/step_h200.md).
 """
 import contextlib
 import contextvars
