@@ -16,6 +16,8 @@
 #     fp8      bench_fp8.py
 #     launch   dev/probe_launch.py; LAUNCH_ARGS, LAUNCH_NAME (launch)
 #     host     dev/probe_step_host.py; HOST_ARGS, HOST_NAME (host)
+#     graph-inspect  dev/probe_launch.py with dev/graph_inspect.c: the CUDA graphs' nodes and
+#              the driver's calls per variant; INSPECT_ARGS (probe_launch.py's arguments)
 #     nan      dev/probe_nan.py for FlashMLA and for the reference on the GPU
 #     xla-flags  the command-buffer flags the installed XLA plugin knows
 #     set:NAME=VALUE  exports NAME=VALUE for the modes after it
@@ -79,6 +81,14 @@ for mode in "${modes[@]}"; do
   host)
     timeout 420 python3 dev/probe_step_host.py --out "$out/${HOST_NAME:-host}.json" \
       ${HOST_ARGS:-} 2>&1 | tee "$out/${HOST_NAME:-host}.txt" | cut -c1-1500 | tail -8 ;;
+  graph-inspect)
+    cupti_h=$(find /usr/local/cuda*/ "$(python3 -c 'import site; print(site.getsitepackages()[0])')/nvidia" \
+      -name cupti.h 2>/dev/null | head -1)
+    gcc -shared -fPIC -O2 -I/usr/local/cuda/include -I"$(dirname "$cupti_h")" \
+      dev/graph_inspect.c -o /tmp/graph_inspect.so 2>&1 | tail -20
+    timeout 300 python3 dev/probe_launch.py --graph-inspect /tmp/graph_inspect.so \
+      ${INSPECT_ARGS:-} > "$out/graph_inspect.txt" 2>&1
+    grep -v "^[IW][0-9]" "$out/graph_inspect.txt" | cut -c1-1500 | tail -40 ;;
   nan)
     for impl in custom_call reference; do
       timeout 200 python3 dev/probe_nan.py --implementation $impl --out "$out/nan_$impl.json" \

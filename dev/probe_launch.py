@@ -143,6 +143,24 @@ def graph_variants(p):
             "_keep": (children, chained, by_priority)}
 
 
+def graph_inspector(path):
+    """dev/graph_inspect.c built at `path`, subscribed to the driver's calls (CUPTI)."""
+    import ctypes
+    import glob
+    import site
+    ctypes.CDLL("libcuda.so.1", mode=ctypes.RTLD_GLOBAL)
+    cupti = [lib for root in site.getsitepackages()
+             for lib in sorted(glob.glob(f"{root}/nvidia/**/libcupti.so*", recursive=True))]
+    cupti += sorted(glob.glob("/usr/local/cuda*/**/libcupti.so*", recursive=True))
+    if not cupti:
+        raise RuntimeError("no libcupti found")
+    ctypes.CDLL(cupti[0], mode=ctypes.RTLD_GLOBAL)
+    inspector = ctypes.CDLL(path)
+    if inspector.graph_inspect_start():
+        raise RuntimeError("CUPTI refused the subscription")
+    return inspector
+
+
 def timed(launch, sync, steps, warmup=3):
     for _ in range(warmup):
         launch()
@@ -168,10 +186,17 @@ def main():
     parser.add_argument("--variants", default="xla_decode,xla_trivial,xla_thunks,xla_guard,graph",
                         help="among xla_decode, xla_trivial, xla_thunks, xla_guard, graph (the "
                              "graphs; default all)")
+    parser.add_argument("--graph-inspect", metavar="LIB", default=None,
+                        help="dev/graph_inspect.c built as LIB: the graphs' nodes and the "
+                             "driver's calls per variant, printed at the end (no profiles "
+                             "then)")
     parser.add_argument("--host-events", action="store_true",
                         help="also the host's events per step of each XLA variant (a profile)")
     parser.add_argument("--out", default=None, help="a JSON file for the results")
     args = parser.parse_args()
+    inspector = graph_inspector(args.graph_inspect) if args.graph_inspect else None
+    tag = (lambda name: inspector.graph_inspect_tag(name.encode())) if inspector else (
+        lambda name: None)
     results = []
     for point in args.points.split(";"):
         b, s_k, h_q = map(int, point.split(","))
@@ -180,22 +205,24 @@ def main():
         made = xla_variants(p, names)
         runs = {name: (launch, sync) for name, (launch, sync, _) in made.items()}
         if jax.default_backend() == "gpu" and "graph" in names:
+            tag(f"graph setup b={b}")
             runs.update(graph_variants(p))
         keep = runs.pop("_keep", None)
         record = dict(b=b, s_k=s_k, h_q=h_q, layers=p.layers,
                       xla_flags=os.environ.get("XLA_FLAGS"))
         for name, (launch, sync) in runs.items():
+            tag(f"{name} b={b}")
             record[f"{name}_dispatch_us"], record[f"{name}_wall_us"] = timed(
                 launch, sync, args.steps)
         for name, (_, _, out) in made.items():
             record[f"{name}_out_sha"] = hashlib.sha256(np.asarray(out()).tobytes()).hexdigest()[:16]
-        if jax.default_backend() == "gpu":
+        if jax.default_backend() == "gpu" and not inspector:
             spans = bench_step.gpu_span_us(
                 {name: (lambda launch=launch, sync=sync: (launch(), sync()))
                  for name, (launch, sync) in runs.items()})
             record.update({f"{name}_span_us": None if s is None else round(s, 1)
                            for name, s in spans.items()})
-        if jax.default_backend() == "gpu" and args.host_events:
+        if jax.default_backend() == "gpu" and args.host_events and not inspector:
             for name, (launch, sync, _) in made.items():
                 record[f"{name}_host"] = host_profile(lambda: (launch(), sync()),
                                                       host_tracer_level=3, top=40)
@@ -206,6 +233,9 @@ def main():
             with open(args.out, "w") as f:
                 json.dump(dict(jax=jax.__version__, device=jax.devices()[0].device_kind,
                                results=results), f, indent=1)
+    if inspector:
+        sys.stdout.flush()
+        inspector.graph_inspect_report()
 
 
 if __name__ == "__main__":
