@@ -18,6 +18,8 @@
 #     host     dev/probe_step_host.py; HOST_ARGS, HOST_NAME (host)
 #     graph-inspect  dev/probe_launch.py with dev/graph_inspect.c: the CUDA graphs' nodes and
 #              the driver's calls per variant; INSPECT_ARGS (probe_launch.py's arguments)
+#     modules  dev/probe_graph_modules.py with dev/graph_inspect.c: a graph's launch against
+#              how many modules its kernels come from; MODULES_ARGS
 #     nan      dev/probe_nan.py for FlashMLA and for the reference on the GPU
 #     xla-flags  the command-buffer flags the installed XLA plugin knows
 #     set:NAME=VALUE  exports NAME=VALUE for the modes after it
@@ -43,6 +45,16 @@ pytest_logged() {
   timeout "$limit" python3 -m pytest -q -rfEs -p no:cacheprovider "$@" > "$out/$log" 2>&1
   [ $? -eq 124 ] && echo "TIMEOUT after ${limit} s" >> "$out/$log"
   tail -15 "$out/$log"
+}
+
+# dev/graph_inspect.c as /tmp/graph_inspect.so, against the CUPTI headers of the toolkit or
+# of the nvidia wheels.
+build_graph_inspect() {
+  local site cupti_h
+  site=$(python3 -c 'import site; print(site.getsitepackages()[0])')
+  cupti_h=$(find /usr/local/cuda*/ "$site/nvidia" -name cupti.h 2>/dev/null | head -1)
+  gcc -shared -fPIC -O2 -I/usr/local/cuda/include -I"$(dirname "$cupti_h")" \
+    dev/graph_inspect.c -o /tmp/graph_inspect.so 2>&1 | tail -20
 }
 
 for mode in "${modes[@]}"; do
@@ -82,13 +94,15 @@ for mode in "${modes[@]}"; do
     timeout 420 python3 dev/probe_step_host.py --out "$out/${HOST_NAME:-host}.json" \
       ${HOST_ARGS:-} 2>&1 | tee "$out/${HOST_NAME:-host}.txt" | cut -c1-1500 | tail -8 ;;
   graph-inspect)
-    cupti_h=$(find /usr/local/cuda*/ "$(python3 -c 'import site; print(site.getsitepackages()[0])')/nvidia" \
-      -name cupti.h 2>/dev/null | head -1)
-    gcc -shared -fPIC -O2 -I/usr/local/cuda/include -I"$(dirname "$cupti_h")" \
-      dev/graph_inspect.c -o /tmp/graph_inspect.so 2>&1 | tail -20
+    build_graph_inspect
     timeout 300 python3 dev/probe_launch.py --graph-inspect /tmp/graph_inspect.so \
       ${INSPECT_ARGS:-} > "$out/graph_inspect.txt" 2>&1
     grep -v "^[IW][0-9]" "$out/graph_inspect.txt" | cut -c1-1500 | tail -40 ;;
+  modules)
+    build_graph_inspect
+    timeout 300 python3 dev/probe_graph_modules.py --graph-inspect /tmp/graph_inspect.so \
+      ${MODULES_ARGS:-} > "$out/graph_modules.txt" 2>&1
+    grep -v "^[IW][0-9]" "$out/graph_modules.txt" | cut -c1-1500 | tail -30 ;;
   nan)
     for impl in custom_call reference; do
       timeout 200 python3 dev/probe_nan.py --implementation $impl --out "$out/nan_$impl.json" \
