@@ -166,9 +166,10 @@ def _metadata(p, t, in_range=False):
                                fp8=p.dtype == FP8, implementation="custom_call", **table)
 
 
-def jax_steps(p, xla_options=None):
+def jax_steps(p, xla_options=None, scan_unroll=1):
     """{layout: (jitted step, its arguments maker)}; each step returns (caches, last out).
-    xla_options: more compiler options for every jitted step."""
+    xla_options: more compiler options for every jitted step; scan_unroll: lax.scan's unroll
+    (layers per iteration of the scanned step's loop)."""
     def scan_step(stack, rows, rope, q, t):
         md = _metadata(p, t)
 
@@ -178,7 +179,8 @@ def jax_steps(p, xla_options=None):
             stack, out = _layer(p, t, stack, layer * p.pages, q, latent, rows_l, md)
             return (stack, *_next(out, rope_l)), None
         (stack, q, _), _ = jax.lax.scan(body, (stack, q, rows[0, ..., :D_V]),
-                                        (jnp.arange(p.layers, dtype=jnp.int32), rows, rope))
+                                        (jnp.arange(p.layers, dtype=jnp.int32), rows, rope),
+                                        unroll=scan_unroll)
         return stack, q[..., :D_V]
 
     def unrolled_step(stack, rows, rope, q, t, in_range=False):

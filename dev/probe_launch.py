@@ -9,6 +9,11 @@ XLA (bench_step.py's unrolled stacked step, called through AlternatingStep):
   xla_thunks    xla_decode with command buffers off (each thunk launched on its own)
   xla_guard     xla_trivial with the FP8 guard's custom call (one small kernel) per layer: what
                 XLA costs for a custom call in a command buffer, FlashMLA aside
+  xla_scan_unrollU  bench_step.py's scanned step, U layers per iteration of its loop
+                (lax.scan's unroll), with jax_flashmla.LOOP_STEP_COMPILER_OPTIONS
+  xla_decode_partsK  xla_decode with dev/command_buffer_break.cc's custom call (--break-lib)
+                on the q of every ceil(L / K)-th layer: XLA launches the step's graph in K
+                parts, so the GPU can start on the first while the host launches the others
 CUDA graphs of the decode op alone, L calls on one cache (FlashMLA from torch):
   graph_flat      L decodes captured in one torch CUDA graph (torch's way)
   graph_children  each decode captured in a graph of its own, the L graphs added as child
@@ -24,6 +29,7 @@ which of XLA's per-execution work grows with the custom calls.
   python dev/probe_launch.py --points "1,4096,16;16,4096,16" --out launch.json
 """
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -43,7 +49,20 @@ from jax_flashmla import lowering  # noqa: E402
 from probe_step_host import host_profile, unrolled  # noqa: E402
 
 
-def xla_variants(p, names):
+@functools.cache
+def command_buffer_break(path):
+    """x -> x through dev/command_buffer_break.cc built at `path`."""
+    import ctypes
+    library = ctypes.CDLL(path)
+    jax.ffi.register_ffi_target("probe_command_buffer_break",
+                                jax.ffi.pycapsule(library.CommandBufferBreak),
+                                platform="CUDA" if jax.default_backend() == "gpu" else "cpu")
+    return lambda x: jax.ffi.ffi_call("probe_command_buffer_break",
+                                      jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                      input_output_aliases={0: 0})(x)
+
+
+def xla_variants(p, names, break_lib=None):
     """{name: (launch(), sync(), last out())} for the XLA variants among names."""
     t = p.tables()
     args = (p.rows, p.rope, p.q0, t)
@@ -69,17 +88,27 @@ def xla_variants(p, names):
             q, latent = bench_step._next(q[..., :bench_step.D_V] * 0.5, rope[layer])
         return stack, q[..., :bench_step.D_V]
 
-    no_command_buffers = {"xla_gpu_graph_min_graph_size": 1 << 20}
+    jit = lambda f, options=None: jax.jit(f, donate_argnums=0, compiler_options=options)
+    variants = {"xla_decode": lambda: jit(decode_step), "xla_trivial": lambda: jit(trivial_step),
+                "xla_thunks": lambda: jit(decode_step, {"xla_gpu_graph_min_graph_size": 1 << 20}),
+                "xla_guard": lambda: jit(guard_step)}
+    brk = None
+    for name in names:
+        if name.startswith("xla_scan_unroll"):  # jitted by bench_step, donating its stack
+            unroll = int(name[len("xla_scan_unroll"):])
+            variants[name] = lambda u=unroll: bench_step.jax_steps(p, scan_unroll=u)["scan"][0]
+        elif name.startswith("xla_decode_parts"):
+            if not break_lib:
+                raise SystemExit("the xla_decode_partsK variants need --break-lib")
+            brk = brk or command_buffer_break(break_lib)
+            parts = int(name[len("xla_decode_parts"):])
+            variants[name] = lambda k=parts, brk=brk: jit(unrolled(p, k, brk))
     made = {}
-    for name, f, options in (("xla_decode", decode_step, None),
-                             ("xla_trivial", trivial_step, None),
-                             ("xla_thunks", decode_step, no_command_buffers),
-                             ("xla_guard", guard_step, None)):
+    for name, jitted in variants.items():
         if name not in names:
             continue
         state = {"stack": p.stacked_cache()}
-        compiled = jax.jit(f, donate_argnums=0, compiler_options=options).lower(
-            state["stack"], *args).compile()
+        compiled = jitted().lower(state["stack"], *args).compile()
         step = jf.AlternatingStep(compiled)
 
         def launch(step=step, state=state):
@@ -184,8 +213,11 @@ def main():
     parser.add_argument("--layers", type=int, default=61)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--variants", default="xla_decode,xla_trivial,xla_thunks,xla_guard,graph",
-                        help="among xla_decode, xla_trivial, xla_thunks, xla_guard, graph (the "
-                             "graphs; default all)")
+                        help="among xla_decode, xla_trivial, xla_thunks, xla_guard, "
+                             "xla_scan_unrollU, xla_decode_partsK (K a number; needs --break-lib), graph (the "
+                             "graphs; default all but the parts)")
+    parser.add_argument("--break-lib", default=None,
+                        help="dev/command_buffer_break.cc built as a shared library")
     parser.add_argument("--graph-inspect", metavar="LIB", default=None,
                         help="dev/graph_inspect.c built as LIB: the graphs' nodes and the "
                              "driver's calls per variant, printed at the end (no profiles "
@@ -202,7 +234,7 @@ def main():
         b, s_k, h_q = map(int, point.split(","))
         p = bench_step.Point(b, s_k, h_q, 1, "bfloat16", args.layers, 30)
         names = args.variants.split(",")
-        made = xla_variants(p, names)
+        made = xla_variants(p, names, args.break_lib)
         runs = {name: (launch, sync) for name, (launch, sync, _) in made.items()}
         if jax.default_backend() == "gpu" and "graph" in names:
             tag(f"graph setup b={b}")
