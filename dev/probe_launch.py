@@ -14,6 +14,9 @@ XLA (bench_step.py's unrolled stacked step, called through AlternatingStep):
   xla_decode_partsK  xla_decode with dev/command_buffer_break.cc's custom call (--break-lib)
                 on the q of every ceil(L / K)-th layer: XLA launches the step's graph in K
                 parts, so the GPU can start on the first while the host launches the others
+  xla_decode_doubling  the same with parts of 2, 2, 4, 8, 16, ... layers: the GPU starts after
+                the first two layers' launch, each part's launch shorter than the GPU's work
+                on the parts before it
 CUDA graphs of the decode op alone, L calls on one cache (FlashMLA from torch):
   graph_flat      L decodes captured in one torch CUDA graph (torch's way)
   graph_children  each decode captured in a graph of its own, the L graphs added as child
@@ -97,12 +100,16 @@ def xla_variants(p, names, break_lib=None):
         if name.startswith("xla_scan_unroll"):  # jitted by bench_step, donating its stack
             unroll = int(name[len("xla_scan_unroll"):])
             variants[name] = lambda u=unroll: bench_step.jax_steps(p, scan_unroll=u)["scan"][0]
-        elif name.startswith("xla_decode_parts"):
+        elif name.startswith("xla_decode_parts") or name == "xla_decode_doubling":
             if not break_lib:
-                raise SystemExit("the xla_decode_partsK variants need --break-lib")
+                raise SystemExit(f"{name} needs --break-lib")
             brk = brk or command_buffer_break(break_lib)
-            parts = int(name[len("xla_decode_parts"):])
-            variants[name] = lambda k=parts, brk=brk: jit(unrolled(p, k, brk))
+            if name == "xla_decode_doubling":
+                breaks = [2 ** k for k in range(1, p.layers.bit_length()) if 2 ** k < p.layers]
+            else:
+                every = -(-p.layers // int(name[len("xla_decode_parts"):]))
+                breaks = range(every, p.layers, every)
+            variants[name] = lambda breaks=set(breaks), brk=brk: jit(unrolled(p, breaks, brk))
     made = {}
     for name, jitted in variants.items():
         if name not in names:
@@ -214,8 +221,9 @@ def main():
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--variants", default="xla_decode,xla_trivial,xla_thunks,xla_guard,graph",
                         help="among xla_decode, xla_trivial, xla_thunks, xla_guard, "
-                             "xla_scan_unrollU, xla_decode_partsK (K a number; needs --break-lib), graph (the "
-                             "graphs; default all but the parts)")
+                             "xla_scan_unrollU, xla_decode_partsK (U, K numbers), "
+                             "xla_decode_doubling (the parts need --break-lib), graph (the "
+                             "graphs; default all but the scans and the parts)")
     parser.add_argument("--break-lib", default=None,
                         help="dev/command_buffer_break.cc built as a shared library")
     parser.add_argument("--graph-inspect", metavar="LIB", default=None,

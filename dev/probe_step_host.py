@@ -47,16 +47,14 @@ LOG_PATTERNS = {
 MARK = "probe_step_host step "
 
 
-def unrolled(p, parts=1, brk=None):
-    """bench_step.py's unrolled stacked step; with parts > 1, q goes through brk (x -> x) at
-    every ceil(L / parts)-th layer."""
-    every = -(-p.layers // parts)
-
+def unrolled(p, breaks=(), brk=None):
+    """bench_step.py's unrolled stacked step; q goes through brk (x -> x) before the layers in
+    breaks."""
     def step(stack, rows, rope, q, t):
         md = bench_step._metadata(p, t)
         latent = rows[0, ..., :bench_step.D_V]
         for layer in range(p.layers):
-            if parts > 1 and layer and layer % every == 0:
+            if layer in breaks:
                 q = brk(q)
             stack, out = bench_step._layer(p, t, stack, layer * p.pages, q, latent,
                                            rows[layer], md)
