@@ -13,8 +13,8 @@
 #include <string.h>
 #include <time.h>
 
-#define MAX_TAGS 16
-#define MAX_GRAPHS 64
+#define MAX_TAGS 64
+#define MAX_GRAPHS 512
 #define NUM_TYPES 14
 #define NUM_CBIDS 1024
 
@@ -33,6 +33,7 @@ typedef struct {
 static Tag tags[MAX_TAGS];
 static GraphInfo graphs[MAX_GRAPHS];
 static int current_tag, num_tags = 1, num_graphs, inside;
+static long graphs_dropped, tags_dropped;  // past MAX_GRAPHS and MAX_TAGS
 static long launch_start;
 static CUpti_SubscriberHandle subscriber;
 
@@ -68,7 +69,10 @@ static void count_nodes(CUgraph graph, GraphInfo* info, int depth) {
 }
 
 static void instantiated(CUgraph graph, unsigned long long flags) {
-  if (num_graphs == MAX_GRAPHS) return;
+  if (num_graphs == MAX_GRAPHS) {
+    graphs_dropped++;
+    return;
+  }
   GraphInfo* info = &graphs[num_graphs++];
   memset(info, 0, sizeof *info);
   info->tag = current_tag;
@@ -113,7 +117,10 @@ int graph_inspect_start(void) {
 }
 
 void graph_inspect_tag(const char* name) {
-  if (num_tags == MAX_TAGS) return;
+  if (num_tags == MAX_TAGS) {
+    tags_dropped++;  // counted under the last tag
+    return;
+  }
   strncpy(tags[num_tags].name, name, sizeof tags[0].name - 1);
   current_tag = num_tags++;
 }
@@ -146,5 +153,8 @@ void graph_inspect_report(void) {
     }
     printf("}}\n");
   }
+  if (graphs_dropped || tags_dropped)
+    printf("{\"graphs_not_recorded\": %ld, \"tags_not_recorded\": %ld}\n", graphs_dropped,
+           tags_dropped);
   fflush(stdout);
 }
