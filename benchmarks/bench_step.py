@@ -11,18 +11,20 @@ output. With --rows-from-inputs the new rows are the step's inputs instead: no w
 waits for the decode before it, and XLA copies a stacked cache at each layer's write to keep
 that decode's reads intact (the compiled HLO shows the copies).
 jax_flashmla runs it jitted three ways: that stacked cache under lax.scan (with
-jax_flashmla.LOOP_STEP_COMPILER_OPTIONS) and unrolled over the layers, and with one cache array
-per layer. Beside those: the same step of FlashMLA's torch ops (an indexed write of the rows,
-the decode, the concatenation) captured in a torch CUDA graph and replayed, as SGLang serves
-decode, and eagerly; and the per-layer step with a trivial fusion in place of each decode,
-which is what JAX itself costs for that many arrays. With --in-range-metadata the unrolled
-step also runs with its metadata made for the in-range requests (get_mla_metadata's
-block_table and num_pages), the cost of decoding out-of-range requests empty; with
---value-checks, traced under jax_flashmla.value_checks() (checkify), its error thrown after
-each step.
+jax_flashmla.LOOP_STEP_COMPILER_OPTIONS, SCAN_UNROLL layers per iteration) and unrolled over
+the layers, and with one cache array per layer. Beside those: the same step of FlashMLA's torch
+ops (an indexed write of the rows, the decode, the concatenation) captured in a torch CUDA
+graph and replayed, as SGLang serves decode, and eagerly; and the per-layer step with a trivial
+fusion in place of each decode, which is what JAX itself costs for that many arrays. With
+--in-range-metadata the unrolled step also runs with its metadata made for the in-range
+requests (get_mla_metadata's block_table and num_pages), the cost of decoding out-of-range
+requests empty; with --value-checks, traced under jax_flashmla.value_checks() (checkify), its
+error thrown after each step.
 
 Reported per point: µs per layer (the median step's wall clock / L) and the GPU's span per
-layer (first kernel's start to last kernel's end of a step, from the profiler's trace), and
+layer (first kernel's start to last kernel's end of a step, from the profiler's trace); for the
+torch graph and the stacked steps through AlternatingStep also µs per layer with all steps
+launched before one sync (queued: the GPU's time per step, the host's launch hidden); and
 whether the jitted steps' out is bit-identical to the torch step's. On CPU (--tiny) it runs a
 small configuration through the C++ target, without torch.
 
@@ -70,6 +72,11 @@ GRID_S_K = (1024, 4096, 16384)
 GRID_H_Q = (16, 128)
 EXTRA_B = (1, 16, 128)  # FP8 and s_q = 2, at s_k = 4096
 PROFILED_STEPS = 2
+# Layers per iteration of the scanned step's loop (lax.scan's unroll): the loop's own kernels
+# (its counter, the slices of the stacked inputs) then run once per SCAN_UNROLL layers.
+SCAN_UNROLL = 4
+# Also timed with all steps launched before one sync: the GPU's own time per step.
+QUEUED = ("torch_graph", "scan_alternating", "unrolled_alternating")
 
 
 def grid_points():
@@ -166,7 +173,7 @@ def _metadata(p, t, in_range=False):
                                fp8=p.dtype == FP8, implementation="custom_call", **table)
 
 
-def jax_steps(p, xla_options=None, scan_unroll=1):
+def jax_steps(p, xla_options=None, scan_unroll=SCAN_UNROLL):
     """{layout: (jitted step, its arguments maker)}; each step returns (caches, last out).
     xla_options: more compiler options for every jitted step; scan_unroll: lax.scan's unroll
     (layers per iteration of the scanned step's loop)."""
@@ -239,6 +246,20 @@ def time_steps(run, steps, warmup=3):
     return times
 
 
+def queued_steps_us(launch, sync, steps, rounds=3):
+    """Wall clock (µs) per step with `steps` steps launched before one sync, the median of
+    `rounds`: the GPU's time per step wherever the host launches faster than the GPU runs."""
+    launch(), sync()
+    per_step = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(steps):
+            launch()
+        sync()
+        per_step.append((time.perf_counter() - start) * 1e6 / steps)
+    return statistics.median(per_step)
+
+
 def cost_in_turns(plain, other, steps):
     """Median over `steps` turns of other's step time over plain's, minus 1; each turn runs a
     step of each, in an order that alternates between turns, so that drift affects both."""
@@ -280,10 +301,10 @@ def gpu_span_us(runs):
 def run_point(p, steps, torch_side, xla_options=None):
     started = time.perf_counter()
     record = dict(b=p.b, s_k=p.s_k, h_q=p.h_q, s_q=p.s_q, dtype=p.dtype, layers=p.layers)
-    runs, outs = {}, {}
+    launches, outs = {}, {}  # name: (launch a step, sync)
     if torch_side is not None:
-        torch_runs, torch_out = torch_side.steps(p)
-        runs.update(torch_runs)
+        torch_launches, torch_out = torch_side.steps(p)
+        launches.update(torch_launches)
     variants = jax_steps(p, xla_options)
     args = (p.rows, p.rope, p.q0, p.tables())
     # Variants of one cache layout share its arrays (each donates and returns them): every
@@ -301,21 +322,24 @@ def run_point(p, steps, torch_side, xla_options=None):
             compiled[name] = jf.AlternatingStep(compiled[single])
             variants[name] = variants[single]
 
-    def runner(name):
+    def launcher(name):
         make = variants[name][1]
 
-        def run():
+        def launch():
             made[make], outs[name] = compiled[name](made[make], *args)
             if name == CHECKED:
                 outs[name], error = outs[name]
                 error.throw()  # a host sync, as a loop that checks each step pays it
-            jax.block_until_ready(outs[name])
-        return run
+        return launch, lambda: jax.block_until_ready(outs[name])
 
     for name in variants:
-        runs[name] = runner(name)
+        launches[name] = launcher(name)
+    runs = {name: (lambda launch=launch, sync=sync: (launch(), sync()))
+            for name, (launch, sync) in launches.items()}
     wall = {name: statistics.median(time_steps(run, steps)) / p.layers
             for name, run in runs.items()}
+    queued = {name: queued_steps_us(*launches[name], steps) / p.layers
+              for name in QUEUED if name in launches}
     for plain, other, _ in SAFETY_PAIRS:  # timed in turns for the cost, a step of each per turn
         if other in runs:
             record[f"{other}_cost"] = round(cost_in_turns(runs[plain], runs[other], steps), 5)
@@ -326,6 +350,8 @@ def run_point(p, steps, torch_side, xla_options=None):
         key = "jax_" + name if name in variants else name
         record[f"{key}_us"] = round(wall[name], 2)
         record[f"{key}_gpu_us"] = None if span[name] is None else round(span[name], 2)
+        if name in queued:
+            record[f"{key}_queued_us"] = round(queued[name], 2)
     decodes = [name for name in variants if name != "per_layer_trivial"]
     first = np.asarray(outs[decodes[0]], np.float32)
     record["layouts_agree"] = all(np.array_equal(np.asarray(outs[name], np.float32), first)
@@ -347,10 +373,12 @@ def records_by_layout(raw):
         for layout in (l for l in (*JAX_LAYOUTS, *SAFETY_LAYOUTS) if f"jax_{l}_us" in r):
             rec = dict(base, layout=layout, jax_us=r[f"jax_{layout}_us"],
                        jax_gpu_us=r[f"jax_{layout}_gpu_us"])
+            if f"jax_{layout}_queued_us" in r:
+                rec["jax_queued_us"] = r[f"jax_{layout}_queued_us"]
             for key in ("torch_graph", "torch_eager"):
-                if f"{key}_us" in r:
-                    rec[f"{key}_us"] = r[f"{key}_us"]
-                    rec[f"{key}_gpu_us"] = r[f"{key}_gpu_us"]
+                for suffix in ("_us", "_gpu_us", "_queued_us"):
+                    if key + suffix in r:
+                        rec[key + suffix] = r[key + suffix]
             if "torch_graph_us" in r:
                 rec["vs_torch_graph"] = round(rec["jax_us"] / r["torch_graph_us"], 3)
                 rec["out_identical"] = r[f"{layout}_out_identical"]
@@ -419,7 +447,7 @@ def main():
         print(json.dumps(raw[-1]), flush=True)
         del p
         result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
-                      host=platform.node(), xla_options=xla_options,
+                      host=platform.node(), xla_options=xla_options, scan_unroll=SCAN_UNROLL,
                       rows_from_inputs=args.rows_from_inputs,
                       in_range_metadata=args.in_range_metadata,
                       value_checks=args.value_checks,

@@ -68,7 +68,38 @@ def markdown(result):
         else:
             cells += ["-", "-", "-", "-"]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines + _safety_section(result["raw"])) + "\n"
+    return "\n".join(lines + _queued_section(result["raw"])
+                     + _safety_section(result["raw"])) + "\n"
+
+
+QUEUED_TITLE = "## Steps queued: the GPU's time per step"
+QUEUED = (("torch_graph", "torch graph"), ("jax_scan_alternating", "scan, alt."),
+          ("jax_unrolled_alternating", "unrolled, alt."))
+
+
+def _queued_section(raw):
+    """µs per layer with all of a run's steps launched before one sync, and what a sync after
+    each step adds to that, per step."""
+    rows = [r for r in raw if all(key + "_queued_us" in r for key, _ in QUEUED)]
+    if not rows:
+        return []
+    lines = ["", QUEUED_TITLE, "",
+             "The same steps with all of a run's steps launched before one sync (the median of "
+             "three runs), µs per layer: where the host launches a step faster than the GPU "
+             "runs it, the GPU's time per step. `sync adds`: the synced step's wall clock less "
+             "this, µs per step: the host's time before the GPU starts and after it ends.", "",
+             "| b | s_k | h_q | s_q | cache | L | " + " | ".join(c for _, c in QUEUED)
+             + " | unrolled ratio | " + " | ".join(f"sync adds, {c}" for _, c in QUEUED) + " |",
+             "| " + " | ".join(["---"] * (7 + 2 * len(QUEUED))) + " |"]
+    for r in rows:
+        cells = [str(r[k]) for k in ("b", "s_k", "h_q", "s_q")]
+        cells += ["fp8" if r["dtype"] == "float8_e4m3fn" else "bf16", str(r["layers"])]
+        cells += [_fmt(r[key + "_queued_us"]) for key, _ in QUEUED]
+        cells.append(f"{r['jax_unrolled_alternating_queued_us'] / r['torch_graph_queued_us']:.3f}")
+        cells += [f"{(r[key + '_us'] - r[key + '_queued_us']) * r['layers']:.0f}"
+                  for key, _ in QUEUED]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def _safety_section(raw):

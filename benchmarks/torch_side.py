@@ -105,8 +105,9 @@ class TorchStep:
         return (x.float() * (1.0 / scale)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
 
     def steps(self, p):
-        """({"torch_graph": run, "torch_eager": run}, the last step's out as a JAX-comparable
-        array) for a bench_step.Point; its caches are torch's own (copies of the point's)."""
+        """({"torch_graph": (launch, sync), "torch_eager": (launch, sync)}, the last step's out
+        as a JAX-comparable array) for a bench_step.Point; its caches are torch's own (copies
+        of the point's)."""
         torch = self.torch
         fp8 = p.dtype == FP8
         metadata_op, decode_op = self.side.ops[p.dtype]
@@ -158,15 +159,8 @@ class TorchStep:
         with torch.cuda.graph(graph):
             graph_out = step()
 
-        def replay():
-            graph.replay()
-            torch.cuda.synchronize()
-
-        def eager():
-            step()
-            torch.cuda.synchronize()
-
         def last_out():
             return jax.device_get(jnp.asarray(graph_out.float().cpu().numpy()))
 
-        return {"torch_graph": replay, "torch_eager": eager}, last_out
+        sync = torch.cuda.synchronize
+        return {"torch_graph": (graph.replay, sync), "torch_eager": (step, sync)}, last_out

@@ -14,9 +14,7 @@
 #              (step_h200), STEP_DEADLINE_S (default 540)
 #     grid     bench_grid.py; GRID_ARGS, GRID_NAME (grid_h200), GRID_DEADLINE_S (default 420)
 #     fp8      bench_fp8.py
-#     launch   dev/probe_launch.py; LAUNCH_ARGS, LAUNCH_NAME (launch); dev/command_buffer_break.cc
-#              is built as /tmp/command_buffer_break.so for its --break-lib (here and in
-#              graph-inspect)
+#     launch   dev/probe_launch.py; LAUNCH_ARGS, LAUNCH_NAME (launch)
 #     host     dev/probe_step_host.py; HOST_ARGS, HOST_NAME (host)
 #     graph-inspect  dev/probe_launch.py with dev/graph_inspect.c: the CUDA graphs' nodes and
 #              the driver's calls per variant; INSPECT_ARGS (probe_launch.py's arguments)
@@ -59,13 +57,6 @@ build_graph_inspect() {
     dev/graph_inspect.c -o /tmp/graph_inspect.so 2>&1 | tail -20
 }
 
-# dev/command_buffer_break.cc as /tmp/command_buffer_break.so (probe_launch.py --break-lib).
-build_command_buffer_break() {
-  g++ -std=c++17 -shared -fPIC -O2 -w \
-    -I"$(python3 -c 'import jax.ffi; print(jax.ffi.include_dir())')" \
-    dev/command_buffer_break.cc -o /tmp/command_buffer_break.so 2>&1 | tail -20
-}
-
 for mode in "${modes[@]}"; do
   echo "==== $mode"
   case "$mode" in
@@ -97,7 +88,6 @@ for mode in "${modes[@]}"; do
     timeout 240 python3 benchmarks/bench_fp8.py --out "$out/fp8_h200.json" 2>&1 \
       | tee "$out/fp8.txt" | tail -20 ;;
   launch)
-    build_command_buffer_break
     timeout 420 python3 dev/probe_launch.py --out "$out/${LAUNCH_NAME:-launch}.json" \
       ${LAUNCH_ARGS:-} 2>&1 | tee "$out/${LAUNCH_NAME:-launch}.txt" | cut -c1-1500 | tail -6 ;;
   host)
@@ -105,7 +95,6 @@ for mode in "${modes[@]}"; do
       ${HOST_ARGS:-} 2>&1 | tee "$out/${HOST_NAME:-host}.txt" | cut -c1-1500 | tail -8 ;;
   graph-inspect)
     build_graph_inspect
-    build_command_buffer_break
     timeout 300 python3 dev/probe_launch.py --graph-inspect /tmp/graph_inspect.so \
       ${INSPECT_ARGS:-} > "$out/graph_inspect.txt" 2>&1
     grep -v "^[IW][0-9]" "$out/graph_inspect.txt" | cut -c1-1500 | tail -40 ;;

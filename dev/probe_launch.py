@@ -11,28 +11,22 @@ XLA (bench_step.py's unrolled stacked step, called through AlternatingStep):
                 XLA costs for a custom call in a command buffer, FlashMLA aside
   xla_scan_unrollU  bench_step.py's scanned step, U layers per iteration of its loop
                 (lax.scan's unroll), with jax_flashmla.LOOP_STEP_COMPILER_OPTIONS
-  xla_decode_partsK  xla_decode with dev/command_buffer_break.cc's custom call (--break-lib)
-                on the q of every ceil(L / K)-th layer: XLA launches the step's graph in K
-                parts, so the GPU can start on the first while the host launches the others
-  xla_decode_doubling  the same with parts of 2, 2, 4, 8, 16, ... layers: the GPU starts after
-                the first two layers' launch, each part's launch shorter than the GPU's work
-                on the parts before it
 CUDA graphs of the decode op alone, L calls on one cache (FlashMLA from torch):
   graph_flat      L decodes captured in one torch CUDA graph (torch's way)
   graph_children  each decode captured in a graph of its own, the L graphs added as child
                   nodes of one graph in a chain (XLA's way for a traced custom call)
   graph_children_priority  that graph instantiated with CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_
                   PRIORITY, as XLA instantiates its graphs
-Each: the median over --steps of µs per step for dispatch and wall, and the GPU span per step
-from a profile (first kernel's start to last kernel's end); for the XLA variants a hash of the
-last out, to compare runs under other XLA_FLAGS, and with --host-events the host's events of a
-step by name from a profile at XLA's most detailed tracer level (µs and count per step), to see
+Each: the median over --steps of µs per step for dispatch and wall, µs per step with --steps
+launched before one sync (queued), and the GPU span per step from a profile (first kernel's
+start to last kernel's end); for the XLA variants a hash of the last out, to compare runs
+under other XLA_FLAGS, and with --host-events the host's events of a step by name from a
+profile at XLA's most detailed tracer level (µs and count per step), to see
 which of XLA's per-execution work grows with the custom calls.
 
   python dev/probe_launch.py --points "1,4096,16;16,4096,16" --out launch.json
 """
 import argparse
-import functools
 import hashlib
 import json
 import os
@@ -52,20 +46,7 @@ from jax_flashmla import lowering  # noqa: E402
 from probe_step_host import host_profile, unrolled  # noqa: E402
 
 
-@functools.cache
-def command_buffer_break(path):
-    """x -> x through dev/command_buffer_break.cc built at `path`."""
-    import ctypes
-    library = ctypes.CDLL(path)
-    jax.ffi.register_ffi_target("probe_command_buffer_break",
-                                jax.ffi.pycapsule(library.CommandBufferBreak),
-                                platform="CUDA" if jax.default_backend() == "gpu" else "cpu")
-    return lambda x: jax.ffi.ffi_call("probe_command_buffer_break",
-                                      jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                      input_output_aliases={0: 0})(x)
-
-
-def xla_variants(p, names, break_lib=None):
+def xla_variants(p, names):
     """{name: (launch(), sync(), last out())} for the XLA variants among names."""
     t = p.tables()
     args = (p.rows, p.rope, p.q0, t)
@@ -95,21 +76,10 @@ def xla_variants(p, names, break_lib=None):
     variants = {"xla_decode": lambda: jit(decode_step), "xla_trivial": lambda: jit(trivial_step),
                 "xla_thunks": lambda: jit(decode_step, {"xla_gpu_graph_min_graph_size": 1 << 20}),
                 "xla_guard": lambda: jit(guard_step)}
-    brk = None
     for name in names:
         if name.startswith("xla_scan_unroll"):  # jitted by bench_step, donating its stack
             unroll = int(name[len("xla_scan_unroll"):])
             variants[name] = lambda u=unroll: bench_step.jax_steps(p, scan_unroll=u)["scan"][0]
-        elif name.startswith("xla_decode_parts") or name == "xla_decode_doubling":
-            if not break_lib:
-                raise SystemExit(f"{name} needs --break-lib")
-            brk = brk or command_buffer_break(break_lib)
-            if name == "xla_decode_doubling":
-                breaks = [2 ** k for k in range(1, p.layers.bit_length()) if 2 ** k < p.layers]
-            else:
-                every = -(-p.layers // int(name[len("xla_decode_parts"):]))
-                breaks = range(every, p.layers, every)
-            variants[name] = lambda breaks=set(breaks), brk=brk: jit(unrolled(p, breaks, brk))
     made = {}
     for name, jitted in variants.items():
         if name not in names:
@@ -213,6 +183,20 @@ def timed(launch, sync, steps, warmup=3):
     return round(statistics.median(dispatch), 1), round(statistics.median(wall), 1)
 
 
+def queued_us(launch, sync, steps, rounds=5):
+    """µs per step with `steps` steps launched before one sync (the median of `rounds`): the
+    GPU's own time per step where the host launches faster than the GPU runs, what a serving
+    loop that does not wait for each step before launching the next would see."""
+    per_step = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(steps):
+            launch()
+        sync()
+        per_step.append((time.perf_counter() - start) * 1e6 / steps)
+    return round(statistics.median(per_step), 1)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--points", default="1,4096,16;16,4096,16",
@@ -221,11 +205,8 @@ def main():
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--variants", default="xla_decode,xla_trivial,xla_thunks,xla_guard,graph",
                         help="among xla_decode, xla_trivial, xla_thunks, xla_guard, "
-                             "xla_scan_unrollU, xla_decode_partsK (U, K numbers), "
-                             "xla_decode_doubling (the parts need --break-lib), graph (the "
-                             "graphs; default all but the scans and the parts)")
-    parser.add_argument("--break-lib", default=None,
-                        help="dev/command_buffer_break.cc built as a shared library")
+                             "xla_scan_unrollU (U a number), graph (the graphs; default all "
+                             "but the scans)")
     parser.add_argument("--graph-inspect", metavar="LIB", default=None,
                         help="dev/graph_inspect.c built as LIB: the graphs' nodes and the "
                              "driver's calls per variant, printed at the end (no profiles "
@@ -242,7 +223,7 @@ def main():
         b, s_k, h_q = map(int, point.split(","))
         p = bench_step.Point(b, s_k, h_q, 1, "bfloat16", args.layers, 30)
         names = args.variants.split(",")
-        made = xla_variants(p, names, args.break_lib)
+        made = xla_variants(p, names)
         runs = {name: (launch, sync) for name, (launch, sync, _) in made.items()}
         if jax.default_backend() == "gpu" and "graph" in names:
             tag(f"graph setup b={b}")
@@ -254,6 +235,7 @@ def main():
             tag(f"{name} b={b}")
             record[f"{name}_dispatch_us"], record[f"{name}_wall_us"] = timed(
                 launch, sync, args.steps)
+            record[f"{name}_queued_us"] = queued_us(launch, sync, args.steps)
         for name, (_, _, out) in made.items():
             record[f"{name}_out_sha"] = hashlib.sha256(np.asarray(out()).tobytes()).hexdigest()[:16]
         if jax.default_backend() == "gpu" and not inspector:

@@ -47,15 +47,12 @@ LOG_PATTERNS = {
 MARK = "probe_step_host step "
 
 
-def unrolled(p, breaks=(), brk=None):
-    """bench_step.py's unrolled stacked step; q goes through brk (x -> x) before the layers in
-    breaks."""
+def unrolled(p):
+    """bench_step.py's unrolled stacked step."""
     def step(stack, rows, rope, q, t):
         md = bench_step._metadata(p, t)
         latent = rows[0, ..., :bench_step.D_V]
         for layer in range(p.layers):
-            if layer in breaks:
-                q = brk(q)
             stack, out = bench_step._layer(p, t, stack, layer * p.pages, q, latent,
                                            rows[layer], md)
             q, latent = bench_step._next(out, rope[layer])

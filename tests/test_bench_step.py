@@ -17,8 +17,26 @@ def test_the_tiny_step_runs_and_reports(tmp_path):
     for record in result["records"]:
         assert {"b", "s_k", "h_q", "s_q", "dtype", "layout", "layers", "jax_us"} <= set(record)
         assert record["jax_us"] > 0
+    queued = [r for r in result["records"] if "jax_queued_us" in r]
+    assert [r["layout"] for r in queued] == ["scan_alternating", "unrolled_alternating"] * 2
+    assert all(r["jax_queued_us"] > 0 for r in queued)
     assert "| 2 | 128 | 16 | 2 | fp8 | 3 |" in prefix.with_suffix(".md").read_text()
     assert prefix.with_suffix(".png").stat().st_size > 0
+
+
+def test_the_queued_section_compares_the_steps_with_the_graph_queued():
+    sys.path.insert(0, str(BENCHMARKS))
+    import step_report
+
+    raw = dict(b=1, s_k=1024, h_q=16, s_q=1, dtype="bfloat16", layers=10,
+               torch_graph_us=20.0, torch_graph_queued_us=19.0,
+               jax_scan_alternating_us=25.0, jax_scan_alternating_queued_us=17.0,
+               jax_unrolled_alternating_us=24.0, jax_unrolled_alternating_queued_us=15.2)
+    section = step_report.markdown(dict(device="cpu", jax="x", raw=[raw], records=[]))
+    section = section.split(step_report.QUEUED_TITLE)[1]
+    # The queued µs per layer, the unrolled step's over the graph's, and per step what a sync
+    # after each step adds: (wall - queued) * layers.
+    assert "| 1 | 1024 | 16 | 1 | bf16 | 10 | 19.0 | 17.0 | 15.2 | 0.800 | 10 | 80 | 88 |" in section
 
 
 def test_the_safety_variants_run_beside_the_plain_step(tmp_path):
