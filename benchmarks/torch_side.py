@@ -156,7 +156,10 @@ class TorchStep:
                 step()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: a CUDA call that XLA's threads make meanwhile (freeing the last
+        # point's buffers, polling its events) must not invalidate the capture, as it did
+        # under the default mode.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             graph_out = step()
 
         def last_out():

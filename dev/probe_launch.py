@@ -111,13 +111,13 @@ def graph_variants(p):
         call()
     torch.cuda.current_stream().wait_stream(stream)
     flat = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(flat):
+    with torch.cuda.graph(flat, capture_error_mode="thread_local"):
         for _ in range(p.layers):
             call()
     children = []
     for _ in range(p.layers):
         g = torch.cuda.CUDAGraph(keep_graph=True)
-        with torch.cuda.graph(g, pool=flat.pool()):
+        with torch.cuda.graph(g, pool=flat.pool(), capture_error_mode="thread_local"):
             call()
         children.append(g)
 
