@@ -2,6 +2,8 @@
 comparison point of bench_grid.py (TorchSide) and bench_step.py (TorchStep). Arguments are
 filled by name from each op's schema, as the bridge does, since the schemas differ between
 kernel releases."""
+import gc
+
 import jax
 import jax.numpy as jnp
 
@@ -156,11 +158,15 @@ class TorchStep:
                 step()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: a CUDA call that XLA's threads make meanwhile (freeing the last
-        # point's buffers, polling its events) must not invalidate the capture, as it did
-        # under the default mode.
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            graph_out = step()
+        # A capture failed once at the start of a point under the default mode. The CUDA
+        # calls that JAX makes meanwhile (freeing the last point's arrays and executables, on
+        # its own threads or from a garbage collection here) must not invalidate it.
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                graph_out = step()
+        finally:
+            gc.enable()
 
         def last_out():
             return jax.device_get(jnp.asarray(graph_out.float().cpu().numpy()))
