@@ -42,7 +42,8 @@ def markdown(result):
             "before")
     options = result.get("xla_options") or "none"
     lines = [f"# A model's decode step, µs per layer ({result['device']}, jax {result['jax']})",
-             "", f"Step: {rows}; XLA options beyond each layout's: {options}.", "",
+             "", f"Step: {rows}; XLA options beyond each layout's: {options}; the scan "
+             f"{result.get('scan_unroll', 1)} layers an iteration (lax.scan's unroll).", "",
              "Wall clock of the median step / layers (GPU span per layer in brackets). `alt.`: "
              "the same compiled step called through jax_flashmla.AlternatingStep. Ratio: "
              "jax_flashmla's stacked layouts through AlternatingStep against the torch CUDA "
