@@ -9,7 +9,10 @@ SwiGLU MLP) with seeded random weights serve requests of different prompt length
 iteration admits waiting requests while the page pool can hold them (PageAllocator.admit),
 prefills each new prompt into its pages, runs one decode step over every active request
 (one mla_decode per layer, one shared FlashMLA schedule per step), grows requests a page at a
-time, and finishes those done, whose pages the next admissions reuse. Greedy sampling.
+time, and finishes those done, whose pages the next admissions reuse. Greedy sampling. Each
+step's tokens stay on the device as the next step's input, and the host reads them only after
+it has launched the next step (--sync-each-step: before), so that the host's work on a step
+overlaps the GPU's on the one before; the tokens are the same either way.
 Prints a progress line and the tokens per second. On a Hopper GPU the default implementation
 is FlashMLA's kernels. With an FP8 cache each layer has a k scale (here a constant; a real
 checkpoint carries calibrated ones), and the decode is FlashMLA's FP8 one.
@@ -208,10 +211,23 @@ def serve(args):
 
     waiting = list(range(args.requests))
     slots = [None] * args.batch  # request id per decode row
-    length, last, outputs, allocations = {}, {}, {r: [] for r in waiting}, 0
+    length, generated, outputs = {}, {}, {r: [] for r in waiting}
+    allocations = 0
+    # Each row's last token stays on the device, the next step's input: the host needs only
+    # counts to schedule, so it launches step n+1 before it reads step n's tokens, and XLA's
+    # host work for a step overlaps the GPU's work on the one before.
+    row_tokens = jnp.zeros((args.batch,), jnp.int32)
+    unread = []  # (device tokens, [(index into them, request)]) not yet copied to the host
     progress = Progress(int(new_tokens.sum()), enabled=not args.quiet)
     start = time.perf_counter()
     decode_time, decode_tokens, steps = 0.0, 0, 0
+
+    def read_tokens():
+        for tokens, rows in unread:
+            tokens = np.asarray(tokens)
+            for i, r in rows:
+                outputs[r].append(int(tokens[i]))
+        unread.clear()
 
     def reserved():  # pages active requests may still grow into
         return sum(int(pages_for_tokens(prompt_lens[r] + new_tokens[r])) - len(allocator.pages(r))
@@ -227,7 +243,8 @@ def serve(args):
             waiting.pop(0)
             pages = allocator.admit(r, n)
             allocations += len(pages)
-            slots[slots.index(None)] = r
+            i = slots.index(None)
+            slots[i] = r
             s = -(-n // PREFILL_BUCKET) * PREFILL_BUCKET
             tokens = np.zeros((1, s), np.int32)
             tokens[0, :n] = prompts[r]
@@ -238,44 +255,48 @@ def serve(args):
             first, caches = prefill(state, jnp.asarray(tokens), jnp.asarray(positions),
                                     jnp.asarray(token_slot), jnp.asarray([n], np.int32), caches,
                                     k_scales)
-            length[r], last[r] = n, int(first[0])
-            outputs[r].append(last[r])
+            row_tokens = row_tokens.at[i].set(first[0])
+            unread.append((first, [(0, r)]))
+            length[r], generated[r] = n, 1
             progress.update(1, f"active {sum(x is not None for x in slots)} waiting {len(waiting)}")
         # Finish requests whose budget the prefill token used up.
         for i, r in enumerate(slots):
-            if r is not None and len(outputs[r]) >= new_tokens[r]:
+            if r is not None and generated[r] >= new_tokens[r]:
                 allocator.finish(r)
                 slots[i] = None
         active = [(i, r) for i, r in enumerate(slots) if r is not None]
         if not active:
             continue
         # One decode step over every row (idle rows: seq_len 0, their writes dropped).
-        tokens = np.zeros(args.batch, np.int32)
         positions = np.full(args.batch, -1, np.int32)
         seq_lens = np.zeros(args.batch, np.int32)
         table = np.full((args.batch, max_pages), -1, np.int32)
         for i, r in active:
             allocations += len(allocator.grow(r, length[r] + 1))
-            tokens[i], positions[i], seq_lens[i] = last[r], length[r], length[r] + 1
+            positions[i], seq_lens[i] = length[r], length[r] + 1
             table[i] = allocator.block_table([r], max_pages)[0]
         t0 = time.perf_counter()
-        next_tokens, _, caches = decode(state, jnp.asarray(tokens), jnp.asarray(positions),
-                                        jnp.asarray(table), jnp.asarray(seq_lens), caches,
-                                        k_scales)
-        next_tokens = np.asarray(next_tokens)
+        row_tokens, _, caches = decode(state, row_tokens, jnp.asarray(positions),
+                                       jnp.asarray(table), jnp.asarray(seq_lens), caches,
+                                       k_scales)
+        if args.sync_each_step:
+            unread.append((row_tokens, active))
+        read_tokens()  # the steps before this one: this one runs on meanwhile
+        if not args.sync_each_step:
+            unread.append((row_tokens, active))
         if steps > 0:  # the first step includes compilation
             decode_time += time.perf_counter() - t0
             decode_tokens += len(active)
         steps += 1
         for i, r in active:
             length[r] += 1
-            last[r] = int(next_tokens[i])
-            outputs[r].append(last[r])
-            if len(outputs[r]) >= new_tokens[r]:
+            generated[r] += 1
+            if generated[r] >= new_tokens[r]:
                 allocator.finish(r)
                 slots[i] = None
         progress.update(len(active), f"active {len(active)} waiting {len(waiting)} "
                                      f"pages {allocator.num_used}/{num_pages}", warm=steps == 1)
+    read_tokens()
     progress.close()
     elapsed = time.perf_counter() - start
     total = sum(len(o) for o in outputs.values())
@@ -320,6 +341,9 @@ def parse_args(argv=None):
                    help="page pool size; 0: tight, about 3/4 of what all rows could hold")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the requests")
     p.add_argument("--quiet", action="store_true", help="no progress display")
+    p.add_argument("--sync-each-step", action="store_true",
+                   help="read each decode step's tokens before launching the next (default: "
+                        "launch the next step first)")
     args = p.parse_args(argv)
     for name in ("layers", "requests", "batch", "min_prompt", "max_new"):
         if getattr(args, name) < 1:

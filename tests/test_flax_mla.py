@@ -289,6 +289,17 @@ def test_example_serves_to_completion(implementation, kv_cache_dtype, capsys):
     assert all(f"  request {r}: prompt " in printed for r in range(5))  # every request
 
 
+def test_example_reads_the_same_tokens_after_launching_the_next_step():
+    """The example's loop launches each decode step before it reads the last one's tokens:
+    the tokens are those of the loop that reads each step's before launching the next."""
+    ex = load_example()
+    argv = ["--implementation", "custom_call", "--layers", "1", "--requests", "6", "--batch",
+            "3", "--max-new", "8", "--max-prompt", "70", "--quiet"]
+    overlapped = ex.serve(ex.parse_args(argv))
+    assert overlapped == ex.serve(ex.parse_args(argv + ["--sync-each-step"]))
+    assert sum(len(o) for o in overlapped.values()) > 6  # decode steps ran, not only prefills
+
+
 def decode_inputs(ex, num_pages=6, batch=3, seed=0):
     """A seeded example model, random bf16 caches and a decode step's operands (row 2 idle)."""
     cfg = ex.dataclasses.replace(ex.ModelConfig(), num_layers=2)
