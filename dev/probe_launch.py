@@ -6,6 +6,9 @@ decode op built the ways torch and XLA build them.
 XLA (bench_step.py's unrolled stacked step, called through AlternatingStep):
   xla_decode    bench_step.py's step: per layer write_kv, mla_decode, the next q
   xla_trivial   the same with a fusion in place of each mla_decode (no custom call)
+  xla_trivial_xN  xla_trivial over its layers N times in a row: N=2 makes a graph of about
+                as many kernel nodes as xla_decode's, to tell what XLA costs for a graph of
+                that size from what the custom calls add
   xla_thunks    xla_decode with command buffers off (each thunk launched on its own)
   xla_guard     xla_trivial with the FP8 guard's custom call (one small kernel) per layer: what
                 XLA costs for a custom call in a command buffer, FlashMLA aside
@@ -27,6 +30,7 @@ which of XLA's per-execution work grows with the custom calls.
   python dev/probe_launch.py --points "1,4096,16;16,4096,16" --out launch.json
 """
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -53,9 +57,9 @@ def xla_variants(p, names):
 
     decode_step = unrolled(p)
 
-    def trivial_step(stack, rows, rope, q, t):
+    def trivial_step(stack, rows, rope, q, t, repeats=1):
         latent = rows[0, ..., :bench_step.D_V]
-        for layer in range(p.layers):
+        for layer in (l % p.layers for l in range(repeats * p.layers)):
             new = jnp.concatenate([latent, rows[layer][..., bench_step.D_V:]], axis=-1)
             stack = jf.write_kv(stack, t["slots"] + layer * p.pages * bench_step.PAGE, kv=new)
             q, latent = bench_step._next(q[..., :bench_step.D_V] * 0.5, rope[layer])
@@ -80,6 +84,9 @@ def xla_variants(p, names):
         if name.startswith("xla_scan_unroll"):  # jitted by bench_step, donating its stack
             unroll = int(name[len("xla_scan_unroll"):])
             variants[name] = lambda u=unroll: bench_step.jax_steps(p, scan_unroll=u)["scan"][0]
+        elif name.startswith("xla_trivial_x"):
+            repeats = int(name[len("xla_trivial_x"):])
+            variants[name] = lambda n=repeats: jit(functools.partial(trivial_step, repeats=n))
     made = {}
     for name, jitted in variants.items():
         if name not in names:
@@ -205,8 +212,8 @@ def main():
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--variants", default="xla_decode,xla_trivial,xla_thunks,xla_guard,graph",
                         help="among xla_decode, xla_trivial, xla_thunks, xla_guard, "
-                             "xla_scan_unrollU (U a number), graph (the graphs; default all "
-                             "but the scans)")
+                             "xla_scan_unrollU, xla_trivial_xN (U, N numbers), graph (the "
+                             "graphs; default all but the scans and xla_trivial_xN)")
     parser.add_argument("--graph-inspect", metavar="LIB", default=None,
                         help="dev/graph_inspect.c built as LIB: the graphs' nodes and the "
                              "driver's calls per variant, printed at the end (no profiles "
