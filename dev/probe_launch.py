@@ -190,20 +190,6 @@ def timed(launch, sync, steps, warmup=3):
     return round(statistics.median(dispatch), 1), round(statistics.median(wall), 1)
 
 
-def queued_us(launch, sync, steps, rounds=5):
-    """µs per step with `steps` steps launched before one sync (the median of `rounds`): the
-    GPU's own time per step where the host launches faster than the GPU runs, what a serving
-    loop that does not wait for each step before launching the next would see."""
-    per_step = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(steps):
-            launch()
-        sync()
-        per_step.append((time.perf_counter() - start) * 1e6 / steps)
-    return round(statistics.median(per_step), 1)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--points", default="1,4096,16;16,4096,16",
@@ -242,7 +228,8 @@ def main():
             tag(f"{name} b={b}")
             record[f"{name}_dispatch_us"], record[f"{name}_wall_us"] = timed(
                 launch, sync, args.steps)
-            record[f"{name}_queued_us"] = queued_us(launch, sync, args.steps)
+            record[f"{name}_queued_us"] = round(
+                bench_step.queued_steps_us(launch, sync, args.steps, rounds=5), 1)
         for name, (_, _, out) in made.items():
             record[f"{name}_out_sha"] = hashlib.sha256(np.asarray(out()).tobytes()).hexdigest()[:16]
         if jax.default_backend() == "gpu" and not inspector:
