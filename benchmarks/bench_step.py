@@ -55,6 +55,7 @@ from jax_flashmla import fp8  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from device_time import profile_options, traced  # noqa: E402
+import step_report  # noqa: E402
 from step_report import SAFETY_PAIRS, write_report  # noqa: E402
 
 PAGE, D_QK, D_V = 64, 576, 512
@@ -75,8 +76,9 @@ PROFILED_STEPS = 2
 # Layers per iteration of the scanned step's loop (lax.scan's unroll): the loop's own kernels
 # (its counter, the slices of the stacked inputs) then run once per SCAN_UNROLL layers.
 SCAN_UNROLL = 4
-# Also timed with all steps launched before one sync: the GPU's own time per step.
-QUEUED = ("torch_graph", "scan_alternating", "unrolled_alternating")
+# Also timed with all steps launched before one sync: the GPU's own time per step (the
+# report's queued columns, less their jax_ prefix).
+QUEUED = tuple(key.removeprefix("jax_") for key, _ in step_report.QUEUED)
 
 
 def grid_points():

@@ -211,8 +211,7 @@ def serve(args):
 
     waiting = list(range(args.requests))
     slots = [None] * args.batch  # request id per decode row
-    length, generated, outputs = {}, {}, {r: [] for r in waiting}
-    allocations = 0
+    length, outputs, allocations = {}, {r: [] for r in waiting}, 0
     # Each row's last token stays on the device, the next step's input: the host needs only
     # counts to schedule, so it launches step n+1 before it reads step n's tokens, and XLA's
     # host work for a step overlaps the GPU's work on the one before.
@@ -228,6 +227,9 @@ def serve(args):
             for i, r in rows:
                 outputs[r].append(int(tokens[i]))
         unread.clear()
+
+    def done(r):  # the prefill made a request's first token, each decode step one more
+        return length[r] - prompt_lens[r] + 1 >= new_tokens[r]
 
     def reserved():  # pages active requests may still grow into
         return sum(int(pages_for_tokens(prompt_lens[r] + new_tokens[r])) - len(allocator.pages(r))
@@ -257,11 +259,11 @@ def serve(args):
                                     k_scales)
             row_tokens = row_tokens.at[i].set(first[0])
             unread.append((first, [(0, r)]))
-            length[r], generated[r] = n, 1
+            length[r] = n
             progress.update(1, f"active {sum(x is not None for x in slots)} waiting {len(waiting)}")
         # Finish requests whose budget the prefill token used up.
         for i, r in enumerate(slots):
-            if r is not None and generated[r] >= new_tokens[r]:
+            if r is not None and done(r):
                 allocator.finish(r)
                 slots[i] = None
         active = [(i, r) for i, r in enumerate(slots) if r is not None]
@@ -281,8 +283,9 @@ def serve(args):
                                        k_scales)
         if args.sync_each_step:
             unread.append((row_tokens, active))
-        read_tokens()  # the steps before this one: this one runs on meanwhile
-        if not args.sync_each_step:
+            read_tokens()
+        else:
+            read_tokens()  # the steps before this one: this one runs on meanwhile
             unread.append((row_tokens, active))
         if steps > 0:  # the first step includes compilation
             decode_time += time.perf_counter() - t0
@@ -290,8 +293,7 @@ def serve(args):
         steps += 1
         for i, r in active:
             length[r] += 1
-            generated[r] += 1
-            if generated[r] >= new_tokens[r]:
+            if done(r):
                 allocator.finish(r)
                 slots[i] = None
         progress.update(len(active), f"active {len(active)} waiting {len(waiting)} "

@@ -23,7 +23,7 @@ then makes such a request empty only with a metadata made with block_table and n
 none (mla_decode's seq_lens). On, each decode adds a few reductions over seq_lens and its
 block table, and computes the metadata twice (for the check and the call): on an H200 a
 checked 61-layer step at b=128 (s_k 1024) took 1.5-1.9x the unchecked one, a 53-layer one at
-s_k=4096 1.3-1.4x, the error thrown after each step (benchmarks/results/step_h200.md).
+s_k=4096 1.3-1.4x, the error thrown after each step (benchmarks/bench_step.py --value-checks).
 """
 import contextlib
 import contextvars
