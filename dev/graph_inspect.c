@@ -4,7 +4,9 @@
 // caller set last (graph_inspect_tag). At each graph instantiation it records the graph's nodes
 // by type, with child graphs flattened, its edges and its nodes of more than one dependency;
 // at each graph launch, the host time the driver took. graph_inspect_report() prints it all as
-// lines of JSON on stdout. The counters are not synchronized: the counts of calls made from
+// lines of JSON on stdout. With GRAPH_INSPECT_DOT_DIR set, each tag's first two instantiated
+// graphs are also written there in the driver's verbose DOT form (every node's parameters and
+// attributes), as <tag>.<n>.dot. The counters are not synchronized: the counts of calls made from
 // several threads at once may be a little short.
 #include <cuda.h>
 #include <cupti.h>
@@ -68,7 +70,21 @@ static void count_nodes(CUgraph graph, GraphInfo* info, int depth) {
   free(nodes);
 }
 
+static int dots_of_tag[MAX_TAGS];
+
+static void write_dot(CUgraph graph) {
+  const char* dir = getenv("GRAPH_INSPECT_DOT_DIR");
+  if (!dir || dots_of_tag[current_tag] == 2) return;
+  char path[512];
+  snprintf(path, sizeof path, "%s/%s.%d.dot", dir, tags[current_tag].name,
+           dots_of_tag[current_tag]++);
+  for (char* c = path + strlen(dir) + 1; *c; ++c)
+    if (*c == ' ' || *c == '=' || *c == '/') *c = '_';
+  cuGraphDebugDotPrint(graph, path, CU_GRAPH_DEBUG_DOT_FLAGS_VERBOSE);
+}
+
 static void instantiated(CUgraph graph, unsigned long long flags) {
+  write_dot(graph);
   if (num_graphs == MAX_GRAPHS) {
     graphs_dropped++;
     return;
