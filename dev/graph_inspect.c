@@ -6,7 +6,13 @@
 // at each graph launch, the host time the driver took. graph_inspect_report() prints it all as
 // lines of JSON on stdout. With GRAPH_INSPECT_DOT_DIR set, each tag's first two instantiated
 // graphs are also written there in the driver's verbose DOT form (every node's parameters and
-// attributes), as <tag>.<n>.dot. The counters are not synchronized: the counts of calls made from
+// attributes), as <tag>.<n>.dot. graph_inspect_rebuild(n) takes the last graph instantiated
+// under the current tag (a copy kept at its instantiation), instantiates it again and as
+// rebuilt variants (child graphs inlined, only the top level's kernels, only the child
+// graphs' nodes), launches each n times on a stream of its own with a sync after each, and
+// prints the driver's host time per launch: what in a graph costs launch time. The variants
+// run the graph's kernels on the buffers it was recorded with, so call it while they are
+// alive (right after the step ran). The counters are not synchronized: the counts of calls made from
 // several threads at once may be a little short.
 #include <cuda.h>
 #include <cupti.h>
@@ -71,6 +77,8 @@ static void count_nodes(CUgraph graph, GraphInfo* info, int depth) {
 }
 
 static int dots_of_tag[MAX_TAGS];
+static CUgraph kept[MAX_TAGS];           // a copy of the last graph instantiated per tag
+static unsigned long long kept_flags[MAX_TAGS];
 
 static void write_dot(CUgraph graph) {
   const char* dir = getenv("GRAPH_INSPECT_DOT_DIR");
@@ -85,6 +93,9 @@ static void write_dot(CUgraph graph) {
 
 static void instantiated(CUgraph graph, unsigned long long flags) {
   write_dot(graph);
+  if (kept[current_tag]) cuGraphDestroy(kept[current_tag]);
+  if (cuGraphClone(&kept[current_tag], graph) != CUDA_SUCCESS) kept[current_tag] = NULL;
+  kept_flags[current_tag] = flags;
   if (num_graphs == MAX_GRAPHS) {
     graphs_dropped++;
     return;
@@ -124,6 +135,189 @@ static void CUPTIAPI on_call(void* user, CUpti_CallbackDomain domain, CUpti_Call
   }
   inside = 0;
   if (launch) launch_start = now_ns();
+}
+
+// The graph's nodes in an order that respects its edges (Kahn's), into order[0..n).
+static size_t topological(CUgraph graph, CUgraphNode** order) {
+  size_t n = 0;
+  cuGraphGetNodes(graph, NULL, &n);
+  CUgraphNode* nodes = malloc((n + 1) * sizeof *nodes);
+  size_t* missing = calloc(n + 1, sizeof *missing);
+  *order = malloc((n + 1) * sizeof **order);
+  cuGraphGetNodes(graph, nodes, &n);
+  size_t done = 0;
+  for (size_t i = 0; i < n; ++i) {
+    cuGraphNodeGetDependencies(nodes[i], NULL, NULL, &missing[i]);
+    if (!missing[i]) (*order)[done++] = nodes[i];
+  }
+  for (size_t k = 0; k < done; ++k) {
+    size_t m = 0;
+    cuGraphNodeGetDependentNodes((*order)[k], NULL, NULL, &m);
+    CUgraphNode* next = malloc((m + 1) * sizeof *next);
+    cuGraphNodeGetDependentNodes((*order)[k], next, NULL, &m);
+    for (size_t j = 0; j < m; ++j)
+      for (size_t i = 0; i < n; ++i)
+        if (nodes[i] == next[j] && --missing[i] == 0) (*order)[done++] = nodes[i];
+    free(next);
+  }
+  free(nodes);
+  free(missing);
+  return done;
+}
+
+enum { ALL_FLAT, TOP_KERNELS, CHILDREN_FLAT, CHILDREN_AS_CHILDREN, NUM_VARIANTS };
+static const char* variant_names[NUM_VARIANTS] = {"flat", "top_kernels_only",
+                                                  "children_flat", "children_as_child_graphs"};
+
+typedef struct {
+  CUgraph graph;
+  CUgraphNode last, last_source;  // the chain's end and the node it was copied from
+  long kernels, memsets, children, others;
+} Rebuild;
+
+// Appends `node`'s copy to the chain, keeping the type of the edge from the node copied last
+// when the original had that edge (FlashMLA's programmatic launches).
+static void append(Rebuild* r, CUgraphNode node, CUgraphNode copy) {
+  if (r->last) {
+    CUgraphEdgeData edge;
+    memset(&edge, 0, sizeof edge);
+    size_t m = 0;
+    cuGraphNodeGetDependencies(node, NULL, NULL, &m);
+    CUgraphNode* deps = malloc((m + 1) * sizeof *deps);
+    CUgraphEdgeData* data = calloc(m + 1, sizeof *data);
+    cuGraphNodeGetDependencies(node, deps, data, &m);
+    for (size_t i = 0; i < m; ++i)
+      if (deps[i] == r->last_source) edge = data[i];
+    free(deps);
+    free(data);
+    cuGraphAddDependencies(r->graph, &r->last, &copy, &edge, 1);
+  }
+  r->last = copy;
+  r->last_source = node;
+}
+
+static void rebuild_from(Rebuild* r, CUgraph graph, int variant, int depth, CUcontext ctx) {
+  CUgraphNode* order;
+  const size_t n = topological(graph, &order);
+  for (size_t i = 0; i < n; ++i) {
+    CUgraphNodeType type;
+    CUgraphNode copy = NULL;
+    cuGraphNodeGetType(order[i], &type);
+    const int keep = variant == ALL_FLAT || (variant == TOP_KERNELS && depth == 0) ||
+                     (variant != TOP_KERNELS && depth > 0);
+    if (type == CU_GRAPH_NODE_TYPE_GRAPH) {
+      CUgraph child;
+      cuGraphChildGraphNodeGetGraph(order[i], &child);
+      if (variant == CHILDREN_AS_CHILDREN) {
+        cuGraphAddChildGraphNode(&copy, r->graph, NULL, 0, child);
+        r->children++;
+      } else if (variant != TOP_KERNELS) {
+        rebuild_from(r, child, variant, depth + 1, ctx);
+      }
+    } else if (!keep) {
+    } else if (type == CU_GRAPH_NODE_TYPE_KERNEL) {
+      CUDA_KERNEL_NODE_PARAMS p;
+      cuGraphKernelNodeGetParams(order[i], &p);
+      if (cuGraphAddKernelNode(&copy, r->graph, NULL, 0, &p) == CUDA_SUCCESS) {
+        cuGraphKernelNodeCopyAttributes(copy, order[i]);
+        r->kernels++;
+      } else {
+        copy = NULL;
+      }
+    } else if (type == CU_GRAPH_NODE_TYPE_MEMSET) {
+      CUDA_MEMSET_NODE_PARAMS p;
+      cuGraphMemsetNodeGetParams(order[i], &p);
+      cuGraphAddMemsetNode(&copy, r->graph, NULL, 0, &p, ctx);
+      r->memsets++;
+    } else {
+      cuGraphAddEmptyNode(&copy, r->graph, NULL, 0);  // holds the chain's place
+      r->others++;
+    }
+    if (copy) append(r, order[i], copy);
+  }
+  free(order);
+}
+
+static int by_value(const void* a, const void* b) {
+  const long x = *(const long*)a, y = *(const long*)b;
+  return (x > y) - (x < y);
+}
+
+// Median host ns per cuGraphLaunch and per launch-and-sync over n launches after 3 warm-ups.
+static int time_launches(CUgraphExec exec, CUstream stream, int n, long* launch_ns,
+                         long* wall_ns) {
+  long* launch = malloc(n * sizeof *launch);
+  long* wall = malloc(n * sizeof *wall);
+  int ok = cuGraphUpload(exec, stream) == CUDA_SUCCESS;
+  for (int i = -3; ok && i < n; ++i) {
+    const long start = now_ns();
+    ok = cuGraphLaunch(exec, stream) == CUDA_SUCCESS;
+    const long mid = now_ns();
+    ok = ok && cuStreamSynchronize(stream) == CUDA_SUCCESS;
+    if (i >= 0) {
+      launch[i] = mid - start;
+      wall[i] = now_ns() - start;
+    }
+  }
+  if (ok) {
+    qsort(launch, n, sizeof *launch, by_value);
+    qsort(wall, n, sizeof *wall, by_value);
+    *launch_ns = launch[n / 2];
+    *wall_ns = wall[n / 2];
+  }
+  free(launch);
+  free(wall);
+  return ok;
+}
+
+static void print_timed(const char* name, CUgraph graph, unsigned long long flags,
+                        CUstream stream, int n, const Rebuild* r) {
+  CUgraphExec exec;
+  long launch = 0, wall = 0;
+  size_t nodes = 0;
+  cuGraphGetNodes(graph, NULL, &nodes);
+  CUresult made = cuGraphInstantiate(&exec, graph, flags);
+  const int ok = made == CUDA_SUCCESS && time_launches(exec, stream, n, &launch, &wall);
+  printf("%s\"%s\": {\"top_nodes\": %zu", strcmp(name, "as_recorded") ? ", " : "", name, nodes);
+  if (r)
+    printf(", \"kernels\": %ld, \"memsets\": %ld, \"child_graphs\": %ld, \"others\": %ld",
+           r->kernels, r->memsets, r->children, r->others);
+  if (ok)
+    printf(", \"launch_us\": %.2f, \"wall_us\": %.2f}", launch / 1e3, wall / 1e3);
+  else
+    printf(", \"error\": %d}", (int)made);
+  if (made == CUDA_SUCCESS) cuGraphExecDestroy(exec);
+}
+
+void graph_inspect_rebuild(int n) {
+  CUgraph graph = kept[current_tag];
+  if (!graph || n < 1) return;
+  inside = 1;
+  CUcontext ctx;
+  CUstream stream;
+  CUdevice device;
+  cuDeviceGet(&device, 0);
+  cuDevicePrimaryCtxRetain(&ctx, device);
+  cuCtxPushCurrent(ctx);
+  cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING);
+  printf("{\"rebuilt\": \"%s\", \"flags\": %llu, ", tags[current_tag].name,
+         kept_flags[current_tag]);
+  print_timed("as_recorded", graph, kept_flags[current_tag], stream, n, NULL);
+  for (int v = 0; v < NUM_VARIANTS; ++v) {
+    Rebuild r;
+    memset(&r, 0, sizeof r);
+    cuGraphCreate(&r.graph, 0);
+    rebuild_from(&r, graph, v, 0, ctx);
+    print_timed(variant_names[v], r.graph, kept_flags[current_tag], stream, n, &r);
+    cuGraphDestroy(r.graph);
+  }
+  printf("}\n");
+  fflush(stdout);
+  cuStreamSynchronize(stream);
+  cuStreamDestroy(stream);
+  cuCtxPopCurrent(&ctx);
+  cuDevicePrimaryCtxRelease(device);
+  inside = 0;
 }
 
 int graph_inspect_start(void) {
