@@ -12,13 +12,18 @@
 // graphs' nodes), launches each n times on a stream of its own with a sync after each, and
 // prints the driver's host time per launch: what in a graph costs launch time. The variants
 // run the graph's kernels on the buffers it was recorded with, so call it while they are
-// alive (right after the step ran). The counters are not synchronized: the counts of calls made from
+// alive (right after the step ran). graph_inspect_contexts(n) launches the tag's own graph
+// execs (the ones its program instantiated, on the stream it launched them on) n times from
+// here, plainly and in the ways its program's launches differ from a tight loop: XLA's event
+// wait and host callback around each launch, its two execs in turn, a cold host cache, from
+// another thread. The counters are not synchronized: the counts of calls made from
 // several threads at once may be a little short.
 #include <cuda.h>
 #include <cupti.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <pthread.h>
 #include <time.h>
 
 #define MAX_TAGS 64
@@ -79,6 +84,9 @@ static void count_nodes(CUgraph graph, GraphInfo* info, int depth) {
 static int dots_of_tag[MAX_TAGS];
 static CUgraph kept[MAX_TAGS];           // a copy of the last graph instantiated per tag
 static unsigned long long kept_flags[MAX_TAGS];
+static CUgraphExec execs[MAX_TAGS][2];  // the last two execs instantiated per tag
+static long num_execs[MAX_TAGS];
+static CUstream launched_on[MAX_TAGS];  // the stream of the tag's last graph launch
 
 static void write_dot(CUgraph graph) {
   const char* dir = getenv("GRAPH_INSPECT_DOT_DIR");
@@ -115,6 +123,12 @@ static void CUPTIAPI on_call(void* user, CUpti_CallbackDomain domain, CUpti_Call
   const int launch = cbid == CUPTI_DRIVER_TRACE_CBID_cuGraphLaunch ||
                      cbid == CUPTI_DRIVER_TRACE_CBID_cuGraphLaunch_ptsz;
   if (call->callbackSite == CUPTI_API_EXIT) {
+    CUgraphExec* made = NULL;
+    if (cbid == CUPTI_DRIVER_TRACE_CBID_cuGraphInstantiateWithFlags)
+      made = ((const cuGraphInstantiateWithFlags_params*)call->functionParams)->phGraphExec;
+    else if (cbid == CUPTI_DRIVER_TRACE_CBID_cuGraphInstantiateWithParams)
+      made = ((const cuGraphInstantiateWithParams_params*)call->functionParams)->phGraphExec;
+    if (made) execs[current_tag][num_execs[current_tag]++ % 2] = *made;
     if (launch) {
       Tag* t = &tags[current_tag];
       const long took = now_ns() - launch_start;
@@ -134,7 +148,10 @@ static void CUPTIAPI on_call(void* user, CUpti_CallbackDomain domain, CUpti_Call
     instantiated(p->hGraph, p->instantiateParams ? p->instantiateParams->flags : 0);
   }
   inside = 0;
-  if (launch) launch_start = now_ns();
+  if (launch) {
+    launched_on[current_tag] = ((const cuGraphLaunch_params*)call->functionParams)->hStream;
+    launch_start = now_ns();
+  }
 }
 
 // The graph's nodes in an order that respects its edges (Kahn's), into order[0..n).
@@ -315,6 +332,110 @@ void graph_inspect_rebuild(int n) {
   fflush(stdout);
   cuStreamSynchronize(stream);
   cuStreamDestroy(stream);
+  cuCtxPopCurrent(&ctx);
+  cuDevicePrimaryCtxRelease(device);
+  inside = 0;
+}
+
+typedef struct {
+  CUgraphExec exec[2];
+  int num_execs, xla_sequence, cold;
+  CUstream stream;
+  CUcontext ctx;
+  int n, ok;
+  long launch_ns, wall_ns;
+} Launches;
+
+static void noop(void* data) { (void)data; }
+
+// Median host ns per cuGraphLaunch and per launch-and-sync of l->n launches after 3 warm-ups.
+static void* launches(void* arg) {
+  Launches* l = arg;
+  long* launch = malloc(l->n * sizeof *launch);
+  long* wall = malloc(l->n * sizeof *wall);
+  const size_t cold_bytes = 256u << 20;
+  char* cold = l->cold ? malloc(cold_bytes) : NULL;
+  CUstream other;
+  CUevent before, after;
+  cuCtxSetCurrent(l->ctx);
+  cuStreamCreate(&other, CU_STREAM_NON_BLOCKING);
+  cuEventCreate(&before, CU_EVENT_DISABLE_TIMING);
+  cuEventCreate(&after, CU_EVENT_DISABLE_TIMING);
+  l->ok = 1;
+  for (int i = -3; l->ok && i < l->n; ++i) {
+    if (cold) memset(cold, i & 0xff, cold_bytes);
+    if (l->xla_sequence) {  // what XLA does around each launch of its graph
+      cuEventRecord(before, other);
+      cuStreamWaitEvent(l->stream, before, 0);
+    }
+    const long start = now_ns();
+    l->ok = cuGraphLaunch(l->exec[(i + 3) % l->num_execs], l->stream) == CUDA_SUCCESS;
+    const long mid = now_ns();
+    if (l->xla_sequence) {
+      cuEventRecord(after, l->stream);
+      cuLaunchHostFunc(l->stream, noop, NULL);
+    }
+    l->ok = l->ok && cuStreamSynchronize(l->stream) == CUDA_SUCCESS;
+    if (i >= 0) {
+      launch[i] = mid - start;
+      wall[i] = now_ns() - start;
+    }
+  }
+  if (l->ok) {
+    qsort(launch, l->n, sizeof *launch, by_value);
+    qsort(wall, l->n, sizeof *wall, by_value);
+    l->launch_ns = launch[l->n / 2];
+    l->wall_ns = wall[l->n / 2];
+  }
+  cuEventDestroy(before);
+  cuEventDestroy(after);
+  cuStreamDestroy(other);
+  free(cold);
+  free(launch);
+  free(wall);
+  return NULL;
+}
+
+void graph_inspect_contexts(int n) {
+  const int t = current_tag;
+  if (!num_execs[t] || !launched_on[t] || n < 1) return;
+  inside = 1;
+  CUcontext ctx;
+  CUdevice device;
+  CUstream own;
+  cuDeviceGet(&device, 0);
+  cuDevicePrimaryCtxRetain(&ctx, device);
+  cuCtxPushCurrent(ctx);
+  cuStreamCreate(&own, CU_STREAM_NON_BLOCKING);
+  const CUgraphExec last = execs[t][(num_execs[t] - 1) % 2];
+  const struct { const char* name; int both, xla_sequence, cold, thread, own_stream; } ways[] = {
+      {"own_stream", 0, 0, 0, 0, 1},   {"its_stream", 0, 0, 0, 0, 0},
+      {"xla_sequence", 0, 1, 0, 0, 0}, {"both_execs_in_turn", 1, 0, 0, 0, 0},
+      {"cold_host_cache", 0, 0, 1, 0, 0}, {"another_thread", 0, 0, 0, 1, 0},
+      {"all_of_them", 1, 1, 1, 0, 0}};
+  printf("{\"contexts\": \"%s\"", tags[t].name);
+  for (size_t w = 0; w < sizeof ways / sizeof ways[0]; ++w) {
+    if (ways[w].both && num_execs[t] < 2) continue;
+    Launches l = {{last, execs[t][num_execs[t] % 2]}, ways[w].both ? 2 : 1,
+                  ways[w].xla_sequence, ways[w].cold, ways[w].own_stream ? own : launched_on[t],
+                  ctx, n, 0, 0, 0};
+    if (ways[w].thread) {
+      pthread_t thread;
+      pthread_create(&thread, NULL, launches, &l);
+      pthread_join(thread, NULL);
+    } else {
+      launches(&l);
+    }
+    if (l.ok)
+      printf(", \"%s\": {\"launch_us\": %.2f, \"wall_us\": %.2f}", ways[w].name,
+             l.launch_ns / 1e3, l.wall_ns / 1e3);
+    else
+      printf(", \"%s\": {\"error\": true}", ways[w].name);
+  }
+  printf("}\n");
+  fflush(stdout);
+  cuStreamSynchronize(own);
+  cuStreamDestroy(own);
   cuCtxPopCurrent(&ctx);
   cuDevicePrimaryCtxRelease(device);
   inside = 0;

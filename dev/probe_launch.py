@@ -26,9 +26,9 @@ start to last kernel's end); for the XLA variants a hash of the last out, to com
 under other XLA_FLAGS, and with --host-events the host's events of a step by name from a
 profile at XLA's most detailed tracer level (µs and count per step), to see
 which of XLA's per-execution work grows with the custom calls; with --graph-inspect and
---rebuild each variant's graph launched again outside XLA, as recorded and rebuilt without
-its child graphs or parts of its nodes (dev/graph_inspect.c), to tell which nodes cost the
-launch its time.
+--relaunch each variant's graphs launched again outside XLA (dev/graph_inspect.c): XLA's own
+execs in the ways XLA's launches differ from a loop's, and the graph rebuilt without its
+child graphs or parts of its nodes, to tell what costs the launch its time.
 
   python dev/probe_launch.py --points "1,4096,16;16,4096,16" --out launch.json
 """
@@ -207,9 +207,10 @@ def main():
                         help="dev/graph_inspect.c built as LIB: the graphs' nodes and the "
                              "driver's calls per variant, printed at the end (no profiles "
                              "then)")
-    parser.add_argument("--rebuild", action="store_true",
-                        help="with --graph-inspect: also each variant's last graph launched "
-                             "again as recorded and rebuilt (graph_inspect_rebuild)")
+    parser.add_argument("--relaunch", action="store_true",
+                        help="with --graph-inspect: also each variant's graphs launched again "
+                             "from the inspector, in the ways XLA's launches differ from a "
+                             "loop's and rebuilt (graph_inspect_contexts, _rebuild)")
     parser.add_argument("--host-events", action="store_true",
                         help="also the host's events per step of each XLA variant (a profile)")
     parser.add_argument("--out", default=None, help="a JSON file for the results")
@@ -227,7 +228,7 @@ def main():
         if jax.default_backend() == "gpu" and "graph" in names:
             tag(f"graph setup b={b}")
             runs.update(graph_variants(p))
-            if inspector and args.rebuild:  # the graph of child graphs, with node priority
+            if inspector and args.relaunch:  # the graph of child graphs, with node priority
                 sys.stdout.flush()
                 inspector.graph_inspect_rebuild(args.steps)
         keep = runs.pop("_keep", None)
@@ -239,8 +240,9 @@ def main():
                 launch, sync, args.steps)
             record[f"{name}_queued_us"] = round(
                 bench_step.queued_steps_us(launch, sync, args.steps, rounds=5), 1)
-            if inspector and args.rebuild:
+            if inspector and args.relaunch:
                 sys.stdout.flush()
+                inspector.graph_inspect_contexts(args.steps)
                 inspector.graph_inspect_rebuild(args.steps)
         for name, (_, _, out) in made.items():
             record[f"{name}_out_sha"] = hashlib.sha256(np.asarray(out()).tobytes()).hexdigest()[:16]
