@@ -300,7 +300,7 @@ def gpu_span_us(runs):
     return spans
 
 
-def run_point(p, steps, torch_side, xla_options=None, wait=jax.block_until_ready):
+def run_point(p, steps, torch_side, xla_options=None):
     started = time.perf_counter()
     record = dict(b=p.b, s_k=p.s_k, h_q=p.h_q, s_q=p.s_q, dtype=p.dtype, layers=p.layers)
     launches, outs = {}, {}  # name: (launch a step, sync)
@@ -332,7 +332,7 @@ def run_point(p, steps, torch_side, xla_options=None, wait=jax.block_until_ready
             if name == CHECKED:
                 outs[name], error = outs[name]
                 error.throw()  # a host sync, as a loop that checks each step pays it
-        return launch, lambda: wait(outs[name])
+        return launch, lambda: jax.block_until_ready(outs[name])
 
     for name in variants:
         launches[name] = launcher(name)
@@ -425,9 +425,6 @@ def main():
                         help="also the unrolled step traced under jax_flashmla.value_checks() "
                              "(checkified, its error thrown after each step), to compare; "
                              "bf16 only")
-    parser.add_argument("--sync", choices=("block", "spin"), default="block",
-                        help="how each jax_flashmla step is waited for: jax.block_until_ready "
-                             "or jax_flashmla.spin_until_ready (default block)")
     parser.add_argument("--tiny", action="store_true",
                         help="a small configuration on the default device, without torch")
     parser.add_argument("--out", default=None, help="path prefix of the .json/.md/.png results")
@@ -448,14 +445,11 @@ def main():
             break
         p = Point(b, s_k, h_q, s_q, dtype, 3 if args.tiny else args.layers, args.cache_gb,
                   args.rows_from_inputs, args.in_range_metadata, args.value_checks)
-        raw.append(run_point(p, 3 if args.tiny else args.steps, torch_side, xla_options,
-                             jax.block_until_ready if args.sync == "block"
-                             else jf.spin_until_ready))
+        raw.append(run_point(p, 3 if args.tiny else args.steps, torch_side, xla_options))
         print(json.dumps(raw[-1]), flush=True)
         del p
         result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                       host=platform.node(), xla_options=xla_options, scan_unroll=SCAN_UNROLL,
-                      sync=args.sync,
                       rows_from_inputs=args.rows_from_inputs,
                       in_range_metadata=args.in_range_metadata,
                       value_checks=args.value_checks,

@@ -53,9 +53,8 @@ from jax_flashmla import lowering  # noqa: E402
 from probe_step_host import host_profile, unrolled  # noqa: E402
 
 
-def xla_variants(p, names, wait=jax.block_until_ready):
-    """{name: (launch(), sync(), last out())} for the XLA variants among names, each synced
-    by wait(its out)."""
+def xla_variants(p, names):
+    """{name: (launch(), sync(), last out())} for the XLA variants among names."""
     t = p.tables()
     args = (p.rows, p.rope, p.q0, t)
 
@@ -102,7 +101,7 @@ def xla_variants(p, names, wait=jax.block_until_ready):
         def launch(step=step, state=state):
             state["stack"], state["out"] = step(state["stack"], *args)
 
-        made[name] = (launch, lambda state=state: wait(state["out"]),
+        made[name] = (launch, lambda state=state: jax.block_until_ready(state["out"]),
                       lambda state=state: state["out"])
     return made
 
@@ -212,9 +211,6 @@ def main():
                         help="with --graph-inspect: also each variant's graphs launched again "
                              "from the inspector, in the ways XLA's launches differ from a "
                              "loop's and rebuilt (graph_inspect_contexts, _rebuild)")
-    parser.add_argument("--sync", choices=("block", "spin"), default="block",
-                        help="how the XLA variants are synced: jax.block_until_ready or "
-                             "jax_flashmla.spin_until_ready (default block)")
     parser.add_argument("--host-events", action="store_true",
                         help="also the host's events per step of each XLA variant (a profile)")
     parser.add_argument("--out", default=None, help="a JSON file for the results")
@@ -227,8 +223,7 @@ def main():
         b, s_k, h_q = map(int, point.split(","))
         p = bench_step.Point(b, s_k, h_q, 1, "bfloat16", args.layers, 30)
         names = args.variants.split(",")
-        made = xla_variants(p, names, jax.block_until_ready if args.sync == "block"
-                            else jf.spin_until_ready)
+        made = xla_variants(p, names)
         runs = {name: (launch, sync) for name, (launch, sync, _) in made.items()}
         if jax.default_backend() == "gpu" and "graph" in names:
             tag(f"graph setup b={b}")
@@ -237,7 +232,7 @@ def main():
                 sys.stdout.flush()
                 inspector.graph_inspect_rebuild(args.steps)
         keep = runs.pop("_keep", None)
-        record = dict(b=b, s_k=s_k, h_q=h_q, layers=p.layers, sync=args.sync,
+        record = dict(b=b, s_k=s_k, h_q=h_q, layers=p.layers,
                       xla_flags=os.environ.get("XLA_FLAGS"))
         for name, (launch, sync) in runs.items():
             tag(f"{name} b={b}")

@@ -10,12 +10,12 @@ from jax_flashmla.ops import (LOOP_STEP_COMPILER_OPTIONS, MLAMetadata, get_mla_m
 from jax_flashmla.reference import mla_decode_reference
 from jax_flashmla.speculative import (multi_step_draft, multi_step_draft_metadata, target_verify,
                                       target_verify_metadata)
-from jax_flashmla.step import AlternatingStep, spin_until_ready
+from jax_flashmla.step import AlternatingStep
 
 __all__ = [
     "AlternatingStep", "LOOP_STEP_COMPILER_OPTIONS", "MLAMetadata", "PagedKVCache",
     "dcp_mla_decode", "dcp_write_kv", "get_mla_metadata", "lse_format", "merge_attention_states",
     "mla_decode", "mla_decode_reference", "multi_step_draft", "multi_step_draft_metadata",
-    "serving", "spin_until_ready", "target_verify", "target_verify_metadata", "token_slots", "value_checks",
+    "serving", "target_verify", "target_verify_metadata", "token_slots", "value_checks",
     "write_kv"
 ]

@@ -38,20 +38,3 @@ class AlternatingStep:
     def __call__(self, *args, **kwargs):
         self._turn ^= 1
         return self._copies[self._turn](*args, **kwargs)
-
-
-def spin_until_ready(tree):
-    """Waits until every jax.Array in `tree` is computed by polling `is_ready()`, and returns
-    `tree`, like jax.block_until_ready but without putting the thread to sleep.
-
-    For a loop that syncs after each step and launches the next at once: the host launches a
-    step of a few hundred CUDA-graph nodes faster with its caches warm, and a thread that slept
-    while the GPU ran finds them cold (the CUDA driver's launch of the same graph took several
-    times longer after the host's caches were flushed). The price is one CPU core busy while it
-    waits, as torch.cuda.synchronize() spins by default.
-    """
-    for leaf in jax.tree.leaves(tree):
-        if isinstance(leaf, jax.Array):
-            while not leaf.is_ready():
-                pass
-    return tree
