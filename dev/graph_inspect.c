@@ -1,7 +1,7 @@
 // What the process's CUDA graphs are made of and what the driver does for them, seen through
 // a CUPTI callback on every driver API call (loaded by probe_launch.py --graph-inspect; no
 // profiler may run beside it, CUPTI takes one subscriber). Calls are counted under the tag the
-// caller set last (graph_inspect_tag). At each graph instantiation it records the graph's nodes
+// caller set last (graph_inspect_tag; a name set again is the same tag). At each graph instantiation it records the graph's nodes
 // by type, with child graphs flattened, its edges and its nodes of more than one dependency;
 // at each graph launch, the host time the driver took. graph_inspect_report() prints it all as
 // lines of JSON on stdout. With GRAPH_INSPECT_DOT_DIR set, each tag's first two instantiated
@@ -448,6 +448,12 @@ int graph_inspect_start(void) {
 }
 
 void graph_inspect_tag(const char* name) {
+  for (int t = 0; t < num_tags; ++t) {
+    if (!strncmp(tags[t].name, name, sizeof tags[0].name - 1)) {  // a tag set again
+      current_tag = t;
+      return;
+    }
+  }
   if (num_tags == MAX_TAGS) {
     tags_dropped++;  // counted under the last tag
     return;

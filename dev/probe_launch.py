@@ -14,6 +14,8 @@ XLA (bench_step.py's unrolled stacked step, called through AlternatingStep):
                 XLA costs for a custom call in a command buffer, FlashMLA aside
   xla_scan_unrollU  bench_step.py's scanned step, U layers per iteration of its loop
                 (lax.scan's unroll), with jax_flashmla.LOOP_STEP_COMPILER_OPTIONS
+torch_step      bench_step.py's torch step (per layer the indexed write of the rows, the decode,
+                the next q) captured in a CUDA graph and replayed, as bench_step times it
 CUDA graphs of the decode op alone, L calls on one cache (FlashMLA from torch):
   graph_flat      L decodes captured in one torch CUDA graph (torch's way)
   graph_children  each decode captured in a graph of its own, the L graphs added as child
@@ -201,8 +203,9 @@ def main():
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--variants", default="xla_decode,xla_trivial,xla_thunks,xla_guard,graph",
                         help="among xla_decode, xla_trivial, xla_thunks, xla_guard, "
-                             "xla_scan_unrollU, xla_trivial_xN (U, N numbers), graph (the "
-                             "graphs; default all but the scans and xla_trivial_xN)")
+                             "xla_scan_unrollU, xla_trivial_xN (U, N numbers), torch_step, graph "
+                             "(the graphs; default all but the scans, xla_trivial_xN and "
+                             "torch_step)")
     parser.add_argument("--graph-inspect", metavar="LIB", default=None,
                         help="dev/graph_inspect.c built as LIB: the graphs' nodes and the "
                              "driver's calls per variant, printed at the end (no profiles "
@@ -228,9 +231,14 @@ def main():
         if jax.default_backend() == "gpu" and "graph" in names:
             tag(f"graph setup b={b}")
             runs.update(graph_variants(p))
-            if inspector and args.relaunch:  # the graph of child graphs, with node priority
+            if inspector and args.relaunch:  # torch's graphs: the last two instantiated
                 sys.stdout.flush()
+                inspector.graph_inspect_contexts(args.steps)
                 inspector.graph_inspect_rebuild(args.steps)
+        if jax.default_backend() == "gpu" and "torch_step" in names:
+            from torch_side import TorchStep
+            tag(f"torch_step b={b}")  # its graph's capture under the tag it is timed under
+            runs["torch_step"] = TorchStep().steps(p)[0]["torch_graph"]
         keep = runs.pop("_keep", None)
         record = dict(b=b, s_k=s_k, h_q=h_q, layers=p.layers,
                       xla_flags=os.environ.get("XLA_FLAGS"))
