@@ -182,12 +182,15 @@ static size_t topological(CUgraph graph, CUgraphNode** order) {
   return done;
 }
 
-enum { ALL_FLAT, TOP_KERNELS, CHILDREN_FLAT, CHILDREN_AS_CHILDREN, NUM_VARIANTS };
-static const char* variant_names[NUM_VARIANTS] = {"flat", "top_kernels_only",
-                                                  "children_flat", "children_as_child_graphs"};
+enum { ALL_FLAT, TOP_KERNELS, CHILDREN_FLAT, CHILDREN_AS_CHILDREN, FLAT_PLAIN_EDGES,
+       FLAT_NO_ATTRIBUTES, TOP_THEN_CHILDREN, NUM_VARIANTS };
+static const char* variant_names[NUM_VARIANTS] = {
+    "flat", "top_kernels_only", "children_flat", "children_as_child_graphs",
+    "flat_plain_edges", "flat_plain_edges_no_node_attributes", "top_kernels_then_children"};
 
 typedef struct {
   CUgraph graph;
+  int plain_edges, attributes;    // keep no edge's type / copy the kernel nodes' attributes
   CUgraphNode last, last_source;  // the chain's end and the node it was copied from
   long kernels, memsets, children, others;
 } Rebuild;
@@ -203,7 +206,7 @@ static void append(Rebuild* r, CUgraphNode node, CUgraphNode copy) {
     CUgraphNode* deps = malloc((m + 1) * sizeof *deps);
     CUgraphEdgeData* data = calloc(m + 1, sizeof *data);
     cuGraphNodeGetDependencies(node, deps, data, &m);
-    for (size_t i = 0; i < m; ++i)
+    for (size_t i = 0; i < m && !r->plain_edges; ++i)
       if (deps[i] == r->last_source) edge = data[i];
     free(deps);
     free(data);
@@ -220,7 +223,9 @@ static void rebuild_from(Rebuild* r, CUgraph graph, int variant, int depth, CUco
     CUgraphNodeType type;
     CUgraphNode copy = NULL;
     cuGraphNodeGetType(order[i], &type);
-    const int keep = variant == ALL_FLAT || (variant == TOP_KERNELS && depth == 0) ||
+    const int flat = variant == ALL_FLAT || variant == FLAT_PLAIN_EDGES ||
+                     variant == FLAT_NO_ATTRIBUTES;
+    const int keep = flat || (variant == TOP_KERNELS && depth == 0) ||
                      (variant != TOP_KERNELS && depth > 0);
     if (type == CU_GRAPH_NODE_TYPE_GRAPH) {
       CUgraph child;
@@ -236,7 +241,7 @@ static void rebuild_from(Rebuild* r, CUgraph graph, int variant, int depth, CUco
       CUDA_KERNEL_NODE_PARAMS p;
       cuGraphKernelNodeGetParams(order[i], &p);
       if (cuGraphAddKernelNode(&copy, r->graph, NULL, 0, &p) == CUDA_SUCCESS) {
-        cuGraphKernelNodeCopyAttributes(copy, order[i]);
+        if (r->attributes) cuGraphKernelNodeCopyAttributes(copy, order[i]);
         r->kernels++;
       } else {
         copy = NULL;
@@ -324,7 +329,14 @@ void graph_inspect_rebuild(int n) {
     Rebuild r;
     memset(&r, 0, sizeof r);
     cuGraphCreate(&r.graph, 0);
-    rebuild_from(&r, graph, v, 0, ctx);
+    r.plain_edges = v == FLAT_PLAIN_EDGES || v == FLAT_NO_ATTRIBUTES;
+    r.attributes = v != FLAT_NO_ATTRIBUTES;
+    if (v == TOP_THEN_CHILDREN) {  // the same nodes, not interleaved (nor in order)
+      rebuild_from(&r, graph, TOP_KERNELS, 0, ctx);
+      rebuild_from(&r, graph, CHILDREN_FLAT, 0, ctx);
+    } else {
+      rebuild_from(&r, graph, v, 0, ctx);
+    }
     print_timed(variant_names[v], r.graph, kept_flags[current_tag], stream, n, &r);
     cuGraphDestroy(r.graph);
   }
