@@ -265,90 +265,6 @@ static int by_value(const void* a, const void* b) {
   return (x > y) - (x < y);
 }
 
-// Median host ns per cuGraphLaunch and per launch-and-sync over n launches after 3 warm-ups.
-static int time_launches(CUgraphExec exec, CUstream stream, int n, long* launch_ns,
-                         long* wall_ns) {
-  long* launch = malloc(n * sizeof *launch);
-  long* wall = malloc(n * sizeof *wall);
-  int ok = cuGraphUpload(exec, stream) == CUDA_SUCCESS;
-  for (int i = -3; ok && i < n; ++i) {
-    const long start = now_ns();
-    ok = cuGraphLaunch(exec, stream) == CUDA_SUCCESS;
-    const long mid = now_ns();
-    ok = ok && cuStreamSynchronize(stream) == CUDA_SUCCESS;
-    if (i >= 0) {
-      launch[i] = mid - start;
-      wall[i] = now_ns() - start;
-    }
-  }
-  if (ok) {
-    qsort(launch, n, sizeof *launch, by_value);
-    qsort(wall, n, sizeof *wall, by_value);
-    *launch_ns = launch[n / 2];
-    *wall_ns = wall[n / 2];
-  }
-  free(launch);
-  free(wall);
-  return ok;
-}
-
-static void print_timed(const char* name, CUgraph graph, unsigned long long flags,
-                        CUstream stream, int n, const Rebuild* r) {
-  CUgraphExec exec;
-  long launch = 0, wall = 0;
-  size_t nodes = 0;
-  cuGraphGetNodes(graph, NULL, &nodes);
-  CUresult made = cuGraphInstantiate(&exec, graph, flags);
-  const int ok = made == CUDA_SUCCESS && time_launches(exec, stream, n, &launch, &wall);
-  printf("%s\"%s\": {\"top_nodes\": %zu", strcmp(name, "as_recorded") ? ", " : "", name, nodes);
-  if (r)
-    printf(", \"kernels\": %ld, \"memsets\": %ld, \"child_graphs\": %ld, \"others\": %ld",
-           r->kernels, r->memsets, r->children, r->others);
-  if (ok)
-    printf(", \"launch_us\": %.2f, \"wall_us\": %.2f}", launch / 1e3, wall / 1e3);
-  else
-    printf(", \"error\": %d}", (int)made);
-  if (made == CUDA_SUCCESS) cuGraphExecDestroy(exec);
-}
-
-void graph_inspect_rebuild(int n) {
-  CUgraph graph = kept[current_tag];
-  if (!graph || n < 1) return;
-  inside = 1;
-  CUcontext ctx;
-  CUstream stream;
-  CUdevice device;
-  cuDeviceGet(&device, 0);
-  cuDevicePrimaryCtxRetain(&ctx, device);
-  cuCtxPushCurrent(ctx);
-  cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING);
-  printf("{\"rebuilt\": \"%s\", \"flags\": %llu, ", tags[current_tag].name,
-         kept_flags[current_tag]);
-  print_timed("as_recorded", graph, kept_flags[current_tag], stream, n, NULL);
-  for (int v = 0; v < NUM_VARIANTS; ++v) {
-    Rebuild r;
-    memset(&r, 0, sizeof r);
-    cuGraphCreate(&r.graph, 0);
-    r.plain_edges = v == FLAT_PLAIN_EDGES || v == FLAT_NO_ATTRIBUTES;
-    r.attributes = v != FLAT_NO_ATTRIBUTES;
-    if (v == TOP_THEN_CHILDREN) {  // the same nodes, not interleaved (nor in order)
-      rebuild_from(&r, graph, TOP_KERNELS, 0, ctx);
-      rebuild_from(&r, graph, CHILDREN_FLAT, 0, ctx);
-    } else {
-      rebuild_from(&r, graph, v, 0, ctx);
-    }
-    print_timed(variant_names[v], r.graph, kept_flags[current_tag], stream, n, &r);
-    cuGraphDestroy(r.graph);
-  }
-  printf("}\n");
-  fflush(stdout);
-  cuStreamSynchronize(stream);
-  cuStreamDestroy(stream);
-  cuCtxPopCurrent(&ctx);
-  cuDevicePrimaryCtxRelease(device);
-  inside = 0;
-}
-
 typedef struct {
   CUgraphExec exec[2];
   int num_execs, xla_sequence, cold;
@@ -408,17 +324,81 @@ static void* launches(void* arg) {
   return NULL;
 }
 
+static void print_timed(const char* name, CUgraph graph, unsigned long long flags,
+                        CUstream stream, CUcontext ctx, int n, const Rebuild* r) {
+  Launches l = {{NULL}, 1, 0, 0, stream, ctx, n, 0, 0, 0};
+  size_t nodes = 0;
+  cuGraphGetNodes(graph, NULL, &nodes);
+  CUresult made = cuGraphInstantiate(&l.exec[0], graph, flags);
+  if (made == CUDA_SUCCESS) launches(&l);
+  const int ok = made == CUDA_SUCCESS && l.ok;
+  printf("%s\"%s\": {\"top_nodes\": %zu", strcmp(name, "as_recorded") ? ", " : "", name, nodes);
+  if (r)
+    printf(", \"kernels\": %ld, \"memsets\": %ld, \"child_graphs\": %ld, \"others\": %ld",
+           r->kernels, r->memsets, r->children, r->others);
+  if (ok)
+    printf(", \"launch_us\": %.2f, \"wall_us\": %.2f}", l.launch_ns / 1e3, l.wall_ns / 1e3);
+  else
+    printf(", \"error\": %d}", (int)made);
+  if (made == CUDA_SUCCESS) cuGraphExecDestroy(l.exec[0]);
+}
+
+// The relaunches' setting: the device's primary context current, a stream of their own, and
+// their driver calls not counted as the program's.
+static CUstream enter(CUcontext* ctx) {
+  CUdevice device;
+  CUstream stream;
+  inside = 1;
+  cuDeviceGet(&device, 0);
+  cuDevicePrimaryCtxRetain(ctx, device);
+  cuCtxPushCurrent(*ctx);
+  cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING);
+  return stream;
+}
+
+static void leave(CUstream stream, CUcontext ctx) {
+  CUdevice device;
+  fflush(stdout);
+  cuStreamSynchronize(stream);
+  cuStreamDestroy(stream);
+  cuCtxPopCurrent(&ctx);
+  cuDeviceGet(&device, 0);
+  cuDevicePrimaryCtxRelease(device);
+  inside = 0;
+}
+
+void graph_inspect_rebuild(int n) {
+  CUgraph graph = kept[current_tag];
+  if (!graph || n < 1) return;
+  CUcontext ctx;
+  const CUstream stream = enter(&ctx);
+  printf("{\"rebuilt\": \"%s\", \"flags\": %llu, ", tags[current_tag].name,
+         kept_flags[current_tag]);
+  print_timed("as_recorded", graph, kept_flags[current_tag], stream, ctx, n, NULL);
+  for (int v = 0; v < NUM_VARIANTS; ++v) {
+    Rebuild r;
+    memset(&r, 0, sizeof r);
+    cuGraphCreate(&r.graph, 0);
+    r.plain_edges = v == FLAT_PLAIN_EDGES || v == FLAT_NO_ATTRIBUTES;
+    r.attributes = v != FLAT_NO_ATTRIBUTES;
+    if (v == TOP_THEN_CHILDREN) {  // the same nodes, not interleaved (nor in order)
+      rebuild_from(&r, graph, TOP_KERNELS, 0, ctx);
+      rebuild_from(&r, graph, CHILDREN_FLAT, 0, ctx);
+    } else {
+      rebuild_from(&r, graph, v, 0, ctx);
+    }
+    print_timed(variant_names[v], r.graph, kept_flags[current_tag], stream, ctx, n, &r);
+    cuGraphDestroy(r.graph);
+  }
+  printf("}\n");
+  leave(stream, ctx);
+}
+
 void graph_inspect_contexts(int n) {
   const int t = current_tag;
   if (!num_execs[t] || !launched_on[t] || n < 1) return;
-  inside = 1;
   CUcontext ctx;
-  CUdevice device;
-  CUstream own;
-  cuDeviceGet(&device, 0);
-  cuDevicePrimaryCtxRetain(&ctx, device);
-  cuCtxPushCurrent(ctx);
-  cuStreamCreate(&own, CU_STREAM_NON_BLOCKING);
+  const CUstream own = enter(&ctx);
   const CUgraphExec last = execs[t][(num_execs[t] - 1) % 2];
   const struct { const char* name; int both, xla_sequence, cold, thread, own_stream; } ways[] = {
       {"own_stream", 0, 0, 0, 0, 1},   {"its_stream", 0, 0, 0, 0, 0},
@@ -445,12 +425,7 @@ void graph_inspect_contexts(int n) {
       printf(", \"%s\": {\"error\": true}", ways[w].name);
   }
   printf("}\n");
-  fflush(stdout);
-  cuStreamSynchronize(own);
-  cuStreamDestroy(own);
-  cuCtxPopCurrent(&ctx);
-  cuDevicePrimaryCtxRelease(device);
-  inside = 0;
+  leave(own, ctx);
 }
 
 int graph_inspect_start(void) {
