@@ -11,7 +11,11 @@ XLA (bench_step.py's unrolled stacked step, called through AlternatingStep):
                 that size from what the custom calls add
   xla_thunks    xla_decode with command buffers off (each thunk launched on its own)
   xla_guard     xla_trivial with the FP8 guard's custom call (one small kernel) per layer: what
-                XLA costs for a custom call in a command buffer, FlashMLA aside
+                XLA costs for a custom call in a command buffer, FlashMLA aside (2 operands,
+                2 results, no attributes)
+  xla_metadata  the same with FlashMLA's metadata custom call per layer (1 operand, 2 results,
+                5 attributes; the decode's: 6, 4 and 3), to tell whether a custom call's cost
+                per execution grows with its buffers or its attributes
   xla_scan_unrollU  bench_step.py's scanned step, U layers per iteration of its loop
                 (lax.scan's unroll), with jax_flashmla.LOOP_STEP_COMPILER_OPTIONS
 torch_step      bench_step.py's torch step (per layer the indexed write of the rows, the decode,
@@ -81,8 +85,21 @@ def xla_variants(p, names):
             q, latent = bench_step._next(q[..., :bench_step.D_V] * 0.5, rope[layer])
         return stack, q[..., :bench_step.D_V]
 
+    def metadata_step(stack, rows, rope, q, t):
+        latent = rows[0, ..., :bench_step.D_V]
+        for layer in range(p.layers):
+            new = jnp.concatenate([latent, rows[layer][..., bench_step.D_V:]], axis=-1)
+            stack = jf.write_kv(stack, t["slots"] + layer * p.pages * bench_step.PAGE, kv=new)
+            # Lengths of its own per layer, so that XLA does not merge the metadata calls.
+            md = jf.get_mla_metadata(t["seq_lens"] + layer, num_heads_q=p.h_q,
+                                     implementation="custom_call")
+            q = q + md.num_splits[0].astype(q.dtype)
+            q, latent = bench_step._next(q[..., :bench_step.D_V] * 0.5, rope[layer])
+        return stack, q[..., :bench_step.D_V]
+
     jit = lambda f, options=None: jax.jit(f, donate_argnums=0, compiler_options=options)
     variants = {"xla_decode": lambda: jit(decode_step), "xla_trivial": lambda: jit(trivial_step),
+                "xla_metadata": lambda: jit(metadata_step),
                 "xla_thunks": lambda: jit(decode_step, {"xla_gpu_graph_min_graph_size": 1 << 20}),
                 "xla_guard": lambda: jit(guard_step)}
     for name in names:
@@ -203,9 +220,9 @@ def main():
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--variants", default="xla_decode,xla_trivial,xla_thunks,xla_guard,graph",
                         help="among xla_decode, xla_trivial, xla_thunks, xla_guard, "
-                             "xla_scan_unrollU, xla_trivial_xN (U, N numbers), torch_step, graph "
-                             "(the graphs; default all but the scans, xla_trivial_xN and "
-                             "torch_step)")
+                             "xla_metadata, xla_scan_unrollU, xla_trivial_xN (U, N numbers), "
+                             "torch_step, graph (the graphs; default all but xla_metadata, the "
+                             "scans, xla_trivial_xN and torch_step)")
     parser.add_argument("--graph-inspect", metavar="LIB", default=None,
                         help="dev/graph_inspect.c built as LIB: the graphs' nodes and the "
                              "driver's calls per variant, printed at the end (no profiles "
