@@ -39,7 +39,6 @@ child graphs or parts of its nodes, to tell what costs the launch its time.
   python dev/probe_launch.py --points "1,4096,16;16,4096,16" --out launch.json
 """
 import argparse
-import functools
 import hashlib
 import json
 import os
@@ -66,49 +65,44 @@ def xla_variants(p, names):
 
     decode_step = unrolled(p)
 
-    def trivial_step(stack, rows, rope, q, t, repeats=1):
-        latent = rows[0, ..., :bench_step.D_V]
-        for layer in (l % p.layers for l in range(repeats * p.layers)):
-            new = jnp.concatenate([latent, rows[layer][..., bench_step.D_V:]], axis=-1)
-            stack = jf.write_kv(stack, t["slots"] + layer * p.pages * bench_step.PAGE, kv=new)
-            q, latent = bench_step._next(q[..., :bench_step.D_V] * 0.5, rope[layer])
-        return stack, q[..., :bench_step.D_V]
+    def fusion_step(custom_call=lambda layer, q, t: q, repeats=1):
+        """Per layer write_kv and a fusion in place of the decode making the next q;
+        custom_call(layer, q, t) adds a custom call's result to q before that fusion."""
+        def step(stack, rows, rope, q, t):
+            latent = rows[0, ..., :bench_step.D_V]
+            for layer in (l % p.layers for l in range(repeats * p.layers)):
+                new = jnp.concatenate([latent, rows[layer][..., bench_step.D_V:]], axis=-1)
+                stack = jf.write_kv(stack, t["slots"] + layer * p.pages * bench_step.PAGE,
+                                    kv=new)
+                q = custom_call(layer, q, t)
+                q, latent = bench_step._next(q[..., :bench_step.D_V] * 0.5, rope[layer])
+            return stack, q[..., :bench_step.D_V]
+        return step
 
-    def guard_step(stack, rows, rope, q, t):
-        latent = rows[0, ..., :bench_step.D_V]
-        for layer in range(p.layers):
-            new = jnp.concatenate([latent, rows[layer][..., bench_step.D_V:]], axis=-1)
-            stack = jf.write_kv(stack, t["slots"] + layer * p.pages * bench_step.PAGE, kv=new)
-            # A block table of its own per layer, so that XLA does not merge the guards.
-            _, lens = lowering.bind_fp8_guard(t["block_table"] + layer, t["seq_lens"])
-            q = q + (lens[0] - p.s_k).astype(q.dtype)
-            q, latent = bench_step._next(q[..., :bench_step.D_V] * 0.5, rope[layer])
-        return stack, q[..., :bench_step.D_V]
+    # Inputs of their own per layer (the block table, the lengths), so that XLA does not merge
+    # the layers' custom calls.
+    def guard(layer, q, t):
+        _, lens = lowering.bind_fp8_guard(t["block_table"] + layer, t["seq_lens"])
+        return q + (lens[0] - p.s_k).astype(q.dtype)
 
-    def metadata_step(stack, rows, rope, q, t):
-        latent = rows[0, ..., :bench_step.D_V]
-        for layer in range(p.layers):
-            new = jnp.concatenate([latent, rows[layer][..., bench_step.D_V:]], axis=-1)
-            stack = jf.write_kv(stack, t["slots"] + layer * p.pages * bench_step.PAGE, kv=new)
-            # Lengths of its own per layer, so that XLA does not merge the metadata calls.
-            md = jf.get_mla_metadata(t["seq_lens"] + layer, num_heads_q=p.h_q,
-                                     implementation="custom_call")
-            q = q + md.num_splits[0].astype(q.dtype)
-            q, latent = bench_step._next(q[..., :bench_step.D_V] * 0.5, rope[layer])
-        return stack, q[..., :bench_step.D_V]
+    def metadata(layer, q, t):
+        md = jf.get_mla_metadata(t["seq_lens"] + layer, num_heads_q=p.h_q,
+                                 implementation="custom_call")
+        return q + md.num_splits[0].astype(q.dtype)
 
     jit = lambda f, options=None: jax.jit(f, donate_argnums=0, compiler_options=options)
-    variants = {"xla_decode": lambda: jit(decode_step), "xla_trivial": lambda: jit(trivial_step),
-                "xla_metadata": lambda: jit(metadata_step),
+    variants = {"xla_decode": lambda: jit(decode_step),
+                "xla_trivial": lambda: jit(fusion_step()),
+                "xla_metadata": lambda: jit(fusion_step(metadata)),
                 "xla_thunks": lambda: jit(decode_step, {"xla_gpu_graph_min_graph_size": 1 << 20}),
-                "xla_guard": lambda: jit(guard_step)}
+                "xla_guard": lambda: jit(fusion_step(guard))}
     for name in names:
         if name.startswith("xla_scan_unroll"):  # jitted by bench_step, donating its stack
             unroll = int(name[len("xla_scan_unroll"):])
             variants[name] = lambda u=unroll: bench_step.jax_steps(p, scan_unroll=u)["scan"][0]
         elif name.startswith("xla_trivial_x"):
             repeats = int(name[len("xla_trivial_x"):])
-            variants[name] = lambda n=repeats: jit(functools.partial(trivial_step, repeats=n))
+            variants[name] = lambda n=repeats: jit(fusion_step(repeats=n))
     made = {}
     for name, jitted in variants.items():
         if name not in names:
