@@ -51,7 +51,7 @@ import numpy as np  # noqa: E402
 from jax.experimental import checkify  # noqa: E402
 
 import jax_flashmla as jf  # noqa: E402
-from jax_flashmla import fp8  # noqa: E402
+from jax_flashmla import fp8, serving  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from device_time import profile_options, traced  # noqa: E402
@@ -76,6 +76,11 @@ PROFILED_STEPS = 2
 # Layers per iteration of the scanned step's loop (lax.scan's unroll): the loop's own kernels
 # (its counter, the slices of the stacked inputs) then run once per SCAN_UNROLL layers.
 SCAN_UNROLL = 4
+# What each jitted step pushes to the host (jax_flashmla.serving.HostQueue): the first
+# RESULT_COLUMNS of head 0's last out per request, as a model's step pushes its sampled tokens;
+# the queue holds the steps of queued_steps_us's rounds.
+RESULT_COLUMNS = 8
+QUEUE_DEPTH = 64
 # Also timed with all steps launched before one sync: the GPU's own time per step (the
 # report's queued columns, less their jax_ prefix).
 QUEUED = tuple(key.removeprefix("jax_") for key, _ in step_report.QUEUED)
@@ -175,10 +180,24 @@ def _metadata(p, t, in_range=False):
                                fp8=p.dtype == FP8, implementation="custom_call", **table)
 
 
-def jax_steps(p, xla_options=None, scan_unroll=SCAN_UNROLL):
+def jax_steps(p, xla_options=None, scan_unroll=SCAN_UNROLL, queues=None):
     """{layout: (jitted step, its arguments maker)}; each step returns (caches, last out).
     xla_options: more compiler options for every jitted step; scan_unroll: lax.scan's unroll
-    (layers per iteration of the scanned step's loop)."""
+    (layers per iteration of the scanned step's loop); queues: {layout: HostQueue} into which
+    that layout's step pushes RESULT_COLUMNS of its last out (jax_flashmla.serving.HostQueue:
+    a serving loop's sampled tokens), made here where not given."""
+    queues = {} if queues is None else queues
+
+    def pushing(layout, step):
+        queue = queues.setdefault(layout, serving.HostQueue(
+            (p.b, RESULT_COLUMNS), jnp.bfloat16, depth=QUEUE_DEPTH))
+
+        def step_that_pushes(*args):
+            caches, out = step(*args)
+            queue.push((out[0] if layout == CHECKED else out)[:, 0, 0, :RESULT_COLUMNS])
+            return caches, out
+        return step_that_pushes
+
     def scan_step(stack, rows, rope, q, t):
         md = _metadata(p, t)
 
@@ -221,19 +240,21 @@ def jax_steps(p, xla_options=None, scan_unroll=SCAN_UNROLL):
     extra = dict(xla_options or {})
     jit = lambda f, options=None: jax.jit(f, donate_argnums=0,
                                           compiler_options={**(options or {}), **extra} or None)
-    steps = {"scan": (jit(scan_step, jf.LOOP_STEP_COMPILER_OPTIONS), p.stacked_cache),
-             "unrolled": (jit(unrolled_step), p.stacked_cache),
-             "per_layer": (jit(per_layer_step), p.layer_caches),
-             "per_layer_trivial": (jit(trivial_step), p.layer_caches)}
+    steps = {"scan": (scan_step, jf.LOOP_STEP_COMPILER_OPTIONS, p.stacked_cache),
+             "unrolled": (unrolled_step, None, p.stacked_cache),
+             "per_layer": (per_layer_step, None, p.layer_caches),
+             "per_layer_trivial": (trivial_step, None, p.layer_caches)}
     if p.in_range_metadata:
-        steps[IN_RANGE] = (jit(functools.partial(unrolled_step, in_range=True)), p.stacked_cache)
+        steps[IN_RANGE] = (functools.partial(unrolled_step, in_range=True), None,
+                           p.stacked_cache)
     if p.value_checks:
         def checked_step(stack, rows, rope, q, t):
             with jf.value_checks():
                 error, (stack, out) = checkify.checkify(unrolled_step)(stack, rows, rope, q, t)
             return stack, (out, error)
-        steps[CHECKED] = (jit(checked_step), p.stacked_cache)
-    return steps
+        steps[CHECKED] = (checked_step, None, p.stacked_cache)
+    return {layout: (jit(pushing(layout, step), options), make)
+            for layout, (step, options, make) in steps.items()}
 
 
 def time_steps(run, steps, warmup=3):
@@ -300,14 +321,18 @@ def gpu_span_us(runs):
     return spans
 
 
-def run_point(p, steps, torch_side, xla_options=None):
+def run_point(p, steps, torch_side, xla_options=None, sync="host_queue"):
+    """sync: how the host waits for a jitted step: "host_queue" pops what the step pushed,
+    "block" is jax.block_until_ready on its out."""
     started = time.perf_counter()
     record = dict(b=p.b, s_k=p.s_k, h_q=p.h_q, s_q=p.s_q, dtype=p.dtype, layers=p.layers)
     launches, outs = {}, {}  # name: (launch a step, sync)
     if torch_side is not None:
         torch_launches, torch_out = torch_side.steps(p)
         launches.update(torch_launches)
-    variants = jax_steps(p, xla_options)
+    queues = {}
+    variants = jax_steps(p, xla_options, queues=queues)
+    unpopped = {layout: 0 for layout in queues}
     args = (p.rows, p.rope, p.q0, p.tables())
     # Variants of one cache layout share its arrays (each donates and returns them): every
     # step writes the same rows to the same slots, so they hold the same values for each.
@@ -325,14 +350,22 @@ def run_point(p, steps, torch_side, xla_options=None):
             variants[name] = variants[single]
 
     def launcher(name):
-        make = variants[name][1]
+        make, layout = variants[name][1], ALTERNATING.get(name, name)
 
         def launch():
             made[make], outs[name] = compiled[name](made[make], *args)
+            unpopped[layout] += 1
             if name == CHECKED:
                 outs[name], error = outs[name]
                 error.throw()  # a host sync, as a loop that checks each step pays it
-        return launch, lambda: jax.block_until_ready(outs[name])
+
+        def wait():  # for every step launched: each pushed once
+            for _ in range(unpopped[layout]):
+                queues[layout].pop()
+            unpopped[layout] = 0
+            if sync == "block":
+                jax.block_until_ready(outs[name])
+        return launch, wait
 
     for name in variants:
         launches[name] = launcher(name)
@@ -425,6 +458,10 @@ def main():
                         help="also the unrolled step traced under jax_flashmla.value_checks() "
                              "(checkified, its error thrown after each step), to compare; "
                              "bf16 only")
+    parser.add_argument("--sync", choices=("host_queue", "block"), default="host_queue",
+                        help="how the host waits for a jitted step: pop what it pushed to a "
+                             "jax_flashmla.serving.HostQueue (default, as a serving loop reads "
+                             "its tokens), or also jax.block_until_ready on its out")
     parser.add_argument("--tiny", action="store_true",
                         help="a small configuration on the default device, without torch")
     parser.add_argument("--out", default=None, help="path prefix of the .json/.md/.png results")
@@ -445,11 +482,13 @@ def main():
             break
         p = Point(b, s_k, h_q, s_q, dtype, 3 if args.tiny else args.layers, args.cache_gb,
                   args.rows_from_inputs, args.in_range_metadata, args.value_checks)
-        raw.append(run_point(p, 3 if args.tiny else args.steps, torch_side, xla_options))
+        raw.append(run_point(p, 3 if args.tiny else args.steps, torch_side, xla_options,
+                             args.sync))
         print(json.dumps(raw[-1]), flush=True)
         del p
         result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                       host=platform.node(), xla_options=xla_options, scan_unroll=SCAN_UNROLL,
+                      sync=args.sync,
                       rows_from_inputs=args.rows_from_inputs,
                       in_range_metadata=args.in_range_metadata,
                       value_checks=args.value_checks,

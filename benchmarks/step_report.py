@@ -41,9 +41,16 @@ def markdown(result):
             if result.get("rows_from_inputs") else "each layer's new rows made from the layer "
             "before")
     options = result.get("xla_options") or "none"
+    sync = {"host_queue": "popping the slice of its last out that it pushed to a "
+                          "jax_flashmla.serving.HostQueue (as a serving loop reads its sampled "
+                          "tokens)",
+            "block": "popping its HostQueue push and jax.block_until_ready on its out",
+            None: "jax.block_until_ready on its out"}[result.get("sync")]
     lines = [f"# A model's decode step, µs per layer ({result['device']}, jax {result['jax']})",
              "", f"Step: {rows}; XLA options beyond each layout's: {options}; the scan "
-             f"{result.get('scan_unroll', 1)} layers an iteration (lax.scan's unroll).", "",
+             f"{result.get('scan_unroll', 1)} layers an iteration (lax.scan's unroll). The host "
+             f"waits for each jitted step by {sync}; for the torch step by "
+             "torch.cuda.synchronize.", "",
              "Wall clock of the median step / layers (GPU span per layer in brackets). `alt.`: "
              "the same compiled step called through jax_flashmla.AlternatingStep. Ratio: "
              "jax_flashmla's stacked layouts through AlternatingStep against the torch CUDA "

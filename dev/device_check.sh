@@ -18,6 +18,9 @@
 #     host     dev/probe_step_host.py; HOST_ARGS, HOST_NAME (host)
 #     graph-inspect  dev/probe_launch.py with dev/graph_inspect.c: the CUDA graphs' nodes and
 #              the driver's calls per variant; INSPECT_ARGS (probe_launch.py's arguments)
+#     driver-trace  dev/probe_launch.py with dev/driver_trace.c LD_PRELOADed: each variant's
+#              driver calls per step on a timeline (no CUPTI); LAUNCH_ARGS, LAUNCH_NAME
+#              (driver_trace)
 #     modules  dev/probe_graph_modules.py with dev/graph_inspect.c: a graph's launch against
 #              how many modules its kernels come from; MODULES_ARGS
 #     nan      dev/probe_nan.py for FlashMLA and for the reference on the GPU
@@ -98,6 +101,12 @@ for mode in "${modes[@]}"; do
     timeout 300 python3 dev/probe_launch.py --graph-inspect /tmp/graph_inspect.so \
       ${INSPECT_ARGS:-} > "$out/graph_inspect.txt" 2>&1
     grep -v "^[IW][0-9]" "$out/graph_inspect.txt" | cut -c1-1500 | tail -40 ;;
+  driver-trace)
+    gcc -shared -fPIC -O2 dev/driver_trace.c -o /tmp/driver_trace.so -ldl 2>&1 | tail -20
+    LD_PRELOAD=/tmp/driver_trace.so timeout 420 python3 dev/probe_launch.py \
+      --driver-trace /tmp/driver_trace.so --out "$out/${LAUNCH_NAME:-driver_trace}.json" \
+      ${LAUNCH_ARGS:-} > "$out/${LAUNCH_NAME:-driver_trace}.txt" 2>&1
+    grep -v "^[IW][0-9]" "$out/${LAUNCH_NAME:-driver_trace}.txt" | cut -c1-6000 | tail -8 ;;
   modules)
     build_graph_inspect
     timeout 300 python3 dev/probe_graph_modules.py --graph-inspect /tmp/graph_inspect.so \

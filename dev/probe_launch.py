@@ -34,7 +34,8 @@ profile at XLA's most detailed tracer level (µs and count per step), to see
 which of XLA's per-execution work grows with the custom calls; with --graph-inspect and
 --relaunch each variant's graphs launched again outside XLA (dev/graph_inspect.c): XLA's own
 execs in the ways XLA's launches differ from a loop's, and the graph rebuilt without its
-child graphs or parts of its nodes, to tell what costs the launch its time.
+child graphs or parts of its nodes, to tell what costs the launch its time; with --driver-trace each variant's driver calls per
+step on a timeline, without CUPTI (dev/driver_trace.c, dev/driver_timeline.py).
 
   python dev/probe_launch.py --points "1,4096,16;16,4096,16" --out launch.json
 """
@@ -58,10 +59,25 @@ from jax_flashmla import lowering  # noqa: E402
 from probe_step_host import host_profile, unrolled  # noqa: E402
 
 
-def xla_variants(p, names):
-    """{name: (launch(), sync(), last out())} for the XLA variants among names."""
+def xla_variants(p, names, sync="block"):
+    """{name: (launch(), sync(), last out())} for the XLA variants among names. sync "block":
+    jax.block_until_ready on the step's out; "host_queue": each step pushes a slice of its out
+    to a jax_flashmla.serving.HostQueue (as bench_step.py's steps do) and sync pops it."""
     t = p.tables()
     args = (p.rows, p.rope, p.q0, t)
+    queues = {}
+
+    def pushing(name, step):
+        if sync != "host_queue":
+            return step
+        queues[name] = queue = jf.serving.HostQueue(
+            (p.b, bench_step.RESULT_COLUMNS), jnp.bfloat16, depth=bench_step.QUEUE_DEPTH)
+
+        def step_that_pushes(*a):
+            stack, out = step(*a)
+            queue.push(out[:, 0, 0, :bench_step.RESULT_COLUMNS])
+            return stack, out
+        return step_that_pushes
 
     decode_step = unrolled(p)
 
@@ -90,19 +106,22 @@ def xla_variants(p, names):
                                  implementation="custom_call")
         return q + md.num_splits[0].astype(q.dtype)
 
-    jit = lambda f, options=None: jax.jit(f, donate_argnums=0, compiler_options=options)
-    variants = {"xla_decode": lambda: jit(decode_step),
-                "xla_trivial": lambda: jit(fusion_step()),
-                "xla_metadata": lambda: jit(fusion_step(metadata)),
-                "xla_thunks": lambda: jit(decode_step, {"xla_gpu_graph_min_graph_size": 1 << 20}),
-                "xla_guard": lambda: jit(fusion_step(guard))}
+    def jit(name, f, options=None):
+        return lambda: jax.jit(pushing(name, f), donate_argnums=0, compiler_options=options)
+    variants = {"xla_decode": jit("xla_decode", decode_step),
+                "xla_trivial": jit("xla_trivial", fusion_step()),
+                "xla_metadata": jit("xla_metadata", fusion_step(metadata)),
+                "xla_thunks": jit("xla_thunks", decode_step,
+                                  {"xla_gpu_graph_min_graph_size": 1 << 20}),
+                "xla_guard": jit("xla_guard", fusion_step(guard))}
     for name in names:
-        if name.startswith("xla_scan_unroll"):  # jitted by bench_step, donating its stack
+        if name.startswith("xla_scan_unroll"):  # jitted by bench_step (pushing), donating
             unroll = int(name[len("xla_scan_unroll"):])
-            variants[name] = lambda u=unroll: bench_step.jax_steps(p, scan_unroll=u)["scan"][0]
+            variants[name] = lambda u=unroll, name=name: bench_step.jax_steps(
+                p, scan_unroll=u, queues=queues.setdefault(name, {}))["scan"][0]
         elif name.startswith("xla_trivial_x"):
             repeats = int(name[len("xla_trivial_x"):])
-            variants[name] = lambda n=repeats: jit(fusion_step(repeats=n))
+            variants[name] = jit(name, fusion_step(repeats=repeats))
     made = {}
     for name, jitted in variants.items():
         if name not in names:
@@ -110,12 +129,23 @@ def xla_variants(p, names):
         state = {"stack": p.stacked_cache()}
         compiled = jitted().lower(state["stack"], *args).compile()
         step = jf.AlternatingStep(compiled)
+        queue = queues.get(name)
+        state["queue"] = queue["scan"] if isinstance(queue, dict) else queue
+        state["unpopped"] = 0
 
         def launch(step=step, state=state):
             state["stack"], state["out"] = step(state["stack"], *args)
+            state["unpopped"] += 1
 
-        made[name] = (launch, lambda state=state: jax.block_until_ready(state["out"]),
-                      lambda state=state: state["out"])
+        def wait(state=state):  # for every step launched
+            if state["queue"] is None:
+                jax.block_until_ready(state["out"])
+                return
+            for _ in range(state["unpopped"]):
+                state["queue"].pop()
+            state["unpopped"] = 0
+
+        made[name] = (launch, wait, lambda state=state: state["out"])
     return made
 
 
@@ -228,8 +258,17 @@ def main():
                              "hashes then")
     parser.add_argument("--host-events", action="store_true",
                         help="also the host's events per step of each XLA variant (a profile)")
+    parser.add_argument("--driver-trace", metavar="LIB", default=None,
+                        help="dev/driver_trace.c built as LIB and LD_PRELOADed: also each "
+                             "variant's driver calls per step on a timeline (driver_timeline.py)")
+    parser.add_argument("--sync", choices=("block", "host_queue"), default="block",
+                        help="how the XLA variants are waited for: jax.block_until_ready "
+                             "(default), or popping what each step pushed to a HostQueue")
     parser.add_argument("--out", default=None, help="a JSON file for the results")
     args = parser.parse_args()
+    if args.driver_trace:
+        from driver_timeline import DriverTrace
+        driver_trace = DriverTrace(args.driver_trace)
     inspector = graph_inspector(args.graph_inspect) if args.graph_inspect else None
     tag = (lambda name: inspector.graph_inspect_tag(name.encode())) if inspector else (
         lambda name: None)
@@ -238,7 +277,7 @@ def main():
         b, s_k, h_q = map(int, point.split(","))
         p = bench_step.Point(b, s_k, h_q, 1, "bfloat16", args.layers, 30)
         names = args.variants.split(",")
-        made = xla_variants(p, names)
+        made = xla_variants(p, names, args.sync)
         runs = {name: (launch, sync) for name, (launch, sync, _) in made.items()}
         if jax.default_backend() == "gpu" and "graph" in names:
             tag(f"graph setup b={b}")
@@ -252,7 +291,7 @@ def main():
             tag(f"torch_step b={b}")  # its graph's capture under the tag it is timed under
             runs["torch_step"] = TorchStep().steps(p)[0]["torch_graph"]
         keep = runs.pop("_keep", None)
-        record = dict(b=b, s_k=s_k, h_q=h_q, layers=p.layers,
+        record = dict(b=b, s_k=s_k, h_q=h_q, layers=p.layers, sync=args.sync,
                       xla_flags=os.environ.get("XLA_FLAGS"))
         for name, (launch, sync) in runs.items():
             tag(f"{name} b={b}")
@@ -260,6 +299,8 @@ def main():
                 launch, sync, args.steps)
             record[f"{name}_queued_us"] = round(
                 bench_step.queued_steps_us(launch, sync, args.steps, rounds=5), 1)
+            if args.driver_trace:
+                record[f"{name}_driver"] = driver_trace.timeline(launch, sync, args.steps)
             if inspector and args.relaunch:
                 sys.stdout.flush()
                 inspector.graph_inspect_contexts(args.steps)

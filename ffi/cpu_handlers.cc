@@ -3,6 +3,9 @@
 #include <cstdint>
 #include <string>
 
+#include <cstring>
+
+#include "host_queue.h"
 #include "operands.h"
 #include "reference_mla.h"
 #include "xla/ffi/api/ffi.h"
@@ -161,7 +164,30 @@ ffi::Error MlaDecodeFp8CpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
                    lse_accum);
 }
 
+ffi::Error HostQueuePushCpuImpl(ffi::AnyBuffer payload, uint64_t queue_id) {
+  const HostQueue* queue = FindHostQueue(queue_id);
+  if (queue == nullptr || queue->device != -1)
+    return ffi::Error::InvalidArgument("jax_flashmla_host_queue_push: no CPU HostQueue " +
+                                       std::to_string(queue_id) + " in this process");
+  const int64_t bytes = static_cast<int64_t>(payload.size_bytes());
+  if (bytes > queue->slot_bytes - kHostQueueHeaderBytes)
+    return ffi::Error::InvalidArgument("jax_flashmla_host_queue_push: the array has " +
+                                       std::to_string(bytes) + " bytes, the queue's slots " +
+                                       std::to_string(queue->slot_bytes - kHostQueueHeaderBytes));
+  const uint64_t sequence = __atomic_add_fetch(queue->pushes, 1, __ATOMIC_ACQ_REL);
+  uint8_t* slot = queue->slots + ((sequence - 1) % queue->depth) * queue->slot_bytes;
+  auto* slot_sequence = reinterpret_cast<uint64_t*>(slot);
+  __atomic_store_n(slot_sequence, sequence | kHostQueueWriting, __ATOMIC_RELEASE);
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+  std::memcpy(slot + kHostQueueHeaderBytes, payload.untyped_data(), bytes);
+  __atomic_store_n(slot_sequence, sequence, __ATOMIC_RELEASE);
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kHostQueuePushCpu, HostQueuePushCpuImpl,
+                              BindHostQueuePushOperands(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaMetadataCpu, MlaMetadataCpuImpl,
                               BindMetadataResults(BindMetadataOperands(ffi::Ffi::Bind())));

@@ -1,4 +1,5 @@
-// XLA FFI handlers of the CPU custom-call targets (the C++ reference of FlashMLA).
+// XLA FFI handlers of the CPU custom-call targets (the C++ reference of FlashMLA, and the
+// host queue's push).
 #ifndef JAX_FLASHMLA_FFI_CPU_HANDLERS_H_
 #define JAX_FLASHMLA_FFI_CPU_HANDLERS_H_
 
@@ -10,6 +11,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaDecodeCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaDecodeFp8Cpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kFp8GuardCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaMetadataCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kHostQueuePushCpu);
 
 }  // namespace jax_flashmla
 

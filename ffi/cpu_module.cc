@@ -1,8 +1,13 @@
 // The CPU extension module: the custom-call targets every JAX install can use.
 #include <nanobind/nanobind.h>
 
-#include "nb_capsule.h"
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
 #include "cpu_handlers.h"
+#include "host_queue.h"
+#include "nb_capsule.h"
 
 namespace nb = nanobind;
 
@@ -16,7 +21,22 @@ NB_MODULE(_cpu, m) {
     targets["jax_flashmla_mla_decode_fp8"] = EncapsulateFfiHandler(kMlaDecodeFp8Cpu);
     targets["jax_flashmla_mla_metadata"] = EncapsulateFfiHandler(kMlaMetadataCpu);
     targets["jax_flashmla_fp8_guard"] = EncapsulateFfiHandler(kFp8GuardCpu);
+    targets["jax_flashmla_host_queue_push"] = EncapsulateFfiHandler(kHostQueuePushCpu);
     return targets;
+  });
+  // A CPU host queue (host_queue.h) registered as `id`; returns the address of its slots.
+  m.def("host_queue_create", [](uint64_t id, int64_t slot_bytes, int64_t depth) {
+    const size_t bytes = static_cast<size_t>(slot_bytes * depth);
+    void* slots = std::aligned_alloc(kHostQueueHeaderBytes, bytes);
+    if (slots == nullptr) throw std::bad_alloc();
+    std::memset(slots, 0, bytes);
+    AddHostQueue(id, HostQueue{static_cast<uint8_t*>(slots), new unsigned long long(0),
+                               slot_bytes, depth, -1});
+    return reinterpret_cast<uintptr_t>(slots);
+  });
+  m.def("host_queue_wait", [](uintptr_t sequence, uint64_t expected, double timeout_s) {
+    nb::gil_scoped_release release;
+    return HostQueueWait(reinterpret_cast<const uint64_t*>(sequence), expected, timeout_s);
   });
 }
 

@@ -14,6 +14,8 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "fp8_guard.h"
+#include "host_queue.h"
+#include "host_queue_push.h"
 #include "operands.h"
 #include "buffer_lending.h"
 #include "torch_bridge.h"
@@ -213,6 +215,26 @@ ffi::Error MlaDecodeFp8CudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuf
   });
 }
 
+// host_queue.h's push: a kernel on XLA's stream, so that XLA captures it with the step.
+ffi::Error HostQueuePushCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer payload,
+                                 uint64_t queue_id) {
+  const HostQueue* queue = FindHostQueue(queue_id);
+  if (queue == nullptr || queue->device != device)
+    return ffi::Error::InvalidArgument("jax_flashmla_host_queue_push: no HostQueue " +
+                                       std::to_string(queue_id) + " of CUDA device " +
+                                       std::to_string(device) + " in this process");
+  const int64_t bytes = static_cast<int64_t>(payload.size_bytes());
+  if (bytes > queue->slot_bytes - kHostQueueHeaderBytes)
+    return ffi::Error::InvalidArgument("jax_flashmla_host_queue_push: the array has " +
+                                       std::to_string(bytes) + " bytes, the queue's slots " +
+                                       std::to_string(queue->slot_bytes - kHostQueueHeaderBytes));
+  if (cudaError_t status = LaunchHostQueuePush(payload.untyped_data(), bytes, *queue, stream);
+      status != cudaSuccess)
+    return ffi::Error::Internal(std::string("jax_flashmla_host_queue_push: ") +
+                                cudaGetErrorString(status));
+  return ffi::Error::Success();
+}
+
 auto CudaContext() {
   return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>();
 }
@@ -238,6 +260,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     BindFp8GuardResults(
         BindFp8GuardOperands(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())),
     {kCudaTargetTraits});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kHostQueuePushCuda, HostQueuePushCudaImpl,
+                              BindHostQueuePushOperands(CudaContext()), {kCudaTargetTraits});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     kMlaDecodeFp8Cuda, MlaDecodeFp8CudaImpl,

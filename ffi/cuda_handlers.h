@@ -1,5 +1,6 @@
 // XLA FFI handlers of the CUDA custom-call targets: FlashMLA's kernels, reached through the
-// torch ops of SGLang's kernel packages, on XLA's stream and buffers.
+// torch ops of SGLang's kernel packages, on XLA's stream and buffers; and the host queue's
+// push (host_queue.h).
 #ifndef JAX_FLASHMLA_FFI_CUDA_HANDLERS_H_
 #define JAX_FLASHMLA_FFI_CUDA_HANDLERS_H_
 
@@ -17,6 +18,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaDecodeCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaDecodeFp8Cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kFp8GuardCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaMetadataCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kHostQueuePushCuda);
 
 }  // namespace jax_flashmla
 

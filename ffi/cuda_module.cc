@@ -1,14 +1,49 @@
 // The CUDA extension module. It links torch, so jax_flashmla imports it only after torch
 // and the FlashMLA kernel library are loaded, when the GPU path is first lowered.
+#include <cuda_runtime_api.h>
 #include <nanobind/nanobind.h>
 
+#include <stdexcept>
+#include <cstring>
+#include <string>
+
 #include "cuda_handlers.h"
+#include "host_queue.h"
 #include "nb_capsule.h"
 
 namespace nb = nanobind;
 
 namespace jax_flashmla {
 namespace {
+
+void Check(cudaError_t status, const char* what) {
+  if (status != cudaSuccess)
+    throw std::runtime_error(std::string("HostQueue: ") + what + ": " + cudaGetErrorString(status));
+}
+
+// A host queue (host_queue.h) of CUDA device `device`, registered as `id`: its slots pinned
+// host memory mapped into the device's address space, its push count on the device. Made
+// before any capture, as the allocations are synchronous; returns the slots' address.
+uintptr_t CreateHostQueue(uint64_t id, int64_t slot_bytes, int64_t depth, int32_t device) {
+  int previous = 0;
+  Check(cudaGetDevice(&previous), "cudaGetDevice");
+  Check(cudaSetDevice(device), "cudaSetDevice");
+  void* slots = nullptr;
+  void* pushes = nullptr;
+  void* mapped = nullptr;
+  const size_t bytes = static_cast<size_t>(slot_bytes * depth);
+  Check(cudaHostAlloc(&slots, bytes, cudaHostAllocMapped | cudaHostAllocPortable),
+        "cudaHostAlloc");
+  std::memset(slots, 0, bytes);
+  Check(cudaHostGetDevicePointer(&mapped, slots, 0), "cudaHostGetDevicePointer");
+  Check(cudaMalloc(&pushes, sizeof(unsigned long long)), "cudaMalloc");
+  Check(cudaMemset(pushes, 0, sizeof(unsigned long long)), "cudaMemset");
+  Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  Check(cudaSetDevice(previous), "cudaSetDevice");
+  AddHostQueue(id, HostQueue{static_cast<uint8_t*>(mapped),
+                             static_cast<unsigned long long*>(pushes), slot_bytes, depth, device});
+  return reinterpret_cast<uintptr_t>(slots);
+}
 
 NB_MODULE(_cuda, m) {
   m.def("registrations", []() {
@@ -17,8 +52,10 @@ NB_MODULE(_cuda, m) {
     targets["jax_flashmla_mla_decode_fp8"] = EncapsulateFfiHandler(kMlaDecodeFp8Cuda);
     targets["jax_flashmla_mla_metadata"] = EncapsulateFfiHandler(kMlaMetadataCuda);
     targets["jax_flashmla_fp8_guard"] = EncapsulateFfiHandler(kFp8GuardCuda);
+    targets["jax_flashmla_host_queue_push"] = EncapsulateFfiHandler(kHostQueuePushCuda);
     return targets;
   });
+  m.def("host_queue_create", &CreateHostQueue);
 }
 
 }  // namespace

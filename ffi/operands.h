@@ -77,6 +77,13 @@ auto BindFp8GuardResults(Binding binding) {
       .template Ret<ffi::Buffer<ffi::S32>>();            // kernel_seq_lens
 }
 
+// host_queue.h's push: the array, and the queue by the id it was registered under.
+template <typename Binding>
+auto BindHostQueuePushOperands(Binding binding) {
+  return std::move(binding).template Arg<ffi::AnyBuffer>()          // payload
+      .template Attr<uint64_t>("queue_id");
+}
+
 }  // namespace jax_flashmla
 
 #endif  // JAX_FLASHMLA_FFI_OPERANDS_H_

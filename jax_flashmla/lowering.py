@@ -28,6 +28,7 @@ DECODE_TARGET = "jax_flashmla_mla_decode"
 DECODE_FP8_TARGET = "jax_flashmla_mla_decode_fp8"
 FP8_GUARD_TARGET = "jax_flashmla_fp8_guard"
 METADATA_TARGET = "jax_flashmla_mla_metadata"
+HOST_QUEUE_PUSH_TARGET = "jax_flashmla_host_queue_push"  # serving/host_queue.py
 
 for _name, _capsule in _cpu.registrations().items():
     jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")

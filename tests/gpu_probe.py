@@ -7,6 +7,11 @@ before JAX starts, and a failure must not take the test session down):
                                                 a donated 6-layer step called 8 times, as one
                                                 executable or through AlternatingStep; "call k"
                                                 on stderr before call k
+  python tests/gpu_probe.py queue alternating|single
+                                                a donated 6-layer step that pushes a slice
+                                                of its out to a HostQueue, called 8 times
+                                                through AlternatingStep or as one executable;
+                                                each pop against the step's out
   python tests/gpu_probe.py refuse decode|metadata
                                                 a custom call whose scratch or result buffer
                                                 is one element short of what FlashMLA allocates
@@ -91,6 +96,35 @@ def rerecord(how):
         jax.block_until_ready(out)
 
 
+def queue(how):
+    rng = np.random.default_rng(4)
+    sl = jnp.asarray(rng.integers(64, 500, 4), jnp.int32)
+    bt = jnp.asarray(rng.permutation(32).reshape(4, 8), jnp.int32)
+    cache = jnp.asarray(rng.normal(0, 0.1, (LAYERS * 32, 64, 1, 576)), jnp.bfloat16)
+    q = jnp.asarray(rng.normal(0, 0.1, (4, 1, 16, 576)), jnp.bfloat16)
+    slots = jf.token_slots(bt, (sl - 1)[:, None])
+    results = jf.serving.HostQueue((4, 8), jnp.bfloat16, depth=2)
+
+    def step(cache, q, bt, sl, slots):
+        md = jf.get_mla_metadata(sl, num_heads_q=16)
+        for layer in range(LAYERS):
+            cache = jf.write_kv(cache, slots + layer * 32 * 64, kv=q[:, :, 0])
+            out, _ = jf.mla_decode(q, cache, bt + layer * 32, sl, metadata=md)
+            q = jnp.concatenate([out.astype(q.dtype), q[..., 512:]], axis=-1)
+        results.push(q[:, 0, 0, :8])
+        return cache, q
+
+    compiled = jax.jit(step, donate_argnums=0).lower(cache, q, bt, sl, slots).compile()
+    run = jf.AlternatingStep(compiled) if how == "alternating" else compiled
+    same = []
+    for k in range(8):
+        cache, out = run(cache, q, bt, sl, slots)
+        popped = results.pop(timeout_s=30)
+        same.append(np.array_equal(popped, np.asarray(out)[:, 0, 0, :8]))
+        q = out * 0.5  # new values every step
+    print("pops equal outs:", all(same), same)
+
+
 def refuse(target):
     rng = np.random.default_rng(1)
     sl = jnp.asarray(rng.integers(1, 300, 3), jnp.int32)
@@ -129,5 +163,5 @@ def refuse(target):
 
 if __name__ == "__main__":
     {"capture": capture, "loop": loop, "rerecord": rerecord,
-     "refuse": refuse}[sys.argv[1]](sys.argv[2])
+     "queue": queue, "refuse": refuse}[sys.argv[1]](sys.argv[2])
     print("done")

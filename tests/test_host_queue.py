@@ -1,0 +1,132 @@
+"""HostQueue: arrays pushed inside jitted steps come out on the host in push order, with the
+values the step computed; on the GPU machine the push is captured into XLA's command buffer
+with the step and holds across replays."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flashmla as jf
+from jax_flashmla.serving import HostQueue, HostQueueOverrunError
+from test_gpu_capture import TRACE_LOG, TRACED_CUSTOM_CALL, _probe
+
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("gpu", id="gpu", marks=pytest.mark.gpu)]
+
+
+def _device(platform):
+    return jax.devices(platform)[0]
+
+
+@pytest.mark.parametrize("platform", DEVICES)
+@pytest.mark.parametrize("shape,dtype", [((), jnp.int32), ((5,), jnp.int32),
+                                         ((3, 7), jnp.bfloat16), ((2, 1000), jnp.float32)])
+def test_pushes_come_out_in_order_with_the_steps_values(platform, shape, dtype):
+    device = _device(platform)
+    queue = HostQueue(shape, dtype, depth=3, device=device)
+
+    @jax.jit
+    def step(x):
+        y = x * 3 + 1
+        queue.push(y)
+        return y
+
+    x = jax.device_put(jnp.arange(np.prod(shape, dtype=int), dtype=dtype).reshape(shape) % 7,
+                       device)
+    for _ in range(4):
+        x = step(x)
+        popped = queue.pop(timeout_s=30)
+        assert popped.dtype == np.dtype(dtype) and popped.shape == shape
+        np.testing.assert_array_equal(popped, np.asarray(x))
+
+
+@pytest.mark.parametrize("platform", DEVICES)
+def test_steps_may_run_ahead_by_the_depth(platform):
+    device = _device(platform)
+    queue = HostQueue((4,), jnp.int32, depth=3, device=device)
+    step = jax.jit(lambda x: (queue.push(x + 1), x + 1)[1])
+    x = jax.device_put(jnp.zeros(4, jnp.int32), device)
+    outs = []
+    for _ in range(3):
+        x = step(x)
+        outs.append(x)
+    for out in outs:
+        np.testing.assert_array_equal(queue.pop(timeout_s=30), np.asarray(out))
+
+
+@pytest.mark.parametrize("platform", DEVICES)
+def test_a_push_under_scan_pushes_every_iteration(platform):
+    device = _device(platform)
+    queue = HostQueue((2,), jnp.float32, depth=8, device=device)
+
+    def body(x, _):
+        x = x * 2
+        queue.push(x)
+        return x, None
+
+    step = jax.jit(lambda x: jax.lax.scan(body, x, None, length=5)[0])
+    step(jax.device_put(jnp.ones(2, jnp.float32), device))
+    for i in range(5):
+        np.testing.assert_array_equal(queue.pop(timeout_s=30), np.full(2, 2.0 ** (i + 1)))
+
+
+@pytest.mark.parametrize("platform", DEVICES)
+def test_an_overrun_is_named_and_the_next_pop_goes_on(platform):
+    device = _device(platform)
+    queue = HostQueue((), jnp.int32, depth=2, device=device)
+    step = jax.jit(lambda x: (queue.push(x), x + 1)[1])
+    x = jax.device_put(jnp.int32(1), device)
+    for _ in range(3):  # pushes 1, 2, 3: 3 overwrites 1
+        x = step(x)
+    jax.block_until_ready(x)
+    with pytest.raises(HostQueueOverrunError, match="push 1 was overwritten by push 3"):
+        queue.pop(timeout_s=30)
+    assert int(queue.pop(timeout_s=30)) == 2
+    assert int(queue.pop(timeout_s=30)) == 3
+
+
+def test_a_pop_with_nothing_pushed_times_out():
+    queue = HostQueue((3,), jnp.int32, device=_device("cpu"))
+    with pytest.raises(TimeoutError, match="push 1 did not come within 0.05 s"):
+        queue.pop(timeout_s=0.05)
+
+
+def test_bad_arguments_are_named():
+    cpu = _device("cpu")
+    with pytest.raises(ValueError, match=r"depth must be an int >= 1, got 0"):
+        HostQueue((2,), jnp.int32, depth=0, device=cpu)
+    with pytest.raises(ValueError, match=r"at most 1048576 bytes, got shape \(1048577,\)"):
+        HostQueue((1 << 20 | 1,), jnp.uint8, device=cpu)
+    queue = HostQueue((2,), jnp.int32, device=cpu)
+    with pytest.raises(ValueError, match=r"x must be \(2,\) int32 .* got \(3,\) int32"):
+        jax.jit(queue.push)(jnp.zeros(3, jnp.int32))
+    with pytest.raises(ValueError, match=r"x must be \(2,\) int32 .* got \(2,\) float32"):
+        jax.jit(queue.push)(jnp.zeros(2, jnp.float32))
+
+
+def test_each_queue_is_its_own_custom_call():
+    """Two queues' pushes lower to custom calls naming each queue, so that no executable
+    pushes into another queue (nor one cached from another process)."""
+    cpu = _device("cpu")
+    a, b = HostQueue((2,), jnp.int32, device=cpu), HostQueue((2,), jnp.int32, device=cpu)
+    text = jax.jit(lambda x: (a.push(x), b.push(x + 1), x)[-1]).lower(
+        jnp.zeros(2, jnp.int32)).as_text()
+    assert text.count("jax_flashmla_host_queue_push") == 2
+    assert f"queue_id = {a._id}" in text and f"queue_id = {b._id}" in text
+
+
+@pytest.mark.gpu
+def test_a_gpu_push_of_a_cpu_queue_fails():
+    queue = HostQueue((2,), jnp.int32, device=_device("cpu"))
+    step = jax.jit(lambda x: (queue.push(x), x + 1)[1])
+    with pytest.raises(Exception, match="no HostQueue .* of CUDA device 0"):
+        jax.block_until_ready(step(jax.device_put(jnp.zeros(2, jnp.int32), _device("gpu"))))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", ["alternating", "single"])
+def test_a_step_pushes_from_its_command_buffer(how):
+    """A 6-layer decode step with a push: the push is traced into XLA's command buffer with
+    the decodes and the metadata, and each of 8 calls' pop equals that call's out."""
+    out, log = _probe("queue", how, env=TRACE_LOG)
+    assert "pops equal outs: True" in out, out
+    assert log.count(TRACED_CUSTOM_CALL) >= 6 + 1 + 1, log[-3000:]
