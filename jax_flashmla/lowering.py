@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
+from jax.interpreters import partial_eval as pe
 
 from jax_flashmla import _cpu, kernels, validation
 from jax_flashmla.validation import METADATA_FIELDS
@@ -39,6 +40,8 @@ mla_metadata_p = Primitive("jax_flashmla_mla_metadata")
 mla_metadata_p.multiple_results = True
 fp8_guard_p = Primitive("jax_flashmla_fp8_guard")
 fp8_guard_p.multiple_results = True
+host_queue_push_p = Primitive("jax_flashmla_host_queue_push")
+host_queue_push_p.multiple_results = True
 
 
 def _impl(primitive, *args, **params):
@@ -48,6 +51,7 @@ def _impl(primitive, *args, **params):
 mla_decode_p.def_impl(functools.partial(_impl, mla_decode_p))
 mla_metadata_p.def_impl(functools.partial(_impl, mla_metadata_p))
 fp8_guard_p.def_impl(functools.partial(_impl, fp8_guard_p))
+host_queue_push_p.def_impl(functools.partial(_impl, host_queue_push_p))
 
 
 # Scheduler-row fields FlashMLA writes (the rest are zeroed by the CUDA handler): the bf16
@@ -185,6 +189,17 @@ def _guard_cuda(ctx, block_table, seq_lens):
     return jax.ffi.ffi_lowering(FP8_GUARD_TARGET)(ctx, block_table, seq_lens)
 
 
+# The host queue's push (serving/host_queue.py): no results, kept by its DCE rule in jaxprs
+# and by has_side_effect in XLA. It declares no JAX effect: an executable with effects is run
+# through JAX's slower Python dispatch, with a runtime token, at every call.
+def bind_host_queue_push(x, *, queue_id):
+    return host_queue_push_p.bind(x, queue_id=queue_id)
+
+
+host_queue_push_p.def_abstract_eval(lambda x, *, queue_id: [])
+pe.dce_rules[host_queue_push_p] = lambda used_outputs, eqn: ([True] * len(eqn.invars), eqn)
+mlir.register_lowering(host_queue_push_p, lambda ctx, x, *, queue_id: jax.ffi.ffi_lowering(
+    HOST_QUEUE_PUSH_TARGET, has_side_effect=True)(ctx, x, queue_id=np.uint64(queue_id)))
 mlir.register_lowering(fp8_guard_p, jax.ffi.ffi_lowering(FP8_GUARD_TARGET), platform="cpu")
 mlir.register_lowering(fp8_guard_p, _guard_cuda, platform="cuda")
 mlir.register_lowering(mla_decode_p, _decode_cpu, platform="cpu")

@@ -114,6 +114,17 @@ def test_each_queue_is_its_own_custom_call():
     assert f"queue_id = {a._id}" in text and f"queue_id = {b._id}" in text
 
 
+def test_a_push_is_kept_without_a_jax_effect():
+    """The push has no result and declares no JAX effect (an executable with effects runs
+    through JAX's slower dispatch at every call), yet stays in the jaxpr and the executable."""
+    queue = HostQueue((2,), jnp.int32, device=_device("cpu"))
+    f = lambda x: (queue.push(x), x + 1)[1]  # noqa: E731
+    jaxpr = jax.make_jaxpr(f)(jnp.zeros(2, jnp.int32))
+    assert not jaxpr.effects
+    assert "jax_flashmla_host_queue_push" in jax.jit(f).lower(
+        jnp.zeros(2, jnp.int32)).compile().as_text()
+
+
 @pytest.mark.gpu
 def test_a_gpu_push_of_a_cpu_queue_fails():
     queue = HostQueue((2,), jnp.int32, device=_device("cpu"))

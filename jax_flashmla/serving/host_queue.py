@@ -8,7 +8,6 @@ import numpy as np
 
 from jax_flashmla import _cpu, kernels, lowering  # lowering registers the CPU targets
 
-PUSH_TARGET = lowering.HOST_QUEUE_PUSH_TARGET
 HEADER_BYTES = 64  # ffi/host_queue.h
 WRITING = 1 << 63
 MAX_BYTES = 1 << 20
@@ -77,7 +76,7 @@ class HostQueue:
         if tuple(x.shape) != self.shape or np.dtype(x.dtype) != self.dtype:
             raise ValueError(f"HostQueue.push: x must be {self.shape} {self.dtype} (the "
                              f"queue's), got {tuple(x.shape)} {np.dtype(x.dtype)}")
-        jax.ffi.ffi_call(PUSH_TARGET, (), has_side_effect=True)(x, queue_id=np.uint64(self._id))
+        lowering.bind_host_queue_push(x, queue_id=self._id)
 
     def pop(self, timeout_s=60.0):
         """The next pushed array, in push order, once the device has written it. Raises
