@@ -34,8 +34,10 @@ profile at XLA's most detailed tracer level (µs and count per step), to see
 which of XLA's per-execution work grows with the custom calls; with --graph-inspect and
 --relaunch each variant's graphs launched again outside XLA (dev/graph_inspect.c): XLA's own
 execs in the ways XLA's launches differ from a loop's, and the graph rebuilt without its
-child graphs or parts of its nodes, to tell what costs the launch its time; with --driver-trace each variant's driver calls per
-step on a timeline, without CUPTI (dev/driver_trace.c, dev/driver_timeline.py).
+child graphs or parts of its nodes, to tell what costs the launch its time; with
+--driver-trace each variant's driver calls per step on a timeline, without CUPTI
+(dev/driver_trace.c, dev/driver_timeline.py). --sync host_queue waits for the XLA variants
+by popping what each step pushed to a jax_flashmla.serving.HostQueue.
 
   python dev/probe_launch.py --points "1,4096,16;16,4096,16" --out launch.json
 """

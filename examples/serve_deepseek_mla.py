@@ -207,7 +207,7 @@ def serve(args):
                                               kv_cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype])
     # The decode step's tokens reach the host through a HostQueue: popped as soon as the GPU
     # wrote them, without waiting for JAX to mark the step's outputs ready and copying them
-    # (0.1-0.2 ms a step on an H200 host). It holds two steps: the one read, the one running.
+    # (about 0.2 ms a step on an H200 host). It holds two steps: the one read, the one running.
     token_queue = HostQueue((args.batch,), jnp.int32, depth=2)
     prefill, decode = make_steps(graphdef, args.implementation, token_queue)
     # The decode step has one shape, called over and over: through AlternatingStep, as

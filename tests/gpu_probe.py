@@ -72,8 +72,11 @@ def loop(kind):
         jax.block_until_ready(run(q, cache, bt, sl))
 
 
-def rerecord(how):
-    rng = np.random.default_rng(2)
+def _donated_step(seed, how, push=None):
+    """A donated 6-layer step (write_kv, mla_decode per layer on a stacked cache), compiled,
+    through AlternatingStep where how is "alternating", with its arguments; push(q) is called
+    on the last layer's q."""
+    rng = np.random.default_rng(seed)
     sl = jnp.asarray(rng.integers(64, 500, 4), jnp.int32)
     bt = jnp.asarray(rng.permutation(32).reshape(4, 8), jnp.int32)
     cache = jnp.asarray(rng.normal(0, 0.1, (LAYERS * 32, 64, 1, 576)), jnp.bfloat16)
@@ -86,39 +89,29 @@ def rerecord(how):
             cache = jf.write_kv(cache, slots + layer * 32 * 64, kv=q[:, :, 0])
             out, _ = jf.mla_decode(q, cache, bt + layer * 32, sl, metadata=md)
             q = jnp.concatenate([out.astype(q.dtype), q[..., 512:]], axis=-1)
+        if push is not None:
+            push(q)
         return cache, q
 
     compiled = jax.jit(step, donate_argnums=0).lower(cache, q, bt, sl, slots).compile()
     run = jf.AlternatingStep(compiled) if how == "alternating" else compiled
+    return run, (cache, q, bt, sl, slots)
+
+
+def rerecord(how):
+    run, (cache, *args) = _donated_step(2, how)
     for k in range(8):
         print(f"call {k}", file=sys.stderr, flush=True)
-        cache, out = run(cache, q, bt, sl, slots)
+        cache, out = run(cache, *args)
         jax.block_until_ready(out)
 
 
 def queue(how):
-    rng = np.random.default_rng(4)
-    sl = jnp.asarray(rng.integers(64, 500, 4), jnp.int32)
-    bt = jnp.asarray(rng.permutation(32).reshape(4, 8), jnp.int32)
-    cache = jnp.asarray(rng.normal(0, 0.1, (LAYERS * 32, 64, 1, 576)), jnp.bfloat16)
-    q = jnp.asarray(rng.normal(0, 0.1, (4, 1, 16, 576)), jnp.bfloat16)
-    slots = jf.token_slots(bt, (sl - 1)[:, None])
     results = jf.serving.HostQueue((4, 8), jnp.bfloat16, depth=2)
-
-    def step(cache, q, bt, sl, slots):
-        md = jf.get_mla_metadata(sl, num_heads_q=16)
-        for layer in range(LAYERS):
-            cache = jf.write_kv(cache, slots + layer * 32 * 64, kv=q[:, :, 0])
-            out, _ = jf.mla_decode(q, cache, bt + layer * 32, sl, metadata=md)
-            q = jnp.concatenate([out.astype(q.dtype), q[..., 512:]], axis=-1)
-        results.push(q[:, 0, 0, :8])
-        return cache, q
-
-    compiled = jax.jit(step, donate_argnums=0).lower(cache, q, bt, sl, slots).compile()
-    run = jf.AlternatingStep(compiled) if how == "alternating" else compiled
+    run, (cache, q, *args) = _donated_step(4, how, lambda q: results.push(q[:, 0, 0, :8]))
     same = []
     for k in range(8):
-        cache, out = run(cache, q, bt, sl, slots)
+        cache, out = run(cache, q, *args)
         popped = results.pop(timeout_s=30)
         same.append(np.array_equal(popped, np.asarray(out)[:, 0, 0, :8]))
         q = out * 0.5  # new values every step

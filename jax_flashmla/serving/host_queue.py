@@ -24,18 +24,20 @@ class HostQueue:
     `push(x)` inside a jitted step copies x into host memory when the device reaches it in
     the step; `pop()` on the host returns the next pushed array, in push order, as a numpy
     array. pop spins on that memory, so it returns microseconds after the device wrote it,
-    without waiting for XLA to mark the step's outputs ready (on a GPU that comes 0.1-0.3 ms
-    after the step's kernels end) or copying them. A serving loop pushes each step's sampled
-    tokens and pops them before it plans the next step, instead of `jax.device_get` or
-    `jax.block_until_ready`; it may launch up to `depth` steps before it pops the first.
+    without waiting for XLA to mark the step's outputs ready (a host callback after the step's
+    kernels end, on a GPU a few hundred microseconds later) or copying them. A serving loop
+    pushes each step's sampled tokens and pops them before it plans the next step, instead of
+    `jax.device_get` or `jax.block_until_ready`; it may launch up to `depth` steps before it
+    pops the first.
 
-    shape, dtype: of each array pushed (at most 1 MiB). depth: how many pushed arrays the
-    queue holds unpopped; a push beyond that overwrites the oldest, whose pop raises
-    HostQueueOverrunError (the pop after it goes on from the oldest array still held). device: the one device whose steps push (default: JAX's first);
-    pushes from a step on another device, or sharded over several, fail with an XLA error.
-    On a GPU the push is one small kernel, captured with the step into XLA's command buffers;
-    on the CPU a copy. A push completes after the step's work before it: what the step
-    computes after its push may still be running when pop returns.
+    shape, dtype: of each array pushed (at most 1 MiB). depth: how many pushed arrays the queue
+    holds unpopped; a push beyond that overwrites the oldest, whose pop raises
+    HostQueueOverrunError (the pop after it goes on from the oldest array still held). device:
+    the device whose steps push (default: JAX's first); a step that pushes runs on it alone (on
+    a GPU a push from another device fails with an XLA error). On a GPU the push is one small
+    kernel, captured with the step into XLA's command buffers; on the CPU a copy. A push
+    completes after the step's work before it: what the step computes after its push may still
+    be running when pop returns.
 
     The queue's host memory lives until the process exits (a captured push keeps its address
     as long as its executable lives).
