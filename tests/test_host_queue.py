@@ -1,6 +1,11 @@
 """HostQueue: arrays pushed inside jitted steps come out on the host in push order, with the
 values the step computed; on the GPU machine the push is captured into XLA's command buffer
 with the step and holds across replays."""
+import os
+import subprocess
+import sys
+import textwrap
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -88,6 +93,27 @@ def test_a_pop_with_nothing_pushed_times_out():
     queue = HostQueue((3,), jnp.int32, device=_device("cpu"))
     with pytest.raises(TimeoutError, match="push 1 did not come within 0.05 s"):
         queue.pop(timeout_s=0.05)
+
+
+def test_a_long_pop_ends_on_ctrl_c():
+    """pop spins with the GIL released in short slices, so Python's signal handlers run: a
+    SIGINT ends a pop that would wait 60 s within a second."""
+    script = textwrap.dedent("""
+        import os, signal, threading, time
+        import jax.numpy as jnp
+        from jax_flashmla.serving import HostQueue
+        queue = HostQueue((2,), jnp.int32)
+        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        start = time.monotonic()
+        try:
+            queue.pop(timeout_s=60)
+        except KeyboardInterrupt:
+            print("interrupted after", time.monotonic() - start)
+        """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert run.stdout.startswith("interrupted after"), (run.stdout, run.stderr[-2000:])
+    assert float(run.stdout.split()[-1]) < 1.5, run.stdout
 
 
 def test_bad_arguments_are_named():

@@ -2,6 +2,7 @@
 import ctypes
 import math
 import secrets
+import time
 
 import jax
 import numpy as np
@@ -11,6 +12,7 @@ from jax_flashmla import _cpu, kernels, lowering  # lowering registers the CPU t
 HEADER_BYTES = 64  # ffi/host_queue.h
 WRITING = 1 << 63
 MAX_BYTES = 1 << 20
+WAIT_SLICE_S = 0.1
 
 
 class HostQueueOverrunError(RuntimeError):
@@ -88,7 +90,11 @@ class HostQueue:
         slot = (expected - 1) % self.depth
         base = slot * self.slot_bytes
         sequence = self._address + base
-        seen = _cpu.host_queue_wait(sequence, expected, float(timeout_s))
+        deadline = time.monotonic() + timeout_s
+        # Spun in slices, between which Python handles signals (Ctrl-C ends a long wait).
+        while (seen := _cpu.host_queue_wait(sequence, expected, WAIT_SLICE_S)) == 0:
+            if time.monotonic() > deadline:
+                break
         if seen == 0:
             raise TimeoutError(f"HostQueue.pop: push {expected} did not come within "
                                f"{timeout_s} s ({self._popped} popped)")
