@@ -1,6 +1,7 @@
 """A model's decode step as a serving loop runs it: L layers, each writing every request's new
 576-wide rows into that layer's cache (write_kv) and then decoding (mla_decode), the metadata
-once per step, a sync after each step.
+once per step, a sync after each step (jitted steps: popping what the step pushed to a
+jax_flashmla.serving.HostQueue, as a serving loop reads its sampled tokens).
 
 The layers' caches are one array, as a JAX model holds them: all layers' pages in one
 (L * P, 64, 1, 576) cache, layer l's pages at l * P onwards, its block table the step's
@@ -189,8 +190,10 @@ def jax_steps(p, xla_options=None, scan_unroll=SCAN_UNROLL, queues=None):
     queues = {} if queues is None else queues
 
     def pushing(layout, step):
-        queue = queues.setdefault(layout, serving.HostQueue(
-            (p.b, RESULT_COLUMNS), jnp.bfloat16, depth=QUEUE_DEPTH))
+        if layout not in queues:
+            queues[layout] = serving.HostQueue((p.b, RESULT_COLUMNS), jnp.bfloat16,
+                                               depth=QUEUE_DEPTH)
+        queue = queues[layout]
 
         def step_that_pushes(*args):
             caches, out = step(*args)
