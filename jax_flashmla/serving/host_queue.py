@@ -37,7 +37,9 @@ class HostQueue:
     HostQueueOverrunError (the pop after it goes on from the oldest array still held). device:
     the device whose steps push (default: JAX's first); a step that pushes runs on it alone (on
     a GPU a push from another device fails with an XLA error). On a GPU the push is one small
-    kernel, captured with the step into XLA's command buffers; on the CPU a copy. A push
+    kernel, captured with the step into XLA's command buffers, in the CUDA bridge (making the
+    queue registers the CUDA targets as the first CUDA lowering does, and raises RuntimeError
+    naming what is missing); on the CPU a copy. A push
     completes after the step's work before it: what the step computes after its push may still
     be running when pop returns.
 
