@@ -181,6 +181,21 @@ def _metadata(p, t, in_range=False):
                                fp8=p.dtype == FP8, implementation="custom_call", **table)
 
 
+def result_queue(p):
+    """The HostQueue a jitted step of point p pushes its result to."""
+    return serving.HostQueue((p.b, RESULT_COLUMNS), jnp.bfloat16, depth=QUEUE_DEPTH)
+
+
+def pushing_step(step, queue, last_out):
+    """step (returning (caches, out)) that also pushes RESULT_COLUMNS of last_out(out), head 0's
+    per request, to queue."""
+    def step_that_pushes(*args):
+        caches, out = step(*args)
+        queue.push(last_out(out)[:, 0, 0, :RESULT_COLUMNS])
+        return caches, out
+    return step_that_pushes
+
+
 def jax_steps(p, xla_options=None, scan_unroll=SCAN_UNROLL, queues=None):
     """{layout: (jitted step, its arguments maker)}; each step returns (caches, last out).
     xla_options: more compiler options for every jitted step; scan_unroll: lax.scan's unroll
@@ -191,15 +206,9 @@ def jax_steps(p, xla_options=None, scan_unroll=SCAN_UNROLL, queues=None):
 
     def pushing(layout, step):
         if layout not in queues:
-            queues[layout] = serving.HostQueue((p.b, RESULT_COLUMNS), jnp.bfloat16,
-                                               depth=QUEUE_DEPTH)
-        queue = queues[layout]
-
-        def step_that_pushes(*args):
-            caches, out = step(*args)
-            queue.push((out[0] if layout == CHECKED else out)[:, 0, 0, :RESULT_COLUMNS])
-            return caches, out
-        return step_that_pushes
+            queues[layout] = result_queue(p)
+        return pushing_step(step, queues[layout],
+                            (lambda out: out[0]) if layout == CHECKED else (lambda out: out))
 
     def scan_step(stack, rows, rope, q, t):
         md = _metadata(p, t)

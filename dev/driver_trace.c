@@ -34,10 +34,13 @@ static Record records[CAPACITY];
 static long next_record;
 static int enabled;
 
-// The traced functions: X(name, return-less parameter list, argument list).
+// The traced functions: X(name, parameter list, argument list). Those of PLAIN get a
+// generated stand-in; cuLaunchHostFunc's, which wraps the host function, is written out.
 #define TRACED(X)                                                                   \
-  X(cuGraphLaunch, (P exec, P stream), (exec, stream))                              \
   X(cuLaunchHostFunc, (P stream, HostFn fn, void* data), (stream, fn, data))        \
+  PLAIN(X)
+#define PLAIN(X)                                                                    \
+  X(cuGraphLaunch, (P exec, P stream), (exec, stream))                              \
   X(cuEventRecord, (P event, P stream), (event, stream))                            \
   X(cuEventRecordWithFlags, (P event, P stream, unsigned f), (event, stream, f))    \
   X(cuStreamWaitEvent, (P stream, P event, unsigned f), (stream, event, f))         \
@@ -125,14 +128,6 @@ static void timed_host_function(void* arg) {
   if (enabled) record(ID_host_function, t0, now_ns());
 }
 
-// cuLaunchHostFunc's arguments: its function wrapped in one that times it.
-#define WRAP_cuLaunchHostFunc                                \
-  HostCall* call = malloc(sizeof(HostCall));                 \
-  if (!call) return 2; /* CUDA_ERROR_OUT_OF_MEMORY */        \
-  *call = (HostCall){fn, data};                              \
-  fn = timed_host_function;                                  \
-  data = call;
-
 #define STAND_IN(name, params, args)                                          \
   typedef CUresult(*name##_fn) params;                                        \
   static name##_fn real_##name;                                               \
@@ -140,39 +135,30 @@ static void timed_host_function(void* arg) {
     if (!real_##name) real_##name = (name##_fn)driver_symbol(#name);          \
     if (!real_##name) return 34; /* CUDA_ERROR_STUB_LIBRARY */                \
     if (!enabled) return real_##name args;                                    \
-    WRAP_##name                                                               \
     int64_t t0 = now_ns();                                                    \
     CUresult result = real_##name args;                                       \
     record(ID_##name, t0, now_ns());                                          \
     return result;                                                            \
   }
-#define WRAP_cuGraphLaunch
-#define WRAP_cuEventRecord
-#define WRAP_cuEventRecordWithFlags
-#define WRAP_cuStreamWaitEvent
-#define WRAP_cuEventSynchronize
-#define WRAP_cuEventQuery
-#define WRAP_cuStreamSynchronize
-#define WRAP_cuStreamQuery
-#define WRAP_cuCtxSynchronize
-#define WRAP_cuLaunchKernel
-#define WRAP_cuLaunchKernelEx
-#define WRAP_cuMemcpyHtoDAsync_v2
-#define WRAP_cuMemcpyDtoHAsync_v2
-#define WRAP_cuMemcpyDtoDAsync_v2
-#define WRAP_cuMemsetD8Async
-#define WRAP_cuGraphExecUpdate_v2
-#define WRAP_cuGraphInstantiateWithFlags
-#define WRAP_cuStreamBeginCapture_v2
-#define WRAP_cuStreamEndCapture
-#define WRAP_cuCtxPushCurrent_v2
-#define WRAP_cuCtxPopCurrent_v2
-#define WRAP_cuCtxSetCurrent
-#define WRAP_cuCtxGetCurrent
-#define WRAP_cuEventCreate
-#define WRAP_cuEventDestroy_v2
-TRACED(STAND_IN)
+PLAIN(STAND_IN)
 #undef STAND_IN
+
+// The host function enqueued wrapped in one that times it as it runs.
+typedef CUresult (*cuLaunchHostFunc_fn)(P, HostFn, void*);
+CUresult cuLaunchHostFunc(P stream, HostFn fn, void* data) {
+  static cuLaunchHostFunc_fn real;
+  if (!real) real = (cuLaunchHostFunc_fn)driver_symbol("cuLaunchHostFunc");
+  if (!real) return 34;  // CUDA_ERROR_STUB_LIBRARY
+  if (!enabled) return real(stream, fn, data);
+  HostCall* call = malloc(sizeof(HostCall));
+  if (!call) return 2;  // CUDA_ERROR_OUT_OF_MEMORY
+  *call = (HostCall){fn, data};
+  int64_t t0 = now_ns();
+  CUresult result = real(stream, timed_host_function, call);
+  record(ID_cuLaunchHostFunc, t0, now_ns());
+  if (result != 0) free(call);
+  return result;
+}
 
 // The stand-in for `name` where `real` is the driver function it forwards to, else NULL.
 // cuGetProcAddress takes a base name (cuEventDestroy for cuEventDestroy_v2): a stand-in

@@ -72,14 +72,8 @@ def xla_variants(p, names, sync="block"):
     def pushing(name, step):
         if sync != "host_queue":
             return step
-        queues[name] = queue = jf.serving.HostQueue(
-            (p.b, bench_step.RESULT_COLUMNS), jnp.bfloat16, depth=bench_step.QUEUE_DEPTH)
-
-        def step_that_pushes(*a):
-            stack, out = step(*a)
-            queue.push(out[:, 0, 0, :bench_step.RESULT_COLUMNS])
-            return stack, out
-        return step_that_pushes
+        queues[name] = bench_step.result_queue(p)
+        return bench_step.pushing_step(step, queues[name], lambda out: out)
 
     decode_step = unrolled(p)
 

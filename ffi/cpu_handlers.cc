@@ -1,9 +1,8 @@
 #include "cpu_handlers.h"
 
 #include <cstdint>
-#include <string>
-
 #include <cstring>
+#include <string>
 
 #include "host_queue.h"
 #include "operands.h"

@@ -3,8 +3,8 @@
 #include <cuda_runtime_api.h>
 #include <nanobind/nanobind.h>
 
-#include <stdexcept>
 #include <cstring>
+#include <stdexcept>
 #include <string>
 
 #include "cuda_handlers.h"
