@@ -1,8 +1,9 @@
 """DeepSeek-V2/V3 multi-head latent attention (MLA) as a Flax NNX layer over a paged latent cache.
 
-Prefill attends densely over the prompt (keys and values expanded through kv_b_proj, as the
-reference implementations do) and writes each token's compressed cache row — the normalised
-kv_lora_rank-d latent followed by the rope'd qk_rope_head_dim-d key — into the paged cache.
+Prefill and extend attend through jax_flashmla.mla_prefill (keys and values expanded through
+kv_b_proj, as the reference implementations do; extend also over the request's prefix in the
+paged cache) and write each token's compressed cache row — the normalised kv_lora_rank-d
+latent followed by the rope'd qk_rope_head_dim-d key — into the paged cache.
 Decode absorbs the up-projections: the no-rope query goes into the latent space through W_UK,
 mla_decode attends over the paged cache, and the latent output goes back through W_UV and
 o_proj. Parameter names are HF's, so a checkpoint's attention weights load by name
@@ -15,7 +16,7 @@ import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 
-from jax_flashmla import cache, ops, validation
+from jax_flashmla import cache, ops, prefill, validation
 from jax_flashmla.flax import rope
 
 
@@ -207,10 +208,10 @@ class MultiHeadLatentAttention(nnx.Module):
         b, s = attn.shape[:2]
         return self.o_proj(attn.reshape(b, s, -1).astype(self.dtype))
 
-    # -- prefill ------------------------------------------------------------------------------
+    # -- prefill and extend -------------------------------------------------------------------
     def prefill(self, hidden_states, positions, kv_cache=None, slots=None, *, lengths=None,
-                k_scale=None):
-        """Causal attention over whole prompts; writes their compressed rows into the cache.
+                k_scale=None, implementation=None):
+        """Causal attention over new prompts; writes their compressed rows into the cache.
 
         Args:
           hidden_states: (b, s, hidden_size), prompts right-padded to s.
@@ -219,38 +220,72 @@ class MultiHeadLatentAttention(nnx.Module):
             float8_e4m3fn (an array or a PagedKVCache) to write the prompt rows into.
           slots: (b, s) int32 cache slots (page * 64 + offset) of the tokens; out-of-range
             slots (padding) are not written. Required with kv_cache.
-          lengths: optional (b,) int32 prompt lengths; keys past them are masked out.
+          lengths: optional (b,) int32 prompt lengths; tokens past them are padding (out 0
+            before o_proj) and are never attended to.
           k_scale: with a float8_e4m3fn cache (and only then), its float32 scale: rows are
             stored quantized with it (jax_flashmla.write_kv's scale).
+          implementation: as in jax_flashmla.mla_prefill.
 
         Returns:
           (out (b, s, hidden_size) in the compute dtype, the updated kv_cache or None).
         """
-        c = self.config
+        if kv_cache is not None and slots is None:
+            raise ValueError("slots is required when kv_cache is given")
         q_nope, q_pe, latent, k_pe = self.project(hidden_states, positions)
-        b, s = positions.shape
-        w_uk, w_uv = self._kv_b_split()
-        k_nope = jnp.einsum("bkc,chd->bkhd", latent, w_uk)
-        values = jnp.einsum("bkc,chd->bkhd", latent, w_uv)
-        scores = (jnp.einsum("bqhd,bkhd->bhqk", q_nope, k_nope, preferred_element_type=jnp.float32)
-                  + jnp.einsum("bqhd,bkd->bhqk", q_pe, k_pe, preferred_element_type=jnp.float32))
-        scores = scores.astype(self.dtype).astype(jnp.float32) * c.softmax_scale
-        index = jnp.arange(s)
-        mask = index[None, :] <= index[:, None]
-        mask = jnp.broadcast_to(mask, (b, s, s))
-        if lengths is not None:
-            mask = mask & (index[None, None, :] < lengths[:, None, None])
-        # A large negative rather than -inf: a padded row with no visible key gets a uniform
-        # average (never read) instead of NaN.
-        scores = jnp.where(mask[:, None], scores, jnp.finfo(jnp.float32).min)
-        weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        attn = jnp.einsum("bhqk,bkhd->bqhd", weights, values)
-        out = self._output(attn)
+        out = self._attend(q_nope, q_pe, latent, k_pe, lengths=lengths,
+                           implementation=implementation)
         if kv_cache is not None:
-            if slots is None:
-                raise ValueError("slots is required when kv_cache is given")
             kv_cache = _write(kv_cache, slots, latent, k_pe, k_scale)
         return out, kv_cache
+
+    def extend(self, hidden_states, positions, kv_cache, block_table, prefix_lens, *, max_prefix,
+               lengths=None, slots=None, k_scale=None, implementation=None):
+        """New tokens of requests whose first prefix_lens tokens are in the paged cache (a
+        prompt's next chunk, a conversation's next turn): attends them to that prefix and
+        causally to themselves, then writes their rows into the cache.
+
+        Args:
+          hidden_states: (b, s, hidden_size) new tokens, right-padded to s.
+          positions: (b, s) int32: prefix_lens[:, None] + arange(s) for the real tokens.
+          kv_cache: (num_pages, 64, 1, 576) bf16 / fp16 / float8_e4m3fn array or PagedKVCache.
+          block_table: (b, max_pages) int32 pages of each request, prefix and new tokens.
+          prefix_lens: (b,) int32 tokens already cached per request (0: a new prompt).
+          max_prefix: static int >= every prefix_len (mla_prefill's bucket).
+          lengths: optional (b,) int32 new tokens per row (default s).
+          slots: (b, s) int32 cache slots of the new tokens; by default
+            jax_flashmla.token_slots(block_table, positions), with padded tokens not written.
+          k_scale: with a float8_e4m3fn cache (and only then), its float32 scale.
+          implementation: as in jax_flashmla.mla_prefill.
+
+        Returns:
+          (out (b, s, hidden_size) in the compute dtype, the updated kv_cache).
+        """
+        self.config.check_decode()
+        q_nope, q_pe, latent, k_pe = self.project(hidden_states, positions)
+        b, s = positions.shape
+        if lengths is None:
+            lengths = jnp.full((b,), s, jnp.int32)
+        if slots is None:
+            real = jnp.arange(s)[None, :] < lengths[:, None]
+            slots = jnp.where(real, cache.token_slots(block_table, positions), -1)
+        cache_data = getattr(kv_cache, "data", kv_cache)
+        out = self._attend(q_nope, q_pe, latent, k_pe, lengths=lengths, kv_cache=cache_data,
+                           block_table=block_table, prefix_lens=prefix_lens,
+                           max_prefix=max_prefix, k_scale=k_scale, implementation=implementation)
+        return out, _write(kv_cache, slots, latent, k_pe, k_scale)
+
+    def _attend(self, q_nope, q_pe, latent, k_pe, *, lengths, implementation, kv_cache=None,
+                block_table=None, prefix_lens=None, max_prefix=0, k_scale=None):
+        """mla_prefill over the projected new tokens, then W_O."""
+        w_uk, w_uv = self._kv_b_split()
+        q = jnp.concatenate([q_nope, q_pe], axis=-1)
+        kv = jnp.concatenate([latent, k_pe], axis=-1)
+        attn, _ = prefill.mla_prefill(q, kv, kv_cache, block_table, prefix_lens, lengths,
+                                      w_uk=w_uk, w_uv=w_uv,
+                                      softmax_scale=self.config.softmax_scale,
+                                      max_prefix=max_prefix, k_scale=k_scale,
+                                      implementation=implementation)
+        return self._output(attn)
 
     # -- decode -------------------------------------------------------------------------------
     def absorbed_query(self, q_nope, q_pe):
