@@ -1,0 +1,84 @@
+"""Ragged prefill/extend batches and their float64 oracle, shared by the CPU and GPU tests.
+
+The cache holds NaN wherever no prefix row is (unused pages and the tails of used ones); block
+tables hold out-of-range sentinels past each request's prefix pages.
+"""
+import jax.numpy as jnp
+import numpy as np
+
+from jax_flashmla import fp8
+
+PAGE = 64
+K_SCALE = 0.02
+SENTINEL = 1 << 20  # a page number past any cache: must never be read
+
+
+def make_case(rng, prefix_lens, query_lens, t, *, heads=2, nope=32, v_dim=48, fp8_cache=False,
+              dtype=jnp.bfloat16):
+    """Inputs of mla_prefill for requests with these prefix and new-token lengths, t the row
+    width (>= every query_len). Returns a dict of its arguments plus max_prefix."""
+    b = len(prefix_lens)
+    max_prefix = max(PAGE, -(-max(prefix_lens) // PAGE) * PAGE)
+    width = max_prefix // PAGE
+    num_pages = b * width + 3
+    cache = np.full((num_pages, PAGE, 1, 576), np.nan, np.float32)
+    table = np.full((b, width), SENTINEL, np.int32)
+    pages = rng.permutation(num_pages)
+    used = 0
+    for r, p in enumerate(prefix_lens):
+        count = -(-p // PAGE)
+        table[r, :count] = pages[used:used + count]
+        used += count
+        for pos in range(p):
+            cache[table[r, pos // PAGE], pos % PAGE, 0] = rng.standard_normal(576)
+    k_scale = None
+    if fp8_cache:
+        k_scale = jnp.float32(K_SCALE)
+        cache_arr = fp8.quantize(jnp.asarray(cache * K_SCALE * 20), k_scale)
+    else:
+        cache_arr = jnp.asarray(cache, dtype)
+    return dict(
+        q=jnp.asarray(rng.standard_normal((b, t, heads, nope + 64)), dtype),
+        kv=jnp.asarray(rng.standard_normal((b, t, 576)), dtype),
+        kv_cache=cache_arr, block_table=jnp.asarray(table),
+        prefix_lens=jnp.asarray(prefix_lens, jnp.int32),
+        query_lens=jnp.asarray(query_lens, jnp.int32),
+        w_uk=jnp.asarray(rng.standard_normal((512, heads, nope)) / 512 ** 0.5, dtype),
+        w_uv=jnp.asarray(rng.standard_normal((512, heads, v_dim)) / 512 ** 0.5, dtype),
+        k_scale=k_scale, max_prefix=max_prefix)
+
+
+def oracle(case, scale):
+    """float64 out (b, t, h, v_dim) and lse (b, h, t): each request's new tokens over its
+    prefix rows (dequantized) and its new rows, query i seeing keys [0, prefix + i]. Keys and
+    values are decompressed from the rows as the op does, in float64."""
+    f64 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)  # noqa: E731
+    q, kv, w_uk, w_uv = f64(case["q"]), f64(case["kv"]), f64(case["w_uk"]), f64(case["w_uv"])
+    cache = case["kv_cache"]
+    cache = f64(fp8.dequantize(cache, case["k_scale"]) if case["k_scale"] is not None else cache)
+    table = np.asarray(case["block_table"])
+    b, t, h, _ = q.shape
+    out = np.zeros((b, t, h, w_uv.shape[-1]))
+    lse = np.full((b, h, t), np.inf)
+    for r, (p, n) in enumerate(zip(np.asarray(case["prefix_lens"]), np.asarray(case["query_lens"]))):
+        prefix = np.stack([cache[table[r, i // PAGE], i % PAGE, 0] for i in range(p)]
+                          ) if p else np.zeros((0, 576))
+        rows = np.concatenate([prefix, kv[r, :n]])
+        k = np.concatenate([np.einsum("sc,chd->shd", rows[:, :512], w_uk),
+                            np.broadcast_to(rows[:, None, 512:], (len(rows), h, 64))], axis=-1)
+        v = np.einsum("sc,chd->shd", rows[:, :512], w_uv)
+        s = np.einsum("thd,shd->hts", q[r, :n], k) * scale
+        visible = np.arange(p + n)[None, :] <= p + np.arange(n)[:, None]
+        s = np.where(visible[None], s, -np.inf)
+        top = s.max(-1, keepdims=True)
+        w = np.exp(s - top)
+        total = w.sum(-1, keepdims=True)
+        out[r, :n] = np.einsum("hts,shd->thd", w / total, v)
+        lse[r, :, :n] = (top + np.log(total))[..., 0]
+    return out, lse
+
+
+def call(op, case, **kwargs):
+    names = ("q", "kv", "kv_cache", "block_table", "prefix_lens", "query_lens")
+    return op(*(case[n] for n in names), w_uk=case["w_uk"], w_uv=case["w_uv"],
+              max_prefix=case["max_prefix"], k_scale=case["k_scale"], **kwargs)
