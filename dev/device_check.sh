@@ -8,6 +8,8 @@
 #     values   the bad-value tests with FlashMLA as their custom_call: out-of-range requests,
 #              NaN semantics, value checks
 #     gpu      every test marked gpu but the two-GPU ones (~6 min), or those in GPU_TESTS
+#     prefill  mla_prefill's tests on the GPU: tests/test_gpu_prefill.py, and the CPU suite's
+#              prefill tests, which run on cuDNN there
 #     package  tests/test_gpu.py with the sgl-flash-mla package as the only kernel source
 #     multi    tests/test_gpu_multi.py (two GPUs visible)
 #     step     bench_step.py; STEP_ARGS (e.g. "--points 16,4096,128,1,bfloat16"), STEP_NAME
@@ -70,6 +72,8 @@ for mode in "${modes[@]}"; do
   values)
     pytest_logged pytest_values.txt 300 tests/test_out_of_range.py tests/test_nan.py \
       tests/test_value_checks.py ;;
+  prefill)
+    pytest_logged pytest_prefill.txt 400 tests/test_gpu_prefill.py tests/test_prefill.py ;;
   gpu) pytest_logged pytest_gpu.txt 540 -m gpu ${GPU_TESTS:-tests --ignore=tests/test_gpu_multi.py} ;;
   package)
     site=/tmp/flash_mla_site
