@@ -10,6 +10,8 @@
 #     gpu      every test marked gpu but the two-GPU ones (~6 min), or those in GPU_TESTS
 #     prefill  mla_prefill's tests on the GPU: tests/test_gpu_prefill.py, and the CPU suite's
 #              prefill tests, which run on cuDNN there
+#     prefill-bench  bench_prefill.py; PREFILL_ARGS, PREFILL_NAME (prefill_h200),
+#              PREFILL_DEADLINE_S (default 360)
 #     package  tests/test_gpu.py with the sgl-flash-mla package as the only kernel source
 #     multi    tests/test_gpu_multi.py (two GPUs visible)
 #     step     bench_step.py; STEP_ARGS (e.g. "--points 16,4096,128,1,bfloat16"), STEP_NAME
@@ -74,6 +76,10 @@ for mode in "${modes[@]}"; do
       tests/test_value_checks.py ;;
   prefill)
     pytest_logged pytest_prefill.txt 400 tests/test_gpu_prefill.py tests/test_prefill.py ;;
+  prefill-bench)
+    timeout $((${PREFILL_DEADLINE_S:-360} + 120)) python3 benchmarks/bench_prefill.py \
+      --deadline-s "${PREFILL_DEADLINE_S:-360}" --out "$out/${PREFILL_NAME:-prefill_h200}" \
+      ${PREFILL_ARGS:-} 2>&1 | tee "$out/prefill.txt" | cut -c1-300 | tail -60 ;;
   gpu) pytest_logged pytest_gpu.txt 540 -m gpu ${GPU_TESTS:-tests --ignore=tests/test_gpu_multi.py} ;;
   package)
     site=/tmp/flash_mla_site

@@ -59,6 +59,8 @@ def _resolve(implementation, dtype):
 # -- attention cores: (b, t, h, d) q over (b, s, h, d) k -> out (b, t, h, dv), lse (b, h, t) --
 # Query i of a row sees keys [0, kv_lens) (causal=False) or [0, min(i + 1, kv_lens))
 # (causal=True); queries at or past q_lens, and queries that see no key, get out 0, lse +inf.
+# Keys and values past kv_lens must be finite (mla_prefill zeroes them): both cores multiply
+# them by a weight of 0.
 
 def _cudnn_attention(q, k, v, q_lens, kv_lens, *, causal, scale):
     from jax._src.cudnn import fused_attention_stablehlo as fa
@@ -88,10 +90,7 @@ def _xla_attention(q, k, v, q_lens, kv_lens, *, causal, scale):
         visible = key_pos[None, None, :] < kv_lens[:, None, None]  # (b, 1, keys)
         if causal:
             visible = visible & (key_pos[None, None, :] <= query_pos[None, :, None])
-        # Hidden keys are zeroed before the product so that NaN in unused rows is never read.
-        seen_key = key_pos[None, :] < kv_lens[:, None]
-        k_blk = jnp.where(seen_key[:, :, None, None], k_blk.astype(jnp.float32), 0.0)
-        v_blk = jnp.where(seen_key[:, :, None, None], v_blk.astype(jnp.float32), 0.0)
+        k_blk, v_blk = k_blk.astype(jnp.float32), v_blk.astype(jnp.float32)
         scores = jnp.einsum("bthd,bshd->bhts", q32, k_blk,
                             precision=jax.lax.Precision.HIGHEST) * scale
         scores = jnp.where(visible[:, None], scores, -jnp.inf)
@@ -128,17 +127,24 @@ _CORES = {"cudnn": _cudnn_attention, "xla": _xla_attention}
 
 # -- the prefix, from the paged cache ---------------------------------------------------------
 
-def _prefix_rows(kv_cache, block_table, start, size, k_scale, dtype):
+def _prefix_rows(kv_cache, block_table, start, size, kv_lens, k_scale, dtype):
     """Cache rows of positions [start, start + size) of every request, (b, size, 576) in
-    dtype. Pages come from the block table clipped into the cache (the caller clears the rows
-    of a request whose pages are out of range), so no read leaves it."""
+    dtype, 0 past each request's kv_lens rows of them. Pages come from the block table
+    clipped into the cache, so no read leaves it."""
     first, last = start // PAGE_SIZE, (start + size + PAGE_SIZE - 1) // PAGE_SIZE
     pages = jnp.clip(block_table[:, first:last], 0, kv_cache.shape[0] - 1)
     rows = kv_cache[pages].reshape(block_table.shape[0], -1, kv_cache.shape[-1])
     rows = rows[:, start - first * PAGE_SIZE:start - first * PAGE_SIZE + size]
-    if k_scale is not None:
-        return fp8.dequantize(rows, k_scale).astype(dtype)
-    return rows.astype(dtype)
+    rows = fp8.dequantize(rows, k_scale) if k_scale is not None else rows
+    return _zero_past(rows.astype(dtype), kv_lens)
+
+
+def _zero_past(rows, lens):
+    """rows (b, s, d) with rows [lens, s) of each request set to 0. Flash attention weighs a
+    masked key by 0 but still multiplies its value, and 0 * NaN is NaN: unused cache rows and
+    padding may hold anything."""
+    keep = jnp.arange(rows.shape[1])[None, :] < lens[:, None]
+    return jnp.where(keep[:, :, None], rows, jnp.zeros((), rows.dtype))
 
 
 def _decompress(rows, w_uk, w_uv):
@@ -296,16 +302,16 @@ def mla_prefill(q, kv, kv_cache=None, block_table=None, prefix_lens=None, query_
     q_lens = jnp.where(bad, 0, query_lens)
     w_uk, w_uv = w_uk.astype(q.dtype), w_uv.astype(q.dtype)
 
-    k, v = _decompress(kv.astype(q.dtype), w_uk, w_uv)
+    k, v = _decompress(_zero_past(kv.astype(q.dtype), q_lens), w_uk, w_uv)
     out, lse = core(q, k, v, q_lens, q_lens, causal=True)
     if max_prefix == 0:
         return out, lse
     outs, lses = [out], [lse]
     for start in range(0, max_prefix, PREFIX_SLICE):
         size = min(PREFIX_SLICE, max_prefix - start)
-        rows = _prefix_rows(kv_cache, block_table, start, size, k_scale, q.dtype)
-        k, v = _decompress(rows, w_uk, w_uv)
         kv_lens = jnp.where(bad, 0, jnp.clip(prefix_lens - start, 0, size))
+        rows = _prefix_rows(kv_cache, block_table, start, size, kv_lens, k_scale, q.dtype)
+        k, v = _decompress(rows, w_uk, w_uv)
         part = core(q, k, v, q_lens, kv_lens, causal=False)
         # Merged as they come, so that one slice's keys are freed before the next's.
         out, lse = merge_attention_states(
