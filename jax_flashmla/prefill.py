@@ -6,11 +6,11 @@ block table, and causally to themselves. Keys and values are the latent rows dec
 through W_UK / W_UV (q and k of head dim qk_nope + 64, v of v_head_dim), as DeepSeek's
 prefill computes them. A new prompt is prefix_len = 0.
 
-The attention runs in two parts merged through their LSEs, as FlashAttention-based serving
+The attention runs in parts merged through their LSEs, as FlashAttention-based serving
 engines prefill in chunks: the new tokens over the prefix (no mask), in slices of at most
-PREFIX_SLICE keys, and the new tokens over themselves (causal). Each part is cuDNN's flash
-attention on a GPU (jax's wrapper of it, which takes v narrower than q and k) or, elsewhere,
-a blockwise pure-JAX attention. Neither holds a (new tokens x keys) array: memory grows
+PREFIX_SLICE_BYTES of decompressed keys and values, and over themselves (causal). Each part
+is cuDNN's flash attention on a GPU (jax's wrapper of it, which takes v narrower than q and
+k) or, elsewhere, a blockwise pure-JAX attention. Neither holds a (new tokens x keys) array: memory grows
 linearly with the tokens and the prefix.
 """
 import functools
@@ -21,13 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_flashmla import checks, fp8, validation
-from jax_flashmla.context_parallel import merge_attention_states
+from jax_flashmla.context_parallel import _merge_weights
 from jax_flashmla.validation import PAGE_SIZE
 
 IMPLEMENTATIONS = ("cudnn", "xla")
-# Prefix keys decompressed and attended at a time: bounds the decompressed K/V in memory
-# (16384 keys x 128 heads x (192 + 128) x 2 bytes = 1.3 GB) whatever the prefix's length.
-PREFIX_SLICE = 16384
+# The decompressed prefix keys and values held at a time: the prefix is attended in slices
+# of this many bytes of K/V (48k keys of a request at 128 heads), so that memory stays
+# bounded whatever its length, in few enough slices that each is one long cuDNN call.
+PREFIX_SLICE_BYTES = 4 << 30
 # Keys per step of the pure-JAX attention: its scores are (batch, heads, tokens, KEY_BLOCK).
 KEY_BLOCK = 512
 
@@ -151,12 +152,13 @@ def _decompress(rows, w_uk, w_uv):
     """Latent rows (b, s, kv_lora_rank + rope) -> k (b, s, h, d_nope + rope) and v (b, s, h,
     d_v), in rows' dtype (float32 accumulation), as DeepSeek's kv_b_proj expands them."""
     latent, k_pe = rows[..., :w_uk.shape[0]], rows[..., w_uk.shape[0]:]
-    k_nope = jnp.einsum("bsc,chd->bshd", latent, w_uk, preferred_element_type=jnp.float32)
-    v = jnp.einsum("bsc,chd->bshd", latent, w_uv, preferred_element_type=jnp.float32)
+    # Products in rows' dtype: a GPU's matmul accumulates bf16 in float32 and writes bf16,
+    # half the bytes of a float32 product rounded after.
+    k_nope = jnp.einsum("bsc,chd->bshd", latent, w_uk)
+    v = jnp.einsum("bsc,chd->bshd", latent, w_uv)
     h = w_uk.shape[1]
     k_pe = jnp.broadcast_to(k_pe[:, :, None, :], k_pe.shape[:2] + (h, k_pe.shape[-1]))
-    k = jnp.concatenate([k_nope.astype(rows.dtype), k_pe], axis=-1)
-    return k, v.astype(rows.dtype)
+    return jnp.concatenate([k_nope, k_pe], axis=-1), v
 
 
 def _bad_rows(block_table, prefix_lens, query_lens, num_pages, max_prefix, t):
@@ -306,17 +308,23 @@ def mla_prefill(q, kv, kv_cache=None, block_table=None, prefix_lens=None, query_
     out, lse = core(q, k, v, q_lens, q_lens, causal=True)
     if max_prefix == 0:
         return out, lse
-    outs, lses = [out], [lse]
-    for start in range(0, max_prefix, PREFIX_SLICE):
-        size = min(PREFIX_SLICE, max_prefix - start)
+    h, d_kv = q.shape[2], q.shape[3] + w_uv.shape[2]
+    per_key = b * h * d_kv * q.dtype.itemsize
+    step = max(PAGE_SIZE, PREFIX_SLICE_BYTES // per_key // PAGE_SIZE * PAGE_SIZE)
+    for start in range(0, max_prefix, step):
+        size = min(step, max_prefix - start)
         kv_lens = jnp.where(bad, 0, jnp.clip(prefix_lens - start, 0, size))
         rows = _prefix_rows(kv_cache, block_table, start, size, kv_lens, k_scale, q.dtype)
         k, v = _decompress(rows, w_uk, w_uv)
-        part = core(q, k, v, q_lens, kv_lens, causal=False)
         # Merged as they come, so that one slice's keys are freed before the next's.
-        out, lse = merge_attention_states(
-            jnp.stack([outs.pop().astype(jnp.float32), part[0].astype(jnp.float32)]),
-            jnp.stack([lses.pop(), part[1]]))
-        outs.append(out)
-        lses.append(lse)
-    return outs[0].astype(q.dtype), lses[0]
+        out, lse = _merge(out, lse, *core(q, k, v, q_lens, kv_lens, causal=False))
+    return out.astype(q.dtype), lse
+
+
+def _merge(out_a, lse_a, out_b, lse_b):
+    """Two parts of each query's keys merged through their LSEs (merge_attention_states'
+    rule), elementwise so that it fuses: out (b, t, h, d) float32, lse (b, h, t)."""
+    weights, lse = _merge_weights(jnp.stack([lse_a, lse_b]))
+    weights = weights.transpose(0, 1, 3, 2)[..., None]  # (2, b, t, h, 1)
+    out = (weights[0] * out_a.astype(jnp.float32) + weights[1] * out_b.astype(jnp.float32))
+    return out, lse
