@@ -14,7 +14,11 @@ Per point, compiled ahead, then timed in turns within each repeat (benchmarks/ti
                causal call for a new prompt; for extend the chunk over the prefix (no mask) and
                over itself (causal), merged through the LSEs. Absent without cuDNN (CPU);
   einsum       the old prefill: the whole (h, T, S + T) float32 score matrix, softmax, then
-               v, on the same decompressed keys; skipped past --einsum-budget-gb.
+               v, on the same decompressed keys; skipped past --einsum-budget-gb;
+  absorbed     extend in the absorbed form: q_nope through W_UK, mla_decode with s_q = T
+               (causal: the chunk's rows written after the prefix, FlashMLA's kernel on a
+               Hopper GPU), its latent out through W_UV; where FlashMLA's decode takes T * h
+               query rows (at most 132 tiles of 64).
 TFLOPS count the attention's own work (FLOPS below); memory is each compiled executable's
 memory_analysis(): argument + output + temp bytes. mla_prefill's out is also checked against
 cuDNN's (and the einsum's): a cross-check, not a timing.
@@ -48,13 +52,13 @@ D_QK, WIDTH = D_NOPE + D_ROPE, RANK + D_ROPE
 SCALE = D_QK ** -0.5
 FP8 = "float8_e4m3fn"
 FLOPS = "T * (S + T / 2) * h * 2 * (192 + 128)"
-IMPLS = ("mla_prefill", "cudnn", "einsum")
+IMPLS = ("mla_prefill", "cudnn", "einsum", "absorbed")
 # mla_prefill's out matches another's when they differ by at most this fraction of the
 # other's largest |out|: bf16 outputs computed along different paths (key order, splits,
 # merges) are a few bf16 ulps (2**-8 relative) apart.
 OUT_TOLERANCE = 2 ** -6
 GRIDS = dict(  # new-prompt T, extend chunk T, extend prefix S, heads
-    full=dict(new=(1024, 4096, 16384, 65536, 131072), chunks=(512, 2048, 8192),
+    full=dict(new=(1024, 4096, 16384, 65536, 131072), chunks=(64, 512, 2048, 8192),
               prefixes=(4096, 32768, 122880), heads=(16, 128)),
     quick=dict(new=(1024, 16384), chunks=(2048,), prefixes=(4096, 122880), heads=(16, 128)),
     small=dict(new=(64, 256), chunks=(64,), prefixes=(128,), heads=(2,)))
@@ -143,6 +147,32 @@ def decompress(kv, cache, table, k_scale, w_uk, w_uv, *, prefix):
     return (*expand(kv), *expand(rows))
 
 
+def absorbed_inputs(inputs, p):
+    """mla_decode's cache and block table with the chunk's rows in pages after the prefix's,
+    its seq_lens (prefix + chunk), and the rest of the absorbed form's arguments."""
+    q, kv, cache, table, _, _, w_uk, w_uv, k_scale = inputs
+    rows = kv.reshape(p.tokens // PAGE, PAGE, 1, WIDTH)
+    rows = fp8.quantize(rows, k_scale) if k_scale is not None else rows
+    full_table = jnp.concatenate([table, cache.shape[0] + jnp.arange(
+        rows.shape[0], dtype=jnp.int32)[None]], axis=1)
+    seq_lens = jnp.asarray([p.prefix + p.tokens], jnp.int32)
+    return (q, jnp.concatenate([cache, rows]), full_table, seq_lens, w_uk, w_uv, k_scale)
+
+
+def absorbed_prefill(q, cache, table, seq_lens, w_uk, w_uv, k_scale):
+    """The chunk over its prefix and itself in the latent space, through mla_decode."""
+    q_latent = jnp.einsum("bthd,chd->bthc", q[..., :D_NOPE], w_uk)
+    q = jnp.concatenate([q_latent, q[..., D_NOPE:]], axis=-1)
+    out, lse = jf.mla_decode(q, cache, table, seq_lens, softmax_scale=SCALE, causal=True,
+                             k_scale=k_scale)
+    return jnp.einsum("bthc,chd->bthd", out, w_uv), lse
+
+
+def absorbed_fits(p):
+    """FlashMLA's decode schedules at most one tile of 64 query rows per SM (132 on Hopper)."""
+    return p.kind == "extend" and p.tokens * p.heads <= 132 * 64
+
+
 def cudnn_prefill(q, k_new, v_new, k_pre, v_pre):
     """cuDNN's flash attention called as prefill.py's _cudnn_attention calls it: (out, lse)."""
     from jax._src.cudnn import fused_attention_stablehlo as fa
@@ -191,6 +221,8 @@ def run_point(p, args, cudnn_here):
     dense = (q, *decompress(kv, cache, table, k_scale, w_uk, w_uv, prefix=p.prefix))
     wanted = dict(mla_prefill=(functools.partial(prefill_op, max_prefix=p.prefix), inputs),
                   cudnn=(cudnn_prefill, dense), einsum=(einsum_prefill, dense))
+    if absorbed_fits(p):
+        wanted["absorbed"] = (absorbed_prefill, absorbed_inputs(inputs, p))
     if not cudnn_here:
         del wanted["cudnn"]
         record["skipped"]["cudnn"] = "no cuDNN flash attention here (cuDNN >= 9.10, Hopper)"
@@ -227,13 +259,14 @@ def run_point(p, args, cudnn_here):
     if "mla_prefill" in timed:
         out, lse = timed["mla_prefill"]["first"]
         record["checks"]["lse_finite"] = bool(jnp.all(jnp.isfinite(lse)))
-        for name in ("cudnn", "einsum"):
+        for name in ("cudnn", "einsum", "absorbed"):
             if name in timed:
                 diff, scale = (float(x) for x in max_abs_diff(out, timed[name]["first"][0]))
                 record["checks"][f"max_abs_diff_vs_{name}"] = diff
                 record["checks"][f"max_abs_{name}"] = scale
-                record["checks"][f"matches_{name}"] = bool(
-                    diff <= OUT_TOLERANCE * scale and record["checks"]["lse_finite"])
+                if name != "absorbed":  # FP8 quantizes q there: a looser match, recorded only
+                    record["checks"][f"matches_{name}"] = bool(
+                        diff <= OUT_TOLERANCE * scale and record["checks"]["lse_finite"])
     return record
 
 
@@ -254,11 +287,13 @@ def markdown(results):
              "and reads the prefix from the paged cache. Ratio: mla_prefill's TFLOPS over "
              "cuDNN's. GB: mla_prefill's executable (arguments + outputs + temporaries), "
              "temporaries alone in brackets. |Δout|: mla_prefill's out against cuDNN's (the "
-             "einsum's without cuDNN).", "",
+             "einsum's without cuDNN). absorbed: the absorbed form through mla_decode, where "
+             "it takes T * h query rows.", "",
              "| kind | T | prefix | h | cache | mla_prefill ms | TFLOPS | cuDNN ms | TFLOPS "
-             "| ratio | einsum ms | GB | \\|Δout\\| |", "|" + " --- |" * 13]
+             "| ratio | einsum ms | absorbed ms | TFLOPS | GB | \\|Δout\\| |",
+             "|" + " --- |" * 15]
     for p in results["points"]:
-        op, base, einsum = (p["impls"].get(name) for name in IMPLS)
+        op, base, einsum, absorbed = (p["impls"].get(name) for name in IMPLS)
         checks = p["checks"]
         diff = checks.get("max_abs_diff_vs_cudnn", checks.get("max_abs_diff_vs_einsum"))
         lines.append("| " + " | ".join([
@@ -268,6 +303,7 @@ def markdown(results):
             _cell(base, "ms", ".3f"), _cell(base, "tflops", ".1f"),
             f"{base['ms'] / op['ms']:.2f}" if "ms" in (op or {}) and "ms" in (base or {}) else "-",
             "skipped" if "einsum" in p["skipped"] else _cell(einsum, "ms", ".3f"),
+            _cell(absorbed, "ms", ".3f"), _cell(absorbed, "tflops", ".1f"),
             f"{op['executable_bytes'] / 1e9:.3g} ({op['temp_size_in_bytes'] / 1e9:.3g})"
             if op else "-", "-" if diff is None else f"{diff:.3g}"]) + " |")
     if results["not_run"]:
@@ -288,7 +324,8 @@ def plot(results, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    points, style = results["points"], dict(mla_prefill="o-", cudnn="s--", einsum="^:")
+    points = results["points"]
+    style = dict(mla_prefill="o-", cudnn="s--", einsum="^:", absorbed="d-.")
     heads = sorted({p["heads"] for p in points})
     if not heads:
         return
@@ -304,13 +341,14 @@ def plot(results, path):
         rows = lambda kind, **kv: [p for p in points if p["kind"] == kind and p["heads"] == h  # noqa: E731
                                    and all(p[k] == v for k, v in kv.items())]
         for impl in IMPLS:
-            if impl != "einsum":
+            if impl in ("mla_prefill", "cudnn"):
                 line(ax_new, rows("new"), impl, "tflops", style[impl], label=impl)
             line(ax_mem, rows("new"), impl, "executable_bytes", style[impl], 1e-9, label=impl)
         for i, s in enumerate(sorted({p["prefix"] for p in rows("extend")})):
             for impl, dtype, fmt, name in (("mla_prefill", "bfloat16", "o-", "mla_prefill"),
                                            ("mla_prefill", FP8, "x:", "mla_prefill fp8"),
-                                           ("cudnn", "bfloat16", "s--", "cuDNN")):
+                                           ("cudnn", "bfloat16", "s--", "cuDNN"),
+                                           ("absorbed", "bfloat16", "d-.", "absorbed")):
                 line(ax_ext, rows("extend", prefix=s, cache_dtype=dtype), impl, "tflops", fmt,
                      color=f"C{i}", label=f"{name} S={s}")
         for ax, title, xlabel, ylabel in (
