@@ -12,6 +12,8 @@
 #              prefill tests, which run on cuDNN there
 #     prefill-bench  bench_prefill.py; PREFILL_ARGS, PREFILL_NAME (prefill_h200),
 #              PREFILL_DEADLINE_S (default 360)
+#     serve    examples/serve_deepseek_mla.py with 32k-token prompts prefilled in chunks and a
+#              second turn over each conversation's cache; SERVE_ARGS replace the sizes
 #     package  tests/test_gpu.py with the sgl-flash-mla package as the only kernel source
 #     multi    tests/test_gpu_multi.py (two GPUs visible)
 #     step     bench_step.py; STEP_ARGS (e.g. "--points 16,4096,128,1,bfloat16"), STEP_NAME
@@ -80,6 +82,10 @@ for mode in "${modes[@]}"; do
     timeout $((${PREFILL_DEADLINE_S:-360} + 120)) python3 benchmarks/bench_prefill.py \
       --deadline-s "${PREFILL_DEADLINE_S:-360}" --out "$out/${PREFILL_NAME:-prefill_h200}" \
       ${PREFILL_ARGS:-} 2>&1 | tee "$out/prefill.txt" | cut -c1-300 | tail -60 ;;
+  serve)
+    timeout 240 python3 examples/serve_deepseek_mla.py ${SERVE_ARGS:---requests 6 --batch 4 \
+      --min-prompt 32768 --max-prompt 32768 --max-new 48 --turns 2} > "$out/serve.txt" 2>&1
+    echo "exit $?"; tr '\r' '\n' < "$out/serve.txt" | grep -v "^[IW][0-9]" | tail -25 ;;
   gpu) pytest_logged pytest_gpu.txt 540 -m gpu ${GPU_TESTS:-tests --ignore=tests/test_gpu_multi.py} ;;
   package)
     site=/tmp/flash_mla_site

@@ -1,25 +1,43 @@
-"""Serve a small DeepSeek-style model with paged MLA decode and continuous batching.
+"""Serve a small DeepSeek-style model with paged MLA, chunked prefill and continuous batching.
 
     python examples/serve_deepseek_mla.py                      # CPU: the pure-JAX reference
     python examples/serve_deepseek_mla.py --implementation custom_call  # FlashMLA's C++ model
     python examples/serve_deepseek_mla.py --kv-cache-dtype fp8  # an FP8 (e4m3) cache
+    python examples/serve_deepseek_mla.py --max-prompt 600 --prefill-chunk 256  # chunked
+    python examples/serve_deepseek_mla.py --turns 2             # a second turn over the cache
+    python examples/serve_deepseek_mla.py --min-prompt 16384 --max-prompt 32768 --turns 2
+                                                   # a Hopper GPU: 32k-token prompts, two turns
 
 A few decoder layers (RMSNorm -> jax_flashmla.flax.MultiHeadLatentAttention -> RMSNorm ->
 SwiGLU MLP) with seeded random weights serve requests of different prompt lengths. Each
-iteration admits waiting requests while the page pool can hold them (PageAllocator.admit),
-prefills each new prompt into its pages, runs one decode step over every active request
-(one mla_decode per layer, one shared FlashMLA schedule per step), grows requests a page at a
-time, and finishes those done, whose pages the next admissions reuse. Greedy sampling. Each
-step's tokens stay on the device as the next step's input; the step also pushes them to a
-jax_flashmla.serving.HostQueue, from which the host pops them only after it has launched the
-next step (--sync-each-step: before), so that the host's work on a step overlaps the GPU's on
-the one before; the tokens are the same either way.
-Prints a progress line and the tokens per second. On a Hopper GPU the default implementation
-is FlashMLA's kernels. With an FP8 cache each layer has a k scale (here a constant; a real
-checkpoint carries calibrated ones), and the decode is FlashMLA's FP8 one.
+iteration admits waiting requests while a decode row is free and the page pool can hold them
+(PageAllocator.admit), prefills one chunk of one request's new tokens, runs one decode step
+over every request that is decoding (one mla_decode per layer, one shared FlashMLA schedule
+per step), grows requests a page at a time, and finishes those done, whose pages the next
+admissions reuse. Greedy sampling.
+
+Chunked prefill: a request's new tokens go through the layer's extend at most --prefill-chunk
+at a time (jax_flashmla.serving.plan_chunks), each chunk attending to the request's tokens
+before it, read from the paged cache (jax_flashmla.mla_prefill), and causally to itself; the
+other requests decode between two chunks, so a long prompt does not stall them. Chunks are
+padded and their prefixes bucketed (jax_flashmla.serving.length_bucket), so that the prefill
+compiles a few shapes. Multi-turn (--turns): when a request's turn ends, its next turn's user
+tokens follow the last generated token, and only these (that token and the user's) are
+prefilled, over the conversation so far, which stays in the cache: nothing is prefilled twice.
+
+Each decode step's tokens stay on the device as the next step's input; the step also pushes
+them to a jax_flashmla.serving.HostQueue, from which the host pops them only after it has
+launched the next step (--sync-each-step: before), so that the host's work on a step overlaps
+the GPU's on the one before; the tokens are the same either way. A progress line on stderr,
+from the first (compiling) call on, counts the prefilled and decoded tokens. On a Hopper GPU
+the default implementations are FlashMLA's kernels (decode) and cuDNN's flash attention
+(prefill). With an FP8 cache each layer has a k scale (here a constant; a real checkpoint
+carries calibrated ones), and the decode is FlashMLA's FP8 one.
 """
 import argparse
+import collections
 import dataclasses
+import functools
 import sys
 import time
 
@@ -30,11 +48,17 @@ import numpy as np
 
 import jax_flashmla as jf
 from jax_flashmla import kernels
-from jax_flashmla.cache import INVALID_SLOT, PagedKVCache, token_slots
-from jax_flashmla.serving import HostQueue, PageAllocator, pages_for_tokens
+from jax_flashmla.cache import PagedKVCache
+from jax_flashmla.serving import (HostQueue, PageAllocator, length_bucket, pages_for_tokens,
+                                  plan_chunks)
 from jax_flashmla.flax import MLAConfig, MultiHeadLatentAttention, RMSNorm
 
-PREFILL_BUCKET = 64  # prompts are padded to a multiple of this, so prefill compiles few shapes
+# New tokens prefilled in one chunk are padded to a power of two of at least this many; in
+# several chunks, each chunk to the chunk size (a multiple of this): prefill compiles few shapes.
+PREFILL_BUCKET = 64
+# A chunk's prefix (the static max_prefix of extend) is bucketed to a power of two up to this
+# many tokens, then to a multiple of it: a few compiled shapes, less than this much padding.
+PREFIX_STEP = 8192
 # The FP8 cache's per-layer k scale: this model's rows (RMS-normed latents, rope keys) stay
 # well inside +-448 * K_SCALE.
 K_SCALE = 0.05
@@ -46,10 +70,12 @@ class ModelConfig:
     vocab_size: int = 512
     num_layers: int = 2
     intermediate_size: int = 512
+    # 64k positions (YaRN: 4k trained positions stretched 16 times), room for 32k-token prompts
+    # and their later turns.
     attention: MLAConfig = MLAConfig(
         hidden_size=256, num_heads=8, q_lora_rank=96, kv_lora_rank=512, qk_nope_head_dim=64,
-        qk_rope_head_dim=64, v_head_dim=64, rope_theta=10000.0, max_position_embeddings=4096,
-        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+        qk_rope_head_dim=64, v_head_dim=64, rope_theta=10000.0, max_position_embeddings=65536,
+        rope_scaling={"type": "yarn", "factor": 16.0, "original_max_position_embeddings": 4096,
                       "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
 
 
@@ -81,7 +107,8 @@ class TinyDeepSeek(nnx.Module):
         layers = [DecoderLayer(cfg, rngs=rngs, dtype=dtype) for _ in range(cfg.num_layers)]
         self.layers = getattr(nnx, "List", list)(layers)  # nnx.List from flax 0.12 on
         self.norm = RMSNorm(hidden, param_dtype=dtype)
-        self.lm_head = nnx.Linear(hidden, cfg.vocab_size, use_bias=False, dtype=dtype,
+        # Logits in float32: bfloat16's would tie often, and greedy picks would hang on rounding.
+        self.lm_head = nnx.Linear(hidden, cfg.vocab_size, use_bias=False, dtype=jnp.float32,
                                   param_dtype=dtype, rngs=rngs)
 
     def _run(self, tokens, attend, caches, k_scales):
@@ -92,13 +119,19 @@ class TinyDeepSeek(nnx.Module):
             x = x + h
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             new_caches.append(kv)
-        return self.lm_head(self.norm(x)).astype(jnp.float32), tuple(new_caches)
+        return self.lm_head(self.norm(x)), tuple(new_caches)
 
-    def prefill(self, tokens, positions, slots, lengths, caches, k_scales=None):
-        """tokens, positions, slots (b, s) int32; lengths (b,) -> (logits (b, s, vocab) f32,
-        caches). k_scales: per-layer float32 scales of FP8 caches, else None."""
-        return self._run(tokens, lambda attn, x, kv, k_scale: attn.prefill(
-            x, positions, kv, slots, lengths=lengths, k_scale=k_scale), caches, k_scales)
+    def extend(self, tokens, positions, block_table, prefix_lens, lengths, caches, k_scales=None,
+               *, max_prefix, implementation=None):
+        """New tokens over each request's cached prefix (a prompt's chunk, a turn), their rows
+        written into the caches. tokens, positions (b, s) int32 (positions prefix_lens + 0..);
+        block_table (b, >= ceil(max_prefix / 64) and covering the new tokens) int32;
+        prefix_lens, lengths (b,) int32 (lengths: the real tokens of each row); max_prefix a
+        static bucket >= prefix_lens; k_scales as in decode -> (logits (b, s, vocab) f32,
+        caches). implementation: mla_prefill's."""
+        return self._run(tokens, lambda attn, x, kv, k_scale: attn.extend(
+            x, positions, kv, block_table, prefix_lens, max_prefix=max_prefix, lengths=lengths,
+            k_scale=k_scale, implementation=implementation), caches, k_scales)
 
     def decode(self, tokens, positions, block_table, seq_lens, caches, k_scales=None, *,
                implementation=None):
@@ -126,15 +159,29 @@ def build(cfg, num_pages, seed=0, dtype=jnp.bfloat16, kv_cache_dtype=jnp.bfloat1
     return graphdef, state, caches, k_scales
 
 
-def make_steps(graphdef, implementation=None, token_queue=None):
-    """Jitted (prefill, decode) over (state, ...) with the caches donated; decode pushes its
-    tokens to token_queue (a jax_flashmla.serving.HostQueue) where one is given."""
+@functools.partial(jax.jit, donate_argnums=(6,),
+                   static_argnames=("graphdef", "max_prefix", "implementation"))
+def prefill_step(state, tokens, positions, block_table, prefix_lens, lengths, caches, k_scales, *,
+                 graphdef, max_prefix, implementation=None):
+    """One chunk through TinyDeepSeek.extend (max_prefix 0: new prompts, no cache read), the
+    caches donated -> (the greedy token after each row's last real token, caches): the next
+    token when the chunk ends the row's new tokens. Jitted once per process for a model
+    structure (graphdef), so that serve() called again compiles no chunk shape twice."""
+    logits, caches = nnx.merge(graphdef, state).extend(
+        tokens, positions, block_table, prefix_lens, lengths, caches, k_scales,
+        max_prefix=max_prefix, implementation=implementation)
+    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    return jnp.argmax(last, axis=-1).astype(jnp.int32), caches
 
-    def prefill(state, tokens, positions, slots, lengths, caches, k_scales):
-        logits, caches = nnx.merge(graphdef, state).prefill(tokens, positions, slots, lengths,
-                                                            caches, k_scales)
-        last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-        return jnp.argmax(last, axis=-1).astype(jnp.int32), caches
+
+def make_steps(graphdef, implementation=None, token_queue=None, prefill_implementation=None):
+    """(prefill, decode) over (state, ...), jitted with the caches donated.
+
+    prefill(state, tokens, positions, block_table, prefix_lens, lengths, caches, k_scales, *,
+    max_prefix) is prefill_step with implementation prefill_implementation (mla_prefill's).
+    decode(state, tokens, positions, block_table, seq_lens, caches, k_scales) -> (tokens,
+    logits, caches) is one greedy decode step (implementation: mla_decode's); it pushes its
+    tokens to token_queue (a jax_flashmla.serving.HostQueue) where one is given."""
 
     def decode(state, tokens, positions, block_table, seq_lens, caches, k_scales):
         logits, caches = nnx.merge(graphdef, state).decode(
@@ -145,73 +192,140 @@ def make_steps(graphdef, implementation=None, token_queue=None):
             token_queue.push(tokens)
         return tokens, logits[:, 0], caches
 
-    prefill = jax.jit(prefill, donate_argnums=(5,))
-    decode = jax.jit(decode, donate_argnums=(5,))
-    return prefill, decode
+    prefill = functools.partial(prefill_step, graphdef=graphdef,
+                                implementation=prefill_implementation)
+    return prefill, jax.jit(decode, donate_argnums=(5,))
+
+
+def chunk_shape(turn_tokens, prefix, chunk):
+    """(padded tokens, max_prefix): the compiled shape of a chunk that starts `prefix` tokens
+    into its request, in a turn of turn_tokens new tokens (chunk: the chunk size, a multiple
+    of PREFILL_BUCKET). A turn of several chunks pads each to the chunk size, a turn of one
+    to a power of two; max_prefix is the prefix's bucket. So a loop compiles a few shapes."""
+    tokens = chunk if turn_tokens > chunk else length_bucket(turn_tokens, minimum=PREFILL_BUCKET,
+                                                              step=chunk)
+    return tokens, length_bucket(prefix, minimum=PREFILL_BUCKET, step=PREFIX_STEP)
 
 
 class Progress:
-    """tqdm when installed, else a \\r line on stderr. Rates and ETAs count from the update
-    marked warm (the first decode step's, which like the prefills before it compiled)."""
+    """A status line on stderr from the start of serving, never reset: the seconds since the
+    start, prefilled and decoded tokens of all, their rates over the last RATE_WINDOW_S
+    seconds, and what runs now (a compilation, say). On a terminal it is rewritten in place
+    (at most 10 times a second); elsewhere (a log) a line is printed every `interval` seconds.
+    note() prints a line of its own."""
 
-    def __init__(self, total, enabled=True):
-        self.total, self.done, self.first, self.bar = total, 0, None, None
+    RATE_WINDOW_S = 5.0
+
+    def __init__(self, prefill_total, decode_total, *, info="starting", enabled=True,
+                 stream=None, interval=None):
+        self.prefill_total, self.decode_total = prefill_total, decode_total
+        self.prefilled = self.decoded = 0
         self.enabled = enabled
-        if enabled:
-            try:
-                from tqdm import tqdm
-                self.bar = tqdm(total=total, unit="tok", file=sys.stderr)
-            except ImportError:
-                pass
+        self.stream = sys.stderr if stream is None else stream
+        self.tty = enabled and self.stream.isatty()
+        self.interval = interval if interval is not None else (0.1 if self.tty else 2.0)
+        self.start = time.perf_counter()
+        self.recent = collections.deque([(self.start, 0, 0)])
+        self.info, self.shown = info, None
+        self._show(force=True)
 
-    def update(self, n, info, warm=False):
-        self.done += n
+    def update(self, prefilled=0, decoded=0, info=None, force=False):
+        """Counts prefilled and decoded tokens; info: what the line says after the counts."""
+        self.prefilled += prefilled
+        self.decoded += decoded
+        if info is not None:
+            self.info = info
+        now = time.perf_counter()
+        self.recent.append((now, self.prefilled, self.decoded))
+        while len(self.recent) > 2 and now - self.recent[1][0] > self.RATE_WINDOW_S:
+            self.recent.popleft()
+        self._show(force)
+
+    def note(self, message):
+        if not self.enabled:
+            return
+        if self.tty:
+            self.stream.write("\r\033[K")
+        print(message, file=self.stream, flush=True)
+        if self.tty:
+            self._show(force=True)
+
+    def line(self):
+        now = time.perf_counter()
+        since, prefilled, decoded = self.recent[0]
+        rates = ("", "")
+        if now - since > 0.05:
+            rates = (f" ({(self.prefilled - prefilled) / (now - since):.0f} tok/s)",
+                     f" ({(self.decoded - decoded) / (now - since):.1f} tok/s)")
+        return (f"{now - self.start:7.1f} s  prefill {self.prefilled}/{self.prefill_total} tok"
+                f"{rates[0]}  decode {self.decoded}/{self.decode_total} tok{rates[1]}  "
+                f"{self.info}")
+
+    def _show(self, force=False):
         if not self.enabled:
             return
         now = time.perf_counter()
-        if warm and self.first is None:
-            self.first = (now, self.done)
-            if self.bar is not None:  # restart its clock, the tokens so far not in its rate
-                self.bar.reset(total=self.total)
-                self.bar.initial = self.bar.n = self.bar.last_print_n = self.done
-        elif self.bar is not None:
-            self.bar.update(n)
-        if self.bar is not None:
-            self.bar.set_postfix_str(info)
+        if not force and self.shown is not None and now - self.shown < self.interval:
             return
-        since, before = self.first or (now, self.done)
-        rate = f"{(self.done - before) / (now - since):8.1f} tok/s" if now > since else "compiling"
-        print(f"\r{self.done}/{self.total} tokens  {rate}  {info}", end="", file=sys.stderr,
-              flush=True)
+        self.shown = now
+        if self.tty:
+            self.stream.write("\r\033[K" + self.line())
+            self.stream.flush()
+        else:
+            print(self.line(), file=self.stream, flush=True)
 
     def close(self):
-        if self.bar is not None:
-            self.bar.close()
-        elif self.enabled:
-            print(file=sys.stderr)
+        self.info = "done"
+        self._show(force=True)
+        if self.tty:
+            print(file=self.stream, flush=True)
+
+
+def make_requests(args, vocab_size):
+    """Per request, its turns: [(new user tokens int32, tokens to generate)]; turn 0's user
+    tokens are the prompt."""
+    rng = np.random.default_rng(args.seed)
+    prompt_lens = rng.integers(args.min_prompt, args.max_prompt + 1, args.requests)
+    new_tokens = rng.integers(max(1, args.max_new // 2), args.max_new + 1, args.requests)
+    prompts = [rng.integers(0, vocab_size, n).astype(np.int32) for n in prompt_lens]
+    turns = [[(p, int(n))] for p, n in zip(prompts, new_tokens)]
+    for _ in range(1, args.turns):
+        for r in range(args.requests):
+            n = rng.integers(max(1, args.turn_tokens // 2), args.turn_tokens + 1)
+            turns[r].append((rng.integers(0, vocab_size, n).astype(np.int32),
+                             int(rng.integers(max(1, args.max_new // 2), args.max_new + 1))))
+    return turns
 
 
 def serve(args):
     cfg = dataclasses.replace(ModelConfig(), num_layers=args.layers)
-    rng = np.random.default_rng(args.seed)
-    prompt_lens = rng.integers(args.min_prompt, args.max_prompt + 1, args.requests)
-    new_tokens = rng.integers(max(1, args.max_new // 2), args.max_new + 1, args.requests)
-    prompts = [rng.integers(0, cfg.vocab_size, n).astype(np.int32) for n in prompt_lens]
-    max_pages = int(pages_for_tokens(int((prompt_lens + new_tokens).max())))
+    turns = make_requests(args, cfg.vocab_size)
+    # A request's cache holds every turn's user tokens and every generated token but the last.
+    total = [sum(len(u) + n for u, n in t) for t in turns]
+    max_pages = int(pages_for_tokens(max(total)))
     num_pages = args.num_pages or max(max_pages, max_pages * args.batch * 3 // 4)  # tight: reuse
+    chunk = args.prefill_chunk
     impl, impl_words = implementation_in_use(args.implementation)
+    # Each turn but the first also prefills the last generated token of the turn before.
+    prefill_total = sum(len(u) + (k > 0) for t in turns for k, (u, _) in enumerate(t))
     if not args.quiet:
-        print(f"serving {args.requests} requests through {impl_words}; the first prefill and "
-              "decode steps compile (a few seconds)...", file=sys.stderr, flush=True)
+        print(f"serving {args.requests} requests ({args.turns} turn(s) each, prompts of "
+              f"{args.min_prompt}-{args.max_prompt} tokens prefilled in chunks of up to {chunk}) "
+              f"through {impl_words}; the decode step and each new chunk shape compile once "
+              "(seconds each)", file=sys.stderr, flush=True)
+    progress = Progress(prefill_total, sum(n - 1 for t in turns for _, n in t),
+                        info="building the model", enabled=not args.quiet)
     graphdef, state, caches, k_scales = build(cfg, num_pages, args.seed,
                                               kv_cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype])
     # The decode step's tokens reach the host through a HostQueue: popped as soon as the GPU
     # wrote them, without waiting for JAX to mark the step's outputs ready and copying them
     # (about 0.2 ms a step on an H200 host). It holds two steps: the one read, the one running.
     token_queue = HostQueue((args.batch,), jnp.int32, depth=2)
-    prefill, decode = make_steps(graphdef, args.implementation, token_queue)
+    prefill, decode = make_steps(graphdef, args.implementation, token_queue,
+                                 args.prefill_implementation)
     # The decode step has one shape, called over and over: through AlternatingStep, as
     # jax_flashmla documents for a decode step (XLA then replays it without recording again).
+    progress.update(info="compiling the decode step", force=True)
     rows = jnp.zeros((args.batch,), jnp.int32)
     decode = jf.AlternatingStep(decode.lower(
         state, rows, rows - 1, jnp.full((args.batch, max_pages), -1, jnp.int32), rows, caches,
@@ -220,7 +334,16 @@ def serve(args):
 
     waiting = list(range(args.requests))
     slots = [None] * args.batch  # request id per decode row
-    length, outputs, allocations = {}, {r: [] for r in waiting}, 0
+    # Per admitted request: its tokens in the cache (the next token's position), its turn, the
+    # chunks of the turn's new tokens still to prefill (None once decoding) and how many
+    # tokens the turn generated.
+    length, turn, chunks, generated = {}, {}, {}, {}
+    turn_tokens = {}  # the turn's new tokens (np.int32), the first from the device after turn 0
+    carried = {}  # request -> (1,) device array: the last token of its turn before
+    prefixes = {r: [] for r in waiting}  # cached tokens each turn started from
+    prefilling = collections.deque()  # requests with chunks to prefill, oldest first
+    outputs, allocations = {r: [] for r in waiting}, 0
+    shapes, num_chunks = set(), 0
     # Each row's last token stays on the device, the next step's input: the host needs only
     # counts to schedule, so it launches step n+1 before it reads step n's tokens, and XLA's
     # host work for a step overlaps the GPU's work on the one before.
@@ -228,9 +351,8 @@ def serve(args):
     # (device tokens, or None for the token queue's next, [(index into them, request)]) not yet
     # on the host
     unread = []
-    progress = Progress(int(new_tokens.sum()), enabled=not args.quiet)
     start = time.perf_counter()
-    decode_time, decode_tokens, steps = 0.0, 0, 0
+    decode_time, decode_tokens, steps, timed, chunk_before = 0.0, 0, 0, 0, False
 
     def read_tokens():
         for tokens, rows in unread:
@@ -239,92 +361,141 @@ def serve(args):
                 outputs[r].append(int(tokens[i]))
         unread.clear()
 
-    def done(r):  # the prefill made a request's first token, each decode step one more
-        return length[r] - prompt_lens[r] + 1 >= new_tokens[r]
+    def start_turn(r, k):
+        user, _ = turns[r][k]
+        turn[r], generated[r] = k, 0
+        # Later turns begin with the turn before's last token, not yet in the cache.
+        turn_tokens[r] = user if k == 0 else np.concatenate([np.zeros(1, np.int32), user])
+        chunks[r] = collections.deque(plan_chunks(len(turn_tokens[r]), chunk, start=length[r]))
+        prefixes[r].append(length[r])
+        prefilling.append(r)
+
+    def end_turn(i, r):
+        """The request's turn is done: its next turn queues for prefill, or it finishes."""
+        if turn[r] + 1 < len(turns[r]):
+            carried[r] = row_tokens[i:i + 1]
+            start_turn(r, turn[r] + 1)
+            progress.note(f"request {r} turn {turn[r] + 1}: prefilling only its "
+                          f"{len(turn_tokens[r])} new tokens over a cached prefix of {length[r]} "
+                          "tokens (the turns before, not prefilled again)")
+        else:
+            allocator.finish(r)
+            slots[i] = None
+
+    def status():
+        active = sum(r is not None for r in slots)
+        return (f"active {active} (prefilling {len(prefilling)}) waiting {len(waiting)} "
+                f"pages {allocator.num_used}/{num_pages}")
 
     def reserved():  # pages active requests may still grow into
-        return sum(int(pages_for_tokens(prompt_lens[r] + new_tokens[r])) - len(allocator.pages(r))
+        return sum(int(pages_for_tokens(total[r])) - len(allocator.pages(r))
                    for r in slots if r is not None)
 
     while waiting or any(r is not None for r in slots):
-        # Admit while a row is free and the pool can hold the whole request.
+        # Admit while a row is free and the pool can hold the whole request, all its turns.
         while waiting and None in slots:
             r = waiting[0]
-            n = int(prompt_lens[r])
-            if allocator.num_free - reserved() < pages_for_tokens(n + int(new_tokens[r])):
+            if allocator.num_free - reserved() < pages_for_tokens(total[r]):
                 break
             waiting.pop(0)
-            pages = allocator.admit(r, n)
-            allocations += len(pages)
-            i = slots.index(None)
-            slots[i] = r
-            s = -(-n // PREFILL_BUCKET) * PREFILL_BUCKET
+            allocator.admit(r, 0)
+            slots[slots.index(None)] = r
+            length[r] = 0
+            start_turn(r, 0)
+        # One chunk of the oldest request with new tokens to prefill.
+        chunk_now = bool(prefilling)
+        if prefilling:
+            r = prefilling[0]
+            i = slots.index(r)
+            position, n = chunks[r].popleft()
+            s, max_prefix = chunk_shape(len(turn_tokens[r]), position, chunk)
+            allocations += len(allocator.grow(r, position + n))
+            # The pages of the prefix bucket and the padded chunk: the shape's own width.
+            width = int(pages_for_tokens(max_prefix + s))
+            first = position - prefixes[r][-1]
             tokens = np.zeros((1, s), np.int32)
-            tokens[0, :n] = prompts[r]
-            positions = np.arange(s, dtype=np.int32)[None]
-            table = allocator.block_table([r], max_pages)
-            token_slot = np.where(positions < n, token_slots(jnp.asarray(table), jnp.asarray(positions)),
-                                  INVALID_SLOT).astype(np.int32)
-            first, caches = prefill(state, jnp.asarray(tokens), jnp.asarray(positions),
-                                    jnp.asarray(token_slot), jnp.asarray([n], np.int32), caches,
-                                    k_scales)
-            row_tokens = row_tokens.at[i].set(first[0])
-            unread.append((first, [(0, r)]))
-            length[r] = n
-            progress.update(1, f"active {sum(x is not None for x in slots)} waiting {len(waiting)}")
-        # Finish requests whose budget the prefill token used up.
-        for i, r in enumerate(slots):
-            if r is not None and done(r):
-                allocator.finish(r)
-                slots[i] = None
-        active = [(i, r) for i, r in enumerate(slots) if r is not None]
-        if not active:
-            continue
-        # One decode step over every row (idle rows: seq_len 0, their writes dropped).
-        positions = np.full(args.batch, -1, np.int32)
-        seq_lens = np.zeros(args.batch, np.int32)
-        table = np.full((args.batch, max_pages), -1, np.int32)
-        for i, r in active:
-            allocations += len(allocator.grow(r, length[r] + 1))
-            positions[i], seq_lens[i] = length[r], length[r] + 1
-            table[i] = allocator.block_table([r], max_pages)[0]
-        t0 = time.perf_counter()
-        row_tokens, _, caches = decode(state, row_tokens, jnp.asarray(positions),
-                                       jnp.asarray(table), jnp.asarray(seq_lens), caches,
-                                       k_scales)
-        if args.sync_each_step:
-            unread.append((None, active))
-            read_tokens()
-        else:
-            read_tokens()  # the steps before this one: this one runs on meanwhile
-            unread.append((None, active))
-        if steps > 0:  # the first step includes compilation
-            decode_time += time.perf_counter() - t0
-            decode_tokens += len(active)
-        steps += 1
-        for i, r in active:
-            length[r] += 1
-            if done(r):
-                allocator.finish(r)
-                slots[i] = None
-        progress.update(len(active), f"active {len(active)} waiting {len(waiting)} "
-                                     f"pages {allocator.num_used}/{num_pages}", warm=steps == 1)
+            tokens[0, :n] = turn_tokens[r][first:first + n]
+            tokens = jnp.asarray(tokens)
+            if first == 0 and r in carried:  # the turn before's last token, on the device
+                tokens = tokens.at[0, :1].set(carried.pop(r))
+            if (s, max_prefix) not in shapes:
+                shapes.add((s, max_prefix))
+                progress.update(info=f"a new chunk shape, compiled once: {s} tokens over "
+                                f"max_prefix {max_prefix}", force=True)
+            positions = np.arange(position, position + s, dtype=np.int32)[None]
+            out, caches = prefill(state, tokens, jnp.asarray(positions),
+                                  jnp.asarray(allocator.block_table([r], width)),
+                                  jnp.asarray([position], np.int32), jnp.asarray([n], np.int32),
+                                  caches, k_scales, max_prefix=max_prefix)
+            num_chunks += 1
+            length[r] = position + n
+            if not chunks[r]:  # the turn's last chunk: its first generated token
+                prefilling.popleft()
+                row_tokens = row_tokens.at[i].set(out[0])
+                unread.append((out, [(0, r)]))
+                chunks[r] = None
+                generated[r] = 1
+                if generated[r] >= turns[r][turn[r]][1]:
+                    end_turn(i, r)
+            progress.update(prefilled=n, info=status())
+        active = [(i, r) for i, r in enumerate(slots) if r is not None and chunks[r] is None]
+        if active:
+            # One decode step over every row (idle rows: seq_len 0, their writes dropped).
+            positions = np.full(args.batch, -1, np.int32)
+            seq_lens = np.zeros(args.batch, np.int32)
+            table = np.full((args.batch, max_pages), -1, np.int32)
+            for i, r in active:
+                allocations += len(allocator.grow(r, length[r] + 1))
+                positions[i], seq_lens[i] = length[r], length[r] + 1
+                table[i] = allocator.block_table([r], max_pages)[0]
+            t0 = time.perf_counter()
+            row_tokens, _, caches = decode(state, row_tokens, jnp.asarray(positions),
+                                           jnp.asarray(table), jnp.asarray(seq_lens), caches,
+                                           k_scales)
+            if args.sync_each_step:
+                unread.append((None, active))
+                read_tokens()
+            else:
+                read_tokens()  # the steps before this one: this one runs on meanwhile
+                unread.append((None, active))
+            # Timed: the steps after the first with no prefill chunk just before them.
+            if steps > 0 and not chunk_now and not chunk_before:
+                decode_time += time.perf_counter() - t0
+                decode_tokens += len(active)
+                timed += 1
+            steps += 1
+            for i, r in active:
+                length[r] += 1
+                generated[r] += 1
+                if generated[r] >= turns[r][turn[r]][1]:
+                    end_turn(i, r)
+            progress.update(decoded=len(active), info=status())
+        chunk_before = chunk_now
     read_tokens()
     progress.close()
     elapsed = time.perf_counter() - start
-    total = sum(len(o) for o in outputs.values())
+    out_total = sum(len(o) for o in outputs.values())
     assert allocator.num_free == num_pages and not allocator.requests, "pages leaked"
     print(f"implementation={impl} kv_cache_dtype={args.kv_cache_dtype} layers={cfg.num_layers} "
           f"requests={args.requests} "
           f"batch={args.batch} pages={num_pages} ({allocations} page allocations: freed pages "
           f"reused {max(0, allocations - num_pages)} times, none leaked); the decode ran "
           f"{impl_words}")
-    print(f"generated {total} tokens in {elapsed:.2f} s: {total / elapsed:.1f} tok/s overall, "
-          f"{decode_tokens / max(decode_time, 1e-9):.1f} tok/s in {steps - 1} timed decode steps")
+    print(f"prefilled {progress.prefilled} tokens in {num_chunks} chunks of at most {chunk}, each "
+          f"over its request's cached prefix ({len(shapes)} chunk shapes)")
+    print(f"generated {out_total} tokens in {elapsed:.2f} s: {out_total / elapsed:.1f} tok/s "
+          f"overall, {decode_tokens / max(decode_time, 1e-9):.1f} tok/s in {timed} timed decode "
+          f"steps (of {steps}: those after the first with no prefill chunk around them)")
     for r in range(args.requests):
-        shown = " ".join(map(str, outputs[r][:8])) + (" ..." if len(outputs[r]) > 8 else "")
-        print(f"  request {r}: prompt {prompt_lens[r]} tokens, {len(outputs[r])} generated: "
-              f"{shown}")
+        done = 0
+        for k, (user, n) in enumerate(turns[r]):
+            tokens = outputs[r][done:done + n]
+            done += n
+            shown = " ".join(map(str, tokens[:8])) + (" ..." if len(tokens) > 8 else "")
+            head = (f"  request {r}: prompt {len(user)} tokens" if k == 0 else
+                    f"    turn {k + 1}: {len(user)} user tokens (+ the last reply token) over a "
+                    f"cached prefix of {prefixes[r][k]} tokens, not prefilled again")
+            print(f"{head}, {len(tokens)} generated: {shown}")
     return outputs
 
 
@@ -342,6 +513,8 @@ def parse_args(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--implementation", choices=["custom_call", "reference"], default=None,
                    help="mla_decode's path; unset: FlashMLA on a Hopper GPU, else the reference")
+    p.add_argument("--prefill-implementation", choices=["cudnn", "xla"], default=None,
+                   help="mla_prefill's path; unset: cuDNN on a Hopper GPU, else pure JAX")
     p.add_argument("--kv-cache-dtype", choices=sorted(KV_CACHE_DTYPES), default="bfloat16",
                    help="the paged cache's dtype (fp8: e4m3 with a per-layer scale)")
     p.add_argument("--layers", type=int, default=2, help="decoder layers")
@@ -349,7 +522,16 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=4, help="decode rows (max concurrent requests)")
     p.add_argument("--min-prompt", type=int, default=8, help="shortest prompt, in tokens")
     p.add_argument("--max-prompt", type=int, default=100, help="longest prompt, in tokens")
-    p.add_argument("--max-new", type=int, default=24, help="max generated tokens per request")
+    p.add_argument("--max-new", type=int, default=24,
+                   help="max generated tokens per request and turn")
+    p.add_argument("--prefill-chunk", type=int, default=2048,
+                   help=f"most tokens prefilled at a time (a multiple of {PREFILL_BUCKET}); "
+                        "decode steps of the other requests run between two chunks")
+    p.add_argument("--turns", type=int, default=1,
+                   help="turns per request: each after the first adds user tokens to the "
+                        "conversation, prefilled over its cache")
+    p.add_argument("--turn-tokens", type=int, default=64,
+                   help="most user tokens of a turn after the first")
     p.add_argument("--num-pages", type=int, default=0,
                    help="page pool size; 0: tight, about 3/4 of what all rows could hold")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the requests")
@@ -358,15 +540,27 @@ def parse_args(argv=None):
                    help="read each decode step's tokens before launching the next (default: "
                         "launch the next step first)")
     args = p.parse_args(argv)
-    for name in ("layers", "requests", "batch", "min_prompt", "max_new"):
+    for name in ("layers", "requests", "batch", "min_prompt", "max_new", "turns", "turn_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.max_prompt < args.min_prompt:
         p.error("--max-prompt must be >= --min-prompt")
-    longest = int(pages_for_tokens(args.max_prompt + args.max_new))
+    if args.prefill_chunk < 1 or args.prefill_chunk % PREFILL_BUCKET:
+        p.error(f"--prefill-chunk must be a positive multiple of {PREFILL_BUCKET}; got "
+                f"{args.prefill_chunk}")
+    tokens = args.max_prompt + args.max_new
+    what = "--max-prompt + --max-new"
+    if args.turns > 1:
+        tokens += (args.turns - 1) * (args.turn_tokens + args.max_new)
+        what += f" over {args.turns} turns of up to --turn-tokens"
+    positions = ModelConfig().attention.max_position_embeddings
+    if tokens > positions:
+        p.error(f"a request of {what} = {tokens} tokens exceeds the model's "
+                f"{positions} positions")
+    longest = int(pages_for_tokens(tokens))
     if args.num_pages < 0 or 0 < args.num_pages < longest:
-        p.error(f"--num-pages {args.num_pages} cannot hold a request of --max-prompt + --max-new "
-                f"= {args.max_prompt + args.max_new} tokens ({longest} pages of 64)")
+        p.error(f"--num-pages {args.num_pages} cannot hold a request of {what} = {tokens} "
+                f"tokens ({longest} pages of 64)")
     return args
 
 

@@ -1,0 +1,234 @@
+"""Chunked prefill: serving.plan_chunks and serving.length_bucket, a prompt prefilled chunk by
+chunk through the layer's extend against the prompt prefilled at once, and the served
+example (examples/serve_deepseek_mla.py) with chunks and with a second turn over the cache."""
+import dataclasses
+import importlib.util
+import io
+import pathlib
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("flax")
+
+from jax_flashmla.cache import PagedKVCache  # noqa: E402
+from jax_flashmla.serving import block_table_from_pages, length_bucket, plan_chunks  # noqa: E402
+
+
+def load_example():
+    name = "serve_deepseek_mla"
+    if name not in sys.modules:
+        path = pathlib.Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+# -- the helpers' contracts -------------------------------------------------------------------
+
+@pytest.mark.parametrize("num_tokens,chunk_size,start",
+                         [(150, 48, 0), (128, 64, 0), (1, 64, 0), (64, 64, 0), (65, 64, 0),
+                          (0, 64, 0), (37, 16, 100), (32768, 2048, 0), (5, 1, 7)])
+def test_plan_chunks_cover_the_tokens_exactly(num_tokens, chunk_size, start):
+    chunks = plan_chunks(num_tokens, chunk_size, start=start)
+    assert all(isinstance(p, int) and isinstance(n, int) for p, n in chunks)
+    covered = [t for p, n in chunks for t in range(p, p + n)]
+    assert covered == list(range(start, start + num_tokens))  # in order, no gap, no overlap
+    assert all(n == chunk_size for _, n in chunks[:-1])
+    assert all(1 <= n <= chunk_size for _, n in chunks)
+    assert len(chunks) == -(-num_tokens // chunk_size)
+
+
+def test_plan_chunks_rejects_bad_arguments():
+    for args, kwargs in (((-1, 4), {}), ((4, 0), {}), ((4, 2), {"start": -1}), ((4.0, 2), {}),
+                         ((True, 2), {})):
+        with pytest.raises(ValueError, match="plan_chunks"):
+            plan_chunks(*args, **kwargs)
+
+
+def test_length_bucket():
+    assert [length_bucket(n) for n in (0, 1, 63, 64, 65, 128, 129, 5000)] == [
+        0, 64, 64, 64, 128, 128, 256, 8192]
+    assert length_bucket(3, minimum=1) == 4 and length_bucket(1, minimum=1) == 1
+    # Past step, multiples of step: the padding stays under step.
+    assert [length_bucket(n, step=8192) for n in (8192, 8193, 20000, 32768, 32769)] == [
+        8192, 16384, 24576, 32768, 40960]
+    # A chunk's padded length never passes the chunk size, a multiple of minimum.
+    assert [length_bucket(n, step=256) for n in (6, 100, 129, 256)] == [64, 128, 256, 256]
+    assert [length_bucket(n, step=384) for n in (200, 300, 384)] == [256, 384, 384]
+    with pytest.raises(ValueError, match="length_bucket"):
+        length_bucket(-1)
+    with pytest.raises(ValueError, match="length_bucket"):
+        length_bucket(4, minimum=0)
+    with pytest.raises(ValueError, match="length_bucket"):
+        length_bucket(4, step=0)
+
+
+def test_length_buckets_are_few_and_cover_every_length():
+    lengths = np.arange(0, 65537)
+    for step in (None, 8192):
+        buckets = np.array([length_bucket(int(n), step=step) for n in lengths])
+        assert np.all(buckets >= lengths) and np.all(np.diff(buckets) >= 0)
+        # 0, then 64 .. 65536 (11), or 64 .. 8192 (8) and 7 multiples of 8192 past it
+        assert len(set(buckets.tolist())) == (12 if step is None else 16), step
+        if step:
+            assert np.all(buckets[lengths > step] - lengths[lengths > step] < step)
+
+
+# -- chunks against the prompt at once, through the example's model ----------------------------
+
+def prefill_chunks(prefill, state, caches, prompt, chunk, table, max_prefix):
+    """The prompt through the example's jitted prefill (TinyDeepSeek.extend), chunk by chunk,
+    each chunk of `chunk` tokens (the last padded to it) with the one static max_prefix;
+    returns (the next token, caches)."""
+    for position, n in plan_chunks(len(prompt), chunk):
+        tokens = np.zeros((1, chunk), np.int32)
+        tokens[0, :n] = prompt[position:position + n]
+        positions = np.arange(position, position + chunk, dtype=np.int32)[None]
+        token, caches = prefill(state, jnp.asarray(tokens), jnp.asarray(positions), table,
+                                jnp.asarray([position], np.int32), jnp.asarray([n], np.int32),
+                                caches, None, max_prefix=max_prefix)
+    return token, caches
+
+
+def greedy_decode(decode, state, token, length, caches, table, steps):
+    """steps greedy tokens from the token after a `length`-token cache; also the logits."""
+    tokens, logits = [], []
+    for _ in range(steps):
+        token, step_logits, caches = decode(state, token, jnp.asarray([length], np.int32), table,
+                                            jnp.asarray([length + 1], np.int32), caches, None)
+        tokens.append(int(token[0]))
+        logits.append(np.asarray(step_logits[0]))
+        length += 1
+    return tokens, np.stack(logits)
+
+
+def bf16_ulps(a, b):
+    """Elementwise distance of two bfloat16 arrays in units in the last place."""
+    a, b = (np.asarray(x).view(np.int16).astype(np.int32) for x in (a, b))
+    # Sign-magnitude to a monotone integer line.
+    a, b = (np.where(x < 0, -32768 - x, x) for x in (a, b))
+    return np.abs(a - b)
+
+
+def test_a_prompt_prefilled_in_chunks_decodes_as_the_prompt_prefilled_at_once():
+    """150 tokens in chunks of 48 (boundaries at 48, 96, 144, inside pages: the chunks at 48
+    and 96 cross into the next page) through the layer's extend, each chunk over its prefix
+    read from the paged bf16 cache, against the prompt at once (extend over no prefix), then
+    8 greedy decode steps from each cache.
+
+    Layer 0's rows depend on their token alone (its embedding's projection): they are bit for
+    bit the same but for a few elements in 10^5 that the projection's matmul, over 48 rows
+    instead of 192, rounds apart (by one or two bf16 ulps after kv_a_layernorm). Layer 1's
+    rows and the logits depend on attention, whose sums the two orders round differently in
+    bf16: they agree within that rounding (logits 0.03 apart here). The greedy tokens
+    (prefill's, then the decode steps') are the same: this seeded prompt's decode steps have
+    no near tie (their top two logits are 0.076 apart or more)."""
+    ex = load_example()
+    cfg = dataclasses.replace(ex.ModelConfig(), num_layers=2)
+    num_pages, length, steps = 6, 150, 8
+    graphdef, state, _, _ = ex.build(cfg, num_pages, seed=1)
+    prefill, decode = ex.make_steps(graphdef, "reference")
+    prompt = np.random.default_rng(7).integers(0, cfg.vocab_size, length).astype(np.int32)
+    # Pages out of order, as a pool hands them out: 4 pages, room for max_prefix 256.
+    table = jnp.asarray(block_table_from_pages([[4, 1, 3, 0]], 4))
+    runs = {}
+    # In chunks of 48, each over max_prefix 256 (a bucket past every prefix, 0 included);
+    # at once: a chunk of 192 over no prefix.
+    for chunk, max_prefix in ((48, 256), (192, 0)):
+        caches = tuple(PagedKVCache.create(num_pages, jnp.bfloat16) for _ in range(2))
+        token, caches = prefill_chunks(prefill, state, caches, prompt, chunk, table, max_prefix)
+        rows = [np.asarray(c.data) for c in caches]
+        tokens, logits = greedy_decode(decode, state, token, length, caches, table, steps)
+        runs[chunk] = [int(token[0])] + tokens, rows, logits
+    (tokens, rows, logits), (tokens_once, rows_once, logits_once) = runs[48], runs[192]
+    ulps = bf16_ulps(rows[0], rows_once[0])
+    assert ulps.max() <= 2 and np.mean(ulps > 0) < 1e-4, (ulps.max(), np.mean(ulps > 0))
+    np.testing.assert_allclose(rows[1].astype(np.float32), rows_once[1].astype(np.float32),
+                               atol=0.07, rtol=0.02)
+    used = np.any(rows[0].astype(np.float32) != 0, axis=(1, 2, 3))
+    assert used.tolist() == [False, True, False, True, True, False]  # its pages 4, 1, 3 only
+    difference = np.abs(logits - logits_once).max()
+    assert difference < 0.1
+    top_two = np.sort(logits_once, axis=-1)[:, -2:]
+    margin = np.min(top_two[:, 1] - top_two[:, 0])
+    assert tokens == tokens_once, (f"greedy tokens differ: logits {difference:.3f} apart, the "
+                                   f"top two at least {margin:.3f}")
+
+
+# -- the served example --------------------------------------------------------------------------
+
+# One page pool for every run, so that the runs share their compiled chunk shapes.
+SMALL = ["--implementation", "reference", "--layers", "1", "--requests", "3", "--batch", "2",
+         "--min-prompt", "65", "--max-prompt", "110", "--max-new", "4", "--num-pages", "8"]
+
+
+def test_example_tokens_do_not_depend_on_the_chunk_size():
+    """Chunks of 64 (prompts of 65-110 tokens in 2 chunks, a decode step between them) give
+    the tokens of chunks of 128 (each prompt at once)."""
+    ex = load_example()
+    chunked = ex.serve(ex.parse_args(SMALL + ["--prefill-chunk", "64", "--quiet"]))
+    assert chunked == ex.serve(ex.parse_args(SMALL + ["--prefill-chunk", "128", "--quiet"]))
+    assert len(chunked) == 3 and all(2 <= len(o) <= 4 for o in chunked.values())
+
+
+def test_example_second_turn_extends_the_cached_conversation(capsys):
+    """With --turns 2 each request's second turn prefills only its new tokens over the first
+    turn's cache; its first turn's tokens are those of the one-turn run. Progress is printed
+    from the first line on, counting prefill and decode tokens."""
+    ex = load_example()
+    argv = SMALL + ["--prefill-chunk", "64", "--turn-tokens", "20"]
+    two = ex.serve(ex.parse_args(argv + ["--turns", "2"]))
+    out, err = capsys.readouterr()
+    turns = ex.make_requests(ex.parse_args(argv + ["--turns", "2"]), ex.ModelConfig().vocab_size)
+    one = ex.serve(ex.parse_args(argv + ["--quiet"]))
+    for r, ((prompt, first), (user, second)) in enumerate(turns):
+        assert len(two[r]) == first + second
+        assert two[r][:first] == one[r]
+        # The second turn started over prompt + the first turn's tokens but its last.
+        prefix = len(prompt) + first - 1
+        assert (f"    turn 2: {len(user)} user tokens (+ the last reply token) over a cached "
+                f"prefix of {prefix} tokens, not prefilled again, {second} generated") in out
+        assert f"request {r} turn 2: prefilling only its {len(user) + 1} new tokens" in err
+    lines = err.splitlines()
+    assert lines[0].startswith("serving 3 requests (2 turn(s) each")
+    total = sum(len(p) + len(u) + 1 for (p, _), (u, _) in turns)
+    assert f"prefill 0/{total} tok" in lines[1] and "decode 0/" in lines[1]
+    assert f"prefill {total}/{total} tok" in lines[-1] and "done" in lines[-1]
+    assert "none leaked" in out
+
+
+def test_example_argument_errors(capsys):
+    ex = load_example()
+    assert ex.parse_args(["--max-prompt", "32768"]).max_prompt == 32768  # the model has room
+    for argv, message in ((["--prefill-chunk", "100"], "--prefill-chunk must be a positive "
+                                                       "multiple of 64"),
+                          (["--max-prompt", "65536"], "exceeds the model's 65536 positions"),
+                          (["--turns", "0"], "--turns must be >= 1"),
+                          (["--turns", "3", "--num-pages", "2"],
+                           "--num-pages 2 cannot hold a request of --max-prompt + --max-new over "
+                           "3 turns of up to --turn-tokens = 300 tokens")):
+        with pytest.raises(SystemExit):
+            ex.parse_args(argv)
+        assert message in capsys.readouterr().err, argv
+
+
+def test_progress_counts_from_the_start():
+    """The line is printed when made and counts every token since, the first (compiling)
+    update's included."""
+    ex = load_example()
+    stream = io.StringIO()
+    progress = ex.Progress(300, 40, stream=stream, interval=0.0)
+    progress.update(prefilled=128, info="compiling")
+    progress.update(decoded=3, info="active 2")
+    progress.note("a note")
+    progress.close()
+    lines = stream.getvalue().splitlines()
+    assert "prefill 0/300 tok" in lines[0] and "decode 0/40 tok" in lines[0]
+    assert "prefill 128/300 tok" in lines[1] and "compiling" in lines[1]
+    assert "prefill 128/300 tok" in lines[2] and "decode 3/40 tok" in lines[2]
+    assert lines[3] == "a note" and "decode 3/40 tok" in lines[4] and "done" in lines[4]
