@@ -122,16 +122,18 @@ class TinyDeepSeek(nnx.Module):
         return self.lm_head(self.norm(x)), tuple(new_caches)
 
     def extend(self, tokens, positions, block_table, prefix_lens, lengths, caches, k_scales=None,
-               *, max_prefix, implementation=None):
+               *, max_prefix, implementation=None, decode_implementation=None):
         """New tokens over each request's cached prefix (a prompt's chunk, a turn), their rows
         written into the caches. tokens, positions (b, s) int32 (positions prefix_lens + 0..);
         block_table (b, >= ceil(max_prefix / 64) and covering the new tokens) int32;
         prefix_lens, lengths (b,) int32 (lengths: the real tokens of each row); max_prefix a
         static bucket >= prefix_lens; k_scales as in decode -> (logits (b, s, vocab) f32,
-        caches). implementation: mla_prefill's."""
+        caches). implementation: mla_prefill's (long chunks); decode_implementation:
+        mla_decode's (short ones, which the layer attends in the absorbed form)."""
         return self._run(tokens, lambda attn, x, kv, k_scale: attn.extend(
             x, positions, kv, block_table, prefix_lens, max_prefix=max_prefix, lengths=lengths,
-            k_scale=k_scale, implementation=implementation), caches, k_scales)
+            k_scale=k_scale, implementation=implementation,
+            decode_implementation=decode_implementation), caches, k_scales)
 
     def decode(self, tokens, positions, block_table, seq_lens, caches, k_scales=None, *,
                implementation=None):
@@ -160,16 +162,18 @@ def build(cfg, num_pages, seed=0, dtype=jnp.bfloat16, kv_cache_dtype=jnp.bfloat1
 
 
 @functools.partial(jax.jit, donate_argnums=(6,),
-                   static_argnames=("graphdef", "max_prefix", "implementation"))
+                   static_argnames=("graphdef", "max_prefix", "implementation",
+                                    "decode_implementation"))
 def prefill_step(state, tokens, positions, block_table, prefix_lens, lengths, caches, k_scales, *,
-                 graphdef, max_prefix, implementation=None):
+                 graphdef, max_prefix, implementation=None, decode_implementation=None):
     """One chunk through TinyDeepSeek.extend (max_prefix 0: new prompts, no cache read), the
     caches donated -> (the greedy token after each row's last real token, caches): the next
     token when the chunk ends the row's new tokens. Jitted once per process for a model
     structure (graphdef), so that serve() called again compiles no chunk shape twice."""
     logits, caches = nnx.merge(graphdef, state).extend(
         tokens, positions, block_table, prefix_lens, lengths, caches, k_scales,
-        max_prefix=max_prefix, implementation=implementation)
+        max_prefix=max_prefix, implementation=implementation,
+        decode_implementation=decode_implementation)
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
     return jnp.argmax(last, axis=-1).astype(jnp.int32), caches
 
@@ -178,7 +182,8 @@ def make_steps(graphdef, implementation=None, token_queue=None, prefill_implemen
     """(prefill, decode) over (state, ...), jitted with the caches donated.
 
     prefill(state, tokens, positions, block_table, prefix_lens, lengths, caches, k_scales, *,
-    max_prefix) is prefill_step with implementation prefill_implementation (mla_prefill's).
+    max_prefix) is prefill_step with implementation prefill_implementation (mla_prefill's) and
+    decode_implementation implementation.
     decode(state, tokens, positions, block_table, seq_lens, caches, k_scales) -> (tokens,
     logits, caches) is one greedy decode step (implementation: mla_decode's); it pushes its
     tokens to token_queue (a jax_flashmla.serving.HostQueue) where one is given."""
@@ -193,7 +198,8 @@ def make_steps(graphdef, implementation=None, token_queue=None, prefill_implemen
         return tokens, logits[:, 0], caches
 
     prefill = functools.partial(prefill_step, graphdef=graphdef,
-                                implementation=prefill_implementation)
+                                implementation=prefill_implementation,
+                                decode_implementation=implementation)
     return prefill, jax.jit(decode, donate_argnums=(5,))
 
 

@@ -80,3 +80,50 @@ def test_extend_matches_hf_with_a_dynamic_cache(case):
     rows = np.asarray(kv[np.asarray(table)[:, :4]].reshape(b, 256, 576).astype(jnp.float32))
     for i, (p, n) in enumerate(zip(prefix_lens, new_lens)):
         assert np.isfinite(rows[i, :p + n]).all() and np.abs(rows[i, p:p + n]).sum() > 0
+
+
+@pytest.mark.parametrize("form,decode_implementation", [("expanded", None),
+                                                        ("absorbed", "reference"),
+                                                        ("absorbed", "custom_call")])
+def test_both_forms_match_hf_in_bf16(form, decode_implementation):
+    """A bf16 layer's extend in either form, the absorbed one through mla_decode (its pure-JAX
+    reference and its C++ model), against HF in float32: bf16's precision, as decode's."""
+    config = hf_config(**CASES["q_lora_yarn"])
+    attn = hf_attention(config)
+    layer = flax_layer(config, attn, dtype=jnp.bfloat16)
+    prefix_lens, new_lens = [70, 0, 130], [9, 33, 64]
+    rng = np.random.default_rng(3)
+    seqs = [rng.standard_normal((1, p + n, config.hidden_size)).astype(np.float32)
+            for p, n in zip(prefix_lens, new_lens)]
+    table = block_tables([p + n for p, n in zip(prefix_lens, new_lens)], 4, 16)
+    kv = jnp.zeros((16, 64, 1, 576), jnp.bfloat16)
+    b, s_pre, s_new = 3, max(prefix_lens), max(new_lens)
+    pre_x = np.zeros((b, s_pre, config.hidden_size), np.float32)
+    new_x = np.zeros((b, s_new, config.hidden_size), np.float32)
+    for i, (x, p, n) in enumerate(zip(seqs, prefix_lens, new_lens)):
+        pre_x[i, :p], new_x[i, :n] = x[0, :p], x[0, p:]
+    pre_pos = jnp.broadcast_to(jnp.arange(s_pre, dtype=jnp.int32), (b, s_pre))
+    real = np.arange(s_pre)[None, :] < np.asarray(prefix_lens)[:, None]
+    _, kv = layer.prefill(jnp.asarray(pre_x), pre_pos, kv,
+                          jnp.where(real, jf.token_slots(table, pre_pos), -1))
+    new_pos = jnp.asarray(prefix_lens, jnp.int32)[:, None] + jnp.arange(s_new, dtype=jnp.int32)
+    out, _ = layer.extend(jnp.asarray(new_x), new_pos, kv, table,
+                          jnp.asarray(prefix_lens, jnp.int32), max_prefix=192,
+                          lengths=jnp.asarray(new_lens, jnp.int32), form=form,
+                          decode_implementation=decode_implementation)
+    for i, (x, p, n) in enumerate(zip(seqs, prefix_lens, new_lens)):
+        assert rel_err(out[i, :n], hf_extend(config, attn, x[:, :p], x[:, p:])) < 3e-2
+        assert np.all(np.isfinite(np.asarray(out[i])))
+
+
+def test_the_form_chosen_for_a_chunk():
+    config = hf_config(48)
+    attn = hf_attention(config)
+    bf16, f32 = flax_layer(config, attn, dtype=jnp.bfloat16), flax_layer(config, attn)
+    assert bf16._extend_form(None, 64) == "absorbed"  # 4 heads: 256 query rows
+    assert bf16._extend_form(None, 1024) == "expanded"  # past ABSORBED_MAX_TOKENS
+    assert f32._extend_form(None, 64) == "expanded"  # mla_decode takes bf16 / fp16 only
+    with pytest.raises(ValueError, match="form must be None, 'absorbed' or 'expanded'"):
+        bf16._extend_form("latent", 64)
+    with pytest.raises(ValueError, match=r"132 \* 64 query rows"):
+        bf16._extend_form("absorbed", 4096)

@@ -92,3 +92,34 @@ def test_a_128k_prompt_at_128_heads():
                                atol=2e-2, rtol=2e-2)
     np.testing.assert_allclose(np.asarray(lse[0, :, -last:]), np.asarray(want_lse), rtol=1e-3)
     assert np.isfinite(np.asarray(lse)).all()
+
+
+@pytest.mark.parametrize("fp8_cache", [False, True], ids=["bf16", "fp8"])
+def test_the_layers_two_forms_agree(fp8_cache):
+    """The Flax layer's extend of a ragged batch over cached prefixes: the absorbed form
+    (FlashMLA's decode) against the expanded one (cuDNN), both in bf16. With an FP8 cache the
+    absorbed form's q is quantized to FP8 too (FlashMLA's FP8 decode): a looser tolerance."""
+    import flax.nnx as nnx
+
+    from jax_flashmla.flax import MLAConfig, MultiHeadLatentAttention
+    config = MLAConfig(hidden_size=512, num_heads=16, q_lora_rank=96)
+    layer = MultiHeadLatentAttention(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
+                                     param_dtype=jnp.bfloat16)
+    prefix_lens = jnp.asarray([0, 63, 1000, 4000], jnp.int32)
+    lengths = jnp.asarray([64, 1, 37, 64], jnp.int32)
+    table = jnp.arange(4 * 64, dtype=jnp.int32).reshape(4, 64)
+    dtype, k_scale = (jnp.float8_e4m3fn, jnp.float32(0.05)) if fp8_cache else (jnp.bfloat16, None)
+    kv = jnp.zeros((256, 64, 1, 576), dtype)
+    key = jax.random.split(jax.random.key(1), 2)
+    prefix = jax.random.normal(key[0], (4, 4000, 512), jnp.bfloat16)
+    pos = jnp.broadcast_to(jnp.arange(4000, dtype=jnp.int32), (4, 4000))
+    slots = jnp.where(pos < prefix_lens[:, None], jf.token_slots(table, pos), -1)
+    _, kv = layer.prefill(prefix, pos, kv, slots, k_scale=k_scale)
+    x = jax.random.normal(key[1], (4, 64, 512), jnp.bfloat16)
+    new_pos = prefix_lens[:, None] + jnp.arange(64, dtype=jnp.int32)
+    outs = {form: layer.extend(x, new_pos, kv, table, prefix_lens, max_prefix=4096,
+                               lengths=lengths, k_scale=k_scale, form=form)[0]
+            for form in ("absorbed", "expanded")}
+    for i, n in enumerate(np.asarray(lengths)):
+        a, e = (np.asarray(outs[f][i, :n], np.float32) for f in ("absorbed", "expanded"))
+        assert np.linalg.norm(a - e) / np.linalg.norm(e) < (1e-1 if fp8_cache else 3e-2), i

@@ -15,6 +15,7 @@ import math
 import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_flashmla import cache, ops, prefill, validation
 from jax_flashmla.flax import rope
@@ -116,6 +117,12 @@ class MLAConfig:
                    max_position_embeddings=get("max_position_embeddings", 163840),
                    rope_interleave=bool(get("rope_interleave", True)),
                    attention_bias=bool(get("attention_bias", False)))
+
+
+# Extend takes the absorbed form (mla_decode) up to this many new tokens per row where
+# FlashMLA's decode takes them: on an H200 it ran 2.7-10x the expanded form's speed at chunks
+# of 64 over prefixes of 4k-120k (16 and 128 heads), 1.2-1.3x at 512 (16 heads).
+ABSORBED_MAX_TOKENS = 512
 
 
 class RMSNorm(nnx.Module):
@@ -239,10 +246,11 @@ class MultiHeadLatentAttention(nnx.Module):
         return out, kv_cache
 
     def extend(self, hidden_states, positions, kv_cache, block_table, prefix_lens, *, max_prefix,
-               lengths=None, slots=None, k_scale=None, implementation=None):
+               lengths=None, slots=None, k_scale=None, form=None, implementation=None,
+               decode_implementation=None):
         """New tokens of requests whose first prefix_lens tokens are in the paged cache (a
-        prompt's next chunk, a conversation's next turn): attends them to that prefix and
-        causally to themselves, then writes their rows into the cache.
+        prompt's next chunk, a conversation's next turn): writes their rows into the cache and
+        attends them to that prefix and causally to themselves.
 
         Args:
           hidden_states: (b, s, hidden_size) new tokens, right-padded to s.
@@ -255,7 +263,13 @@ class MultiHeadLatentAttention(nnx.Module):
           slots: (b, s) int32 cache slots of the new tokens; by default
             jax_flashmla.token_slots(block_table, positions), with padded tokens not written.
           k_scale: with a float8_e4m3fn cache (and only then), its float32 scale.
-          implementation: as in jax_flashmla.mla_prefill.
+          form: "expanded" attends through mla_prefill, keys and values decompressed through
+            kv_b_proj; "absorbed" through mla_decode with s_q = s, q absorbed into the latent
+            space as decode does (s * num_heads <= 132 * 64 query rows, a bf16 / fp16 compute
+            dtype). None picks "absorbed" where it applies and s <= ABSORBED_MAX_TOKENS (the
+            faster there on an H200: benchmarks/results/prefill_h200.md), else "expanded".
+          implementation: the expanded form's, as in jax_flashmla.mla_prefill.
+          decode_implementation: the absorbed form's, as in jax_flashmla.mla_decode.
 
         Returns:
           (out (b, s, hidden_size) in the compute dtype, the updated kv_cache).
@@ -268,11 +282,53 @@ class MultiHeadLatentAttention(nnx.Module):
         if slots is None:
             real = jnp.arange(s)[None, :] < lengths[:, None]
             slots = jnp.where(real, cache.token_slots(block_table, positions), -1)
-        cache_data = getattr(kv_cache, "data", kv_cache)
-        out = self._attend(q_nope, q_pe, latent, k_pe, lengths=lengths, kv_cache=cache_data,
-                           block_table=block_table, prefix_lens=prefix_lens,
-                           max_prefix=max_prefix, k_scale=k_scale, implementation=implementation)
-        return out, _write(kv_cache, slots, latent, k_pe, k_scale)
+        form = self._extend_form(form, s)
+        if form == "expanded":
+            out = self._attend(q_nope, q_pe, latent, k_pe, lengths=lengths,
+                               kv_cache=getattr(kv_cache, "data", kv_cache),
+                               block_table=block_table, prefix_lens=prefix_lens,
+                               max_prefix=max_prefix, k_scale=k_scale,
+                               implementation=implementation)
+            return out, _write(kv_cache, slots, latent, k_pe, k_scale)
+        kv_cache = _write(kv_cache, slots, latent, k_pe, k_scale)
+        attn = self._attend_absorbed(q_nope, q_pe, getattr(kv_cache, "data", kv_cache),
+                                     block_table, prefix_lens, lengths, k_scale,
+                                     decode_implementation)
+        return self._output(attn), kv_cache
+
+    def _extend_form(self, form, s):
+        fits = (s * self.config.num_heads <= validation.DEFAULT_NUM_SMS * validation.QUERY_TILE_ROWS
+                and np.dtype(self.dtype) in validation.SUPPORTED_DTYPES)
+        if form is None:
+            return "absorbed" if fits and s <= ABSORBED_MAX_TOKENS else "expanded"
+        if form not in ("absorbed", "expanded"):
+            raise ValueError(f"form must be None, 'absorbed' or 'expanded'; got {form!r}")
+        if form == "absorbed" and not fits:
+            raise ValueError(
+                f"form='absorbed' needs s * num_heads <= 132 * 64 query rows (FlashMLA's decode "
+                f"schedules one 64-row tile per SM) and a bf16 / fp16 compute dtype; got s = {s}, "
+                f"num_heads = {self.config.num_heads}, dtype {np.dtype(self.dtype)}")
+        return form
+
+    def _attend_absorbed(self, q_nope, q_pe, cache_data, block_table, prefix_lens, lengths,
+                         k_scale, implementation):
+        """mla_decode over the cache holding the new rows: its causal mask aligns the queries
+        to the end of seq_lens, so each row's tokens are moved to the end of its s_q window and
+        back. Returns the attention (b, s, h, v_head_dim) before W_O."""
+        b, s = lengths.shape[0], q_nope.shape[1]
+        shift = (s - jnp.clip(lengths, 0, s))[:, None]
+        index = jnp.arange(s)[None, :]
+        take = lambda x, i: jnp.take_along_axis(x, jnp.clip(i, 0, s - 1)[:, :, None, None],  # noqa: E731
+                                                axis=1)
+        q = self.absorbed_query(q_nope, q_pe)
+        q = take(q, index - shift).astype(cache_data.dtype if k_scale is None else jnp.bfloat16)
+        out, _ = ops.mla_decode(q, cache_data, block_table, prefix_lens + lengths,
+                                softmax_scale=self.config.softmax_scale, causal=True,
+                                implementation=implementation, k_scale=k_scale)
+        out = take(out, index + shift)
+        out = jnp.where((index < lengths[:, None])[:, :, None, None], out, 0)
+        _, w_uv = self._kv_b_split()
+        return jnp.einsum("bshc,chd->bshd", out.astype(self.dtype), w_uv)
 
     def _attend(self, q_nope, q_pe, latent, k_pe, *, lengths, implementation, kv_cache=None,
                 block_table=None, prefix_lens=None, max_prefix=0, k_scale=None):
