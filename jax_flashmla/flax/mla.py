@@ -120,8 +120,9 @@ class MLAConfig:
 
 
 # Extend takes the absorbed form (mla_decode) up to this many new tokens per row where
-# FlashMLA's decode takes them: on an H200 it ran 2.7-10x the expanded form's speed at chunks
-# of 64 over prefixes of 4k-120k (16 and 128 heads), 1.2-1.3x at 512 (16 heads).
+# FlashMLA's decode takes them: decompressing the prefix costs the expanded form more than
+# the attention itself at short chunks (benchmarks/results/prefill_h200.md: the absorbed form
+# 3-9x faster at chunks of 64 over prefixes of 4k-120k, 1.2-1.4x at 512 with 16 heads).
 ABSORBED_MAX_TOKENS = 512
 
 
@@ -266,8 +267,8 @@ class MultiHeadLatentAttention(nnx.Module):
           form: "expanded" attends through mla_prefill, keys and values decompressed through
             kv_b_proj; "absorbed" through mla_decode with s_q = s, q absorbed into the latent
             space as decode does (s * num_heads <= 132 * 64 query rows, a bf16 / fp16 compute
-            dtype). None picks "absorbed" where it applies and s <= ABSORBED_MAX_TOKENS (the
-            faster there on an H200: benchmarks/results/prefill_h200.md), else "expanded".
+            dtype). None picks "absorbed" where it applies and s <= ABSORBED_MAX_TOKENS, else
+            "expanded".
           implementation: the expanded form's, as in jax_flashmla.mla_prefill.
           decode_implementation: the absorbed form's, as in jax_flashmla.mla_decode.
 
