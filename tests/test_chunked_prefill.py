@@ -2,10 +2,7 @@
 chunk through the layer's extend against the prompt prefilled at once, and the served
 example (examples/serve_deepseek_mla.py) with chunks and with a second turn over the cache."""
 import dataclasses
-import importlib.util
 import io
-import pathlib
-import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -15,17 +12,9 @@ pytest.importorskip("flax")
 
 from jax_flashmla.cache import PagedKVCache  # noqa: E402
 from jax_flashmla.serving import block_table_from_pages, length_bucket, plan_chunks  # noqa: E402
+from test_flax_mla import load_example  # noqa: E402
 
 
-def load_example():
-    name = "serve_deepseek_mla"
-    if name not in sys.modules:
-        path = pathlib.Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 # -- the helpers' contracts -------------------------------------------------------------------

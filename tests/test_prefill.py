@@ -79,9 +79,10 @@ BAD = {"prefix past max_prefix": ("prefix_lens", 4, 2000), "negative prefix": ("
        "negative page": ("block_table", (5, 7), -5)}
 
 
-@pytest.mark.parametrize("bad", BAD)
-def test_bad_values_give_that_request_an_empty_answer(bad):
-    case = make_case(np.random.default_rng(3), **RAGGED, t=160)
+def check_bad_value(bad, **sizes):
+    """The request given the bad value comes out empty, the others as without it. Returns
+    the case with the bad value and the request's row."""
+    case = make_case(np.random.default_rng(3), **RAGGED, t=160, **sizes)
     good_out, good_lse = call(jf.mla_prefill, case, softmax_scale=SCALE)
     name, index, value = BAD[bad]
     case[name] = case[name].at[index].set(value)
@@ -91,7 +92,13 @@ def test_bad_values_give_that_request_an_empty_answer(bad):
     others = [r for r in range(6) if r != row]
     np.testing.assert_array_equal(np.asarray(out)[others], np.asarray(good_out)[others])
     np.testing.assert_array_equal(np.asarray(lse)[others], np.asarray(good_lse)[others])
+    return case, row
 
+
+@pytest.mark.parametrize("bad", BAD)
+def test_bad_values_give_that_request_an_empty_answer(bad):
+    case, row = check_bad_value(bad)
+    name, _, value = BAD[bad]
     err, (out, _) = checked_call(case)
     with pytest.raises(checkify.JaxRuntimeError, match=rf"{name}\[{row}.* {value} "):
         err.throw()

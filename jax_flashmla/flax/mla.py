@@ -316,7 +316,7 @@ class MultiHeadLatentAttention(nnx.Module):
         """mla_decode over the cache holding the new rows: its causal mask aligns the queries
         to the end of seq_lens, so each row's tokens are moved to the end of its s_q window and
         back. Returns the attention (b, s, h, v_head_dim) before W_O."""
-        b, s = lengths.shape[0], q_nope.shape[1]
+        s = q_nope.shape[1]
         shift = (s - jnp.clip(lengths, 0, s))[:, None]
         index = jnp.arange(s)[None, :]
         take = lambda x, i: jnp.take_along_axis(x, jnp.clip(i, 0, s - 1)[:, :, None, None],  # noqa: E731
