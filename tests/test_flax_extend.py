@@ -127,3 +127,21 @@ def test_the_form_chosen_for_a_chunk():
         bf16._extend_form("latent", 64)
     with pytest.raises(ValueError, match=r"132 \* 64 query rows"):
         bf16._extend_form("absorbed", 4096)
+
+
+@pytest.mark.parametrize("form", ["expanded", "absorbed"])
+def test_extend_writes_the_donated_cache_in_place(form):
+    """Jitted with the cache donated, extend's output cache aliases the input's buffer, and
+    the executable holds no temporary the size of the cache."""
+    config = hf_config(48)
+    layer = flax_layer(config, hf_attention(config), dtype=jnp.bfloat16)
+    kv = jnp.zeros((64, 64, 1, 576), jnp.bfloat16)
+    table = jnp.arange(64, dtype=jnp.int32).reshape(2, 32)
+    x = jnp.zeros((2, 32, config.hidden_size), jnp.float32)
+    prefix = jnp.asarray([100, 0], jnp.int32)
+    pos = prefix[:, None] + jnp.arange(32, dtype=jnp.int32)
+    step = jax.jit(lambda kv, x: layer.extend(x, pos, kv, table, prefix, max_prefix=128,
+                                              form=form)[1], donate_argnums=0)
+    stats = step.lower(kv, x).compile().memory_analysis()
+    assert stats.alias_size_in_bytes >= kv.nbytes
+    assert stats.temp_size_in_bytes < kv.nbytes
