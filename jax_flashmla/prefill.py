@@ -10,8 +10,8 @@ The attention runs in parts merged through their LSEs, as FlashAttention-based s
 engines prefill in chunks: the new tokens over the prefix (no mask), in slices of at most
 PREFIX_SLICE_BYTES of decompressed keys and values, and over themselves (causal). Each part
 is cuDNN's flash attention on a GPU (jax's wrapper of it, which takes v narrower than q and
-k) or, elsewhere, a blockwise pure-JAX attention. Neither holds a (new tokens x keys) array: memory grows
-linearly with the tokens and the prefix.
+k) or, elsewhere, a blockwise pure-JAX attention. Neither holds a (new tokens x keys) array:
+memory grows linearly with the tokens and the prefix.
 """
 import functools
 import math
@@ -39,7 +39,8 @@ def _cudnn_usable():
         from jax._src.cudnn import fused_attention_stablehlo as fa
         device = jax.devices()[0]
         capability = tuple(int(x) for x in str(device.compute_capability).split("."))
-        return device.platform == "gpu" and capability >= (9, 0) and fa.check_cudnn_version() >= 91000
+        return (device.platform == "gpu" and capability >= (9, 0)
+                and fa.check_cudnn_version() >= 91000)
     except Exception:  # noqa: BLE001 - no GPU, no cuDNN, or a jax without the wrapper
         return False
 
@@ -177,7 +178,8 @@ def _bad_rows(block_table, prefix_lens, query_lens, num_pages, max_prefix, t):
 def _check_values(block_table, prefix_lens, query_lens, num_pages, max_prefix, t, k_scale):
     from jax.experimental import checkify
     where = "mla_prefill"
-    for name, lens, bound in (("prefix_lens", prefix_lens, max_prefix), ("query_lens", query_lens, t)):
+    for name, lens, bound in (("prefix_lens", prefix_lens, max_prefix),
+                              ("query_lens", query_lens, t)):
         bad = (lens < 0) | (lens > bound)
         i = jnp.argmax(bad)
         checkify.check(~jnp.any(bad), f"{where}: {name}[{{i}}] = {{value}} is outside [0, {bound}]",
@@ -214,7 +216,8 @@ def _check_args(q, kv, kv_cache, block_table, prefix_lens, query_lens, w_uk, w_u
         raise ValueError(f"{where}: kv must have shape {(b, t, width)} (the new tokens' cache "
                          f"rows: kv_lora_rank latent, then the {rope}-d rope key); got "
                          f"{tuple(kv.shape)}")
-    if not isinstance(max_prefix, (int, np.integer)) or isinstance(max_prefix, bool) or max_prefix < 0:
+    if (not isinstance(max_prefix, (int, np.integer)) or isinstance(max_prefix, bool)
+            or max_prefix < 0):
         raise ValueError(f"{where}: max_prefix must be a non-negative int (static: the prefix "
                          f"keys read per request); got {max_prefix!r}")
     for name, lens in (("prefix_lens", prefix_lens), ("query_lens", query_lens)):
@@ -253,8 +256,9 @@ def mla_prefill(q, kv, kv_cache=None, block_table=None, prefix_lens=None, query_
 
     Args:
       q: (batch, t, h, qk_nope_head_dim + 64) bfloat16 or float16 (float32 with "xla"): each
-        new token's query, its no-rope part then its rope'd part. Row r holds request r's new tokens, which sit
-        at positions [prefix_lens[r], prefix_lens[r] + query_lens[r]), right-padded to t.
+        new token's query, its no-rope part then its rope'd part. Row r holds request r's new
+        tokens, at positions [prefix_lens[r], prefix_lens[r] + query_lens[r]), right-padded
+        to t.
       kv: (batch, t, 576): the new tokens' cache rows (normalised latent, then rope'd key), as
         write_kv stores them, unquantized: the keys of the causal part, taken in q's dtype.
         (Any kv_lora_rank + rope width works; the paged cache's rows are 576 wide.)

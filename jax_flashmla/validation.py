@@ -5,6 +5,7 @@ expected, so that a bad call fails where it is written, not inside the kernel.
 """
 import math
 
+import jax
 import numpy as np
 
 HEAD_DIM = 576  # 512-d latent + 64-d rope key per cache row
@@ -72,8 +73,9 @@ def check_softmax_scale(where, softmax_scale):
 
 
 def check_scale(where, name, scale):
-    """A per-tensor FP8 scale: a float32 array of shape () or (1,). An array, not a Python
-    number, so that a jitted step traces it and serves any scale with one compilation."""
+    """A per-tensor FP8 scale: a float32 array of shape () or (1,), positive and finite where
+    its value is known at trace time. An array, not a Python number, so that a jitted step
+    traces it and serves any scale with one compilation."""
     if not (hasattr(scale, "dtype") and hasattr(scale, "shape")):
         _fail(TypeError, where,
               f"{name} must be a float32 array of shape () or (1,) (an array, so that one "
@@ -83,6 +85,11 @@ def check_scale(where, name, scale):
     if tuple(scale.shape) not in ((), (1,)):
         _fail(ValueError, where, f"{name} must have shape () or (1,) (one scale per tensor); "
                                  f"got {tuple(scale.shape)}")
+    if not isinstance(scale, jax.core.Tracer):  # known now: a traced one is value_checks()'
+        value = float(np.asarray(scale).reshape(()))
+        if not (math.isfinite(value) and value > 0):
+            _fail(ValueError, where, f"{name} must be positive and finite (an FP8 value e "
+                                     f"stands for e * {name}); got {value!r}")
 
 
 def check_metadata_args(seq_lens, num_heads_q, num_q_tokens, num_heads_k):

@@ -60,7 +60,8 @@ def oracle(case, scale):
     b, t, h, _ = q.shape
     out = np.zeros((b, t, h, w_uv.shape[-1]))
     lse = np.full((b, h, t), np.inf)
-    for r, (p, n) in enumerate(zip(np.asarray(case["prefix_lens"]), np.asarray(case["query_lens"]))):
+    lengths = zip(np.asarray(case["prefix_lens"]), np.asarray(case["query_lens"]))
+    for r, (p, n) in enumerate(lengths):
         prefix = np.stack([cache[table[r, i // PAGE], i % PAGE, 0] for i in range(p)]
                           ) if p else np.zeros((0, 576))
         rows = np.concatenate([prefix, kv[r, :n]])

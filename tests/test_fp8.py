@@ -393,3 +393,22 @@ def test_fp8_benchmark_runs_tiny(tmp_path):
                              "3", "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.search(r"guard merged .* per layer .* ratio", result.stdout), result.stdout
+
+
+@pytest.mark.parametrize("value", [0.0, -0.5, float("inf"), float("nan")])
+def test_a_known_bad_scale_is_refused_at_trace_time(value):
+    """A scale whose value is known while tracing (not a traced argument) that is not positive
+    and finite: a ValueError naming it in write_kv, mla_decode and mla_prefill."""
+    scale = jnp.float32(value)
+    cache = jnp.zeros((4, 64, 1, 576), jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"write_kv: scale must be positive and finite.*got"):
+        jf.write_kv(cache, jnp.asarray([3], jnp.int32), kv=jnp.ones((1, 576)), scale=scale)
+    q = jnp.ones((1, 1, 16, 576), jnp.bfloat16)
+    bt, sl = jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32)
+    with pytest.raises(ValueError, match=r"k_scale must be positive and finite"):
+        jax.jit(lambda q: jf.mla_decode(q, cache, bt, sl, k_scale=scale))(q)
+    with pytest.raises(ValueError, match=r"mla_prefill: k_scale must be positive and finite"):
+        jf.mla_prefill(jnp.ones((1, 2, 1, 192), jnp.bfloat16), jnp.ones((1, 2, 576), jnp.bfloat16),
+                       cache, bt, jnp.ones((1,), jnp.int32), w_uk=jnp.ones((512, 1, 128)),
+                       w_uv=jnp.ones((512, 1, 128)), softmax_scale=0.1, max_prefix=64,
+                       k_scale=scale)

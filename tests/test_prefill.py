@@ -73,7 +73,8 @@ def test_chunks_merge_to_the_whole():
                                    atol=1e-2, rtol=1e-2)
 
 
-BAD = {"prefix past max_prefix": ("prefix_lens", 4, 2000), "negative prefix": ("prefix_lens", 4, -1),
+BAD = {"prefix past max_prefix": ("prefix_lens", 4, 2000),
+       "negative prefix": ("prefix_lens", 4, -1),
        "query_len past t": ("query_lens", 4, 161), "negative query_len": ("query_lens", 4, -3),
        "page out of range": ("block_table", (4, 0), 10_000),
        "negative page": ("block_table", (5, 7), -5)}

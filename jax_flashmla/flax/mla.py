@@ -319,8 +319,10 @@ class MultiHeadLatentAttention(nnx.Module):
         s = q_nope.shape[1]
         shift = (s - jnp.clip(lengths, 0, s))[:, None]
         index = jnp.arange(s)[None, :]
-        take = lambda x, i: jnp.take_along_axis(x, jnp.clip(i, 0, s - 1)[:, :, None, None],  # noqa: E731
-                                                axis=1)
+
+        def take(x, i):
+            return jnp.take_along_axis(x, jnp.clip(i, 0, s - 1)[:, :, None, None], axis=1)
+
         q = self.absorbed_query(q_nope, q_pe)
         q = take(q, index - shift).astype(cache_data.dtype if k_scale is None else jnp.bfloat16)
         out, _ = ops.mla_decode(q, cache_data, block_table, prefix_lens + lengths,
