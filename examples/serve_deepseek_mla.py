@@ -18,7 +18,8 @@ admissions reuse. Greedy sampling.
 
 Chunked prefill: a request's new tokens go through the layer's extend at most --prefill-chunk
 at a time (jax_flashmla.serving.plan_chunks), each chunk attending to the request's tokens
-before it, read from the paged cache (jax_flashmla.mla_prefill), and causally to itself; the
+before it, read from the paged cache, and causally to itself (jax_flashmla.mla_prefill; a
+chunk of at most 512 tokens in the absorbed form, through mla_decode); the
 other requests decode between two chunks, so a long prompt does not stall them. Chunks are
 padded and their prefixes bucketed (jax_flashmla.serving.length_bucket), so that the prefill
 compiles a few shapes. Multi-turn (--turns): when a request's turn ends, its next turn's user
