@@ -73,7 +73,7 @@ def _resolve(implementation):
     return implementation
 
 
-def _default_num_sms():
+def default_num_sms():
     device = jax.devices()[0]
     return int(getattr(device, "core_count", 0) or validation.DEFAULT_NUM_SMS)
 
@@ -132,7 +132,7 @@ def get_mla_metadata(seq_lens, *, num_heads_q, num_q_tokens=1, num_heads_k=1, nu
     if num_pages is not None:
         safe_lens = safe_seq_lens(block_table, seq_lens, num_pages)
         seq_lens = safe_lens
-    parts = validation.num_sm_parts(num_sms or _default_num_sms(), num_heads_q, num_q_tokens,
+    parts = validation.num_sm_parts(num_sms or default_num_sms(), num_heads_q, num_q_tokens,
                                     num_heads_k)
     tile_md, num_splits = lowering.bind_metadata(
         seq_lens, num_heads_q=int(num_heads_q), num_q_tokens=int(num_q_tokens),
@@ -254,7 +254,7 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, metadata=None, softmax_sca
                                                    k_scale)
     fp8 = k_scale is not None
     implementation = _resolve(implementation)
-    num_sms = _default_num_sms()
+    num_sms = default_num_sms()
     if metadata is not None:
         validation.check_metadata_matches(metadata, block_table, batch, s_q, h_q, fp8)
     elif implementation == "custom_call":

@@ -266,9 +266,9 @@ class MultiHeadLatentAttention(nnx.Module):
           k_scale: with a float8_e4m3fn cache (and only then), its float32 scale.
           form: "expanded" attends through mla_prefill, keys and values decompressed through
             kv_b_proj; "absorbed" through mla_decode with s_q = s, q absorbed into the latent
-            space as decode does (s * num_heads <= 132 * 64 query rows, a bf16 / fp16 compute
-            dtype). None picks "absorbed" where it applies and s <= ABSORBED_MAX_TOKENS, else
-            "expanded".
+            space as decode does (s * num_heads query rows at most 64 per SM of the GPU, a
+            bf16 / fp16 compute dtype). None picks "absorbed" where it applies and
+            s <= ABSORBED_MAX_TOKENS, else "expanded".
           implementation: the expanded form's, as in jax_flashmla.mla_prefill.
           decode_implementation: the absorbed form's, as in jax_flashmla.mla_decode.
 
@@ -298,7 +298,8 @@ class MultiHeadLatentAttention(nnx.Module):
         return self._output(attn), kv_cache
 
     def _extend_form(self, form, s):
-        fits = (s * self.config.num_heads <= validation.DEFAULT_NUM_SMS * validation.QUERY_TILE_ROWS
+        sms = ops.default_num_sms()
+        fits = (s * self.config.num_heads <= sms * validation.QUERY_TILE_ROWS
                 and np.dtype(self.dtype) in validation.SUPPORTED_DTYPES)
         if form is None:
             return "absorbed" if fits and s <= ABSORBED_MAX_TOKENS else "expanded"
@@ -306,7 +307,7 @@ class MultiHeadLatentAttention(nnx.Module):
             raise ValueError(f"form must be None, 'absorbed' or 'expanded'; got {form!r}")
         if form == "absorbed" and not fits:
             raise ValueError(
-                f"form='absorbed' needs s * num_heads <= 132 * 64 query rows (FlashMLA's decode "
+                f"form='absorbed' needs s * num_heads <= {sms} * 64 query rows (FlashMLA's decode "
                 f"schedules one 64-row tile per SM) and a bf16 / fp16 compute dtype; got s = {s}, "
                 f"num_heads = {self.config.num_heads}, dtype {np.dtype(self.dtype)}")
         return form
