@@ -1,6 +1,7 @@
 """FlashMLA's MLA decode for JAX: jit-native XLA FFI custom calls with a pure-JAX reference,
-prefill and extend over the paged cache (mla_prefill), the paged KV cache around them, and multi-device decode. A serving loop's helpers (pages,
-block tables, batch buckets, decode loops) are in jax_flashmla.serving."""
+prefill and extend over the paged cache (mla_prefill), the paged KV cache around them, and
+multi-device decode. A serving loop's helpers (pages, block tables, batch buckets, chunked
+prefill, decode loops) are in jax_flashmla.serving."""
 from jax_flashmla import serving
 from jax_flashmla.cache import PagedKVCache, token_slots, write_kv
 from jax_flashmla.checks import value_checks
