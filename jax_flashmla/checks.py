@@ -38,7 +38,17 @@ _ENABLED = contextvars.ContextVar("jax_flashmla_value_checks", default=False)
 
 @contextlib.contextmanager
 def value_checks(enabled=True):
-    """Adds the value checks to what is traced inside the block (see the module's doc)."""
+    """Adds the value checks to what is traced inside the block: checkify errors that name the
+    argument, the request and the value (the module's doc lists them). Trace the step inside
+    the block, checkified, and throw its error after each call:
+
+        from jax.experimental import checkify
+
+        with jax_flashmla.value_checks():
+            step = jax.jit(checkify.checkify(step))
+        err, result = step(...)
+        err.throw()
+    """
     token = _ENABLED.set(bool(enabled))
     try:
         yield

@@ -39,7 +39,9 @@ def check_rank(where, name, x, rank, layout):
 
 def check_int32(where, name, x):
     if x.dtype != np.int32:
-        _fail(TypeError, where, f"{name} must be int32; got {x.dtype}")
+        _fail(TypeError, where, f"{name} must be int32; got {x.dtype} (convert it with "
+                                f"jnp.asarray({name}, jnp.int32) or .astype(np.int32); NumPy "
+                                f"makes int64 by default)")
 
 
 def num_sm_parts(num_sms, num_heads_q, num_q_tokens, num_heads_k, where="get_mla_metadata"):

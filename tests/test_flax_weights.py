@@ -116,3 +116,10 @@ def test_safetensors_file_and_sharded_directory(tmp_path):
     check_loaded(layer, sd)
     with pytest.raises(ValueError, match="path"):
         load_attention_safetensors(layer, str(tmp_path / "nowhere"), prefix=PREFIX)
+
+
+def test_from_hf_names_a_missing_key():
+    with pytest.raises(ValueError, match="the HF config has no 'num_attention_heads'"):
+        MLAConfig.from_hf({"hidden_size": 64})
+    with pytest.raises(ValueError, match="the HF config has no 'hidden_size'"):
+        MLAConfig.from_hf({"num_attention_heads": 4})

@@ -1,6 +1,7 @@
 """Every input error mla_decode / get_mla_metadata can see at trace time, named clearly."""
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jax_flashmla as jf
@@ -87,3 +88,17 @@ def test_a_traced_softmax_scale_is_refused_by_name():
     with pytest.raises(TypeError, match="softmax_scale must be a Python float"):
         jax.jit(lambda s: jf.mla_decode(*args.values(), softmax_scale=s,
                                         implementation="custom_call"))(0.1)
+
+
+def test_an_int64_array_is_told_how_to_convert():
+    q = jnp.zeros((1, 1, 16, 576), jnp.bfloat16)
+    kv, bt = jnp.zeros((1, 64, 1, 576), jnp.bfloat16), jnp.zeros((1, 1), jnp.int32)
+    sl = np.ones((1,), np.int64)  # NumPy's default integer
+    with pytest.raises(TypeError, match=r"seq_lens must be int32; got int64 \(convert it with "
+                                        r"jnp.asarray\(seq_lens, jnp.int32\)"):
+        jf.mla_decode(q, kv, bt, sl)
+
+
+def test_value_checks_help_shows_the_recipe():
+    assert "checkify.checkify(step)" in jf.value_checks.__doc__
+    assert "err.throw()" in jf.value_checks.__doc__

@@ -101,6 +101,10 @@ class MLAConfig:
         """From an HF DeepseekV2/V3 config object or its config.json dict."""
         get = (config.get if isinstance(config, dict)
                else lambda name, default=None: getattr(config, name, default))
+        for key in ("hidden_size", "num_attention_heads"):  # no default: a model's own sizes
+            if get(key) is None:
+                raise ValueError(f"MLAConfig.from_hf: the HF config has no {key!r} (a DeepseekV2/"
+                                 f"V3 config or its config.json dict has it)")
         scaling = get("rope_scaling") or get("rope_parameters")
         scaling = dict(scaling) if scaling else None
         theta = get("rope_theta") or (scaling or {}).get("rope_theta") or 10000.0
