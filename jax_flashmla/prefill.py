@@ -168,11 +168,11 @@ def _bad_rows(block_table, prefix_lens, query_lens, num_pages, max_prefix, t):
                 | (query_lens > t))
     if max_prefix == 0:
         return lens_bad
-    pages_read = (jnp.clip(prefix_lens, 0, max_prefix) + PAGE_SIZE - 1) // PAGE_SIZE
+    # The decode's rule for the pages a length reads; the lengths clipped into the table's
+    # first max_prefix tokens, so that only the pages count.
     width = (max_prefix + PAGE_SIZE - 1) // PAGE_SIZE
-    used = jnp.arange(width)[None, :] < pages_read[:, None]
-    table = block_table[:, :width]
-    return lens_bad | jnp.any(used & ((table < 0) | (table >= num_pages)), axis=1)
+    return lens_bad | checks.bad_requests(block_table[:, :width],
+                                          jnp.clip(prefix_lens, 0, max_prefix), num_pages)
 
 
 def _check_values(block_table, prefix_lens, query_lens, num_pages, max_prefix, t, k_scale):
