@@ -1,0 +1,121 @@
+"""Where mla_prefill's time goes beyond cuDNN's, at a chunk over a cached prefix.
+
+Times, each jitted alone, at T new tokens over a prefix of S (paged, bf16):
+  - mla_prefill (cudnn), whole;
+  - the prefix's gather and decompression alone, in three forms:
+      two:   k_nope and v from two einsums, then k_nope and the rope key concatenated;
+      one:   k_nope and v from one einsum over W_UK and W_UV side by side, then the concat;
+      fused: k straight from the 576-wide rows through W_UK with an identity on the rope
+             columns (no concat), v from its own einsum;
+  - cuDNN's two calls (prefix, then causal) on k and v already decompressed, merged;
+  - mla_prefill with each decompression form.
+
+  python dev/probe_prefill_overhead.py [--heads 16 128] [--tokens 2048] [--prefix 32768]
+"""
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_flashmla import prefill
+
+RANK, ROPE, NOPE, V = 512, 64, 128, 128
+
+
+decompress_two = prefill._decompress
+
+
+def decompress_one(rows, w_uk, w_uv):
+    latent, k_pe = rows[..., :RANK], rows[..., RANK:]
+    kv = jnp.einsum("bsc,chd->bshd", latent, jnp.concatenate([w_uk, w_uv], axis=-1))
+    h = w_uk.shape[1]
+    k_pe = jnp.broadcast_to(k_pe[:, :, None, :], k_pe.shape[:2] + (h, ROPE))
+    return jnp.concatenate([kv[..., :NOPE], k_pe], axis=-1), kv[..., NOPE:]
+
+
+def decompress_fused(rows, w_uk, w_uv):
+    h = w_uk.shape[1]
+    w_k = jnp.zeros((RANK + ROPE, h, NOPE + ROPE), rows.dtype)
+    w_k = w_k.at[:RANK, :, :NOPE].set(w_uk)
+    w_k = w_k.at[RANK:, :, NOPE:].set(jnp.broadcast_to(jnp.eye(ROPE, dtype=rows.dtype)[:, None],
+                                                       (ROPE, h, ROPE)))
+    k = jnp.einsum("bsc,chd->bshd", rows, w_k)
+    v = jnp.einsum("bsc,chd->bshd", rows[..., :RANK], w_uv)
+    return k, v
+
+
+FORMS = {"two": decompress_two, "one": decompress_one, "fused": decompress_fused}
+
+
+def time_ms(fn, *args, reps=20):
+    jax.block_until_ready(fn(*args))
+    best = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(reps):
+            r = fn(*args)
+        jax.block_until_ready(r)
+        best.append((time.perf_counter() - start) / reps * 1e3)
+    return float(np.median(best))
+
+
+def probe(h, t, s):
+    rng = np.random.default_rng(0)
+    bf = jnp.bfloat16
+    pages = s // 64
+    cache = jnp.asarray(rng.standard_normal((pages, 64, 1, RANK + ROPE)) * 0.1, bf)
+    table = jnp.asarray(rng.permutation(pages)[None].astype(np.int32))
+    q = jnp.asarray(rng.standard_normal((1, t, h, NOPE + ROPE)), bf)
+    kv = jnp.asarray(rng.standard_normal((1, t, RANK + ROPE)) * 0.1, bf)
+    w_uk = jnp.asarray(rng.standard_normal((RANK, h, NOPE)) * 0.05, bf)
+    w_uv = jnp.asarray(rng.standard_normal((RANK, h, V)) * 0.05, bf)
+    plen, qlen = jnp.asarray([s], jnp.int32), jnp.asarray([t], jnp.int32)
+    scale = 192 ** -0.5
+    flops = t * (s + t / 2) * h * 2 * (NOPE + ROPE + V)
+    report = lambda name, ms: print(  # noqa: E731
+        f"h {h} T {t} S {s} {name:28s} {ms:8.3f} ms  {flops / ms / 1e9:6.1f} TFLOPS*")
+
+    def run(form):
+        saved = prefill._decompress
+        prefill._decompress = FORMS[form]
+        try:
+            fn = jax.jit(lambda *a: prefill.mla_prefill(
+                *a, w_uk=w_uk, w_uv=w_uv, softmax_scale=scale, max_prefix=s,
+                implementation="cudnn"))
+            return time_ms(fn, q, kv, cache, table, plen, qlen)
+        finally:
+            prefill._decompress = saved
+
+    for form in FORMS:
+        report(f"mla_prefill decompress={form}", run(form))
+        gather = jax.jit(lambda c, bt, form=form: FORMS[form](
+            prefill._prefix_rows(c, bt, 0, s, plen, None, bf), w_uk, w_uv))
+        report(f"gather+decompress {form}", time_ms(gather, cache, table))
+
+    k, v = jax.jit(lambda c, bt: decompress_two(
+        prefill._prefix_rows(c, bt, 0, s, plen, None, bf), w_uk, w_uv))(cache, table)
+    ks, vs = decompress_two(kv, w_uk, w_uv)
+
+    @jax.jit
+    def cudnn_only(q, k, v, ks, vs):
+        a = prefill._cudnn_attention(q, k, v, qlen, plen, causal=False, scale=scale)
+        b = prefill._cudnn_attention(q, ks, vs, qlen, qlen, causal=True, scale=scale)
+        return prefill._merge(*a, *b)
+
+    report("cudnn two calls + merge", time_ms(cudnn_only, q, k, v, ks, vs))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--heads", type=int, nargs="+", default=[16, 128])
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--prefix", type=int, default=32768)
+    args = parser.parse_args()
+    for h in args.heads:
+        probe(h, args.tokens, args.prefix)
+
+
+if __name__ == "__main__":
+    main()
