@@ -123,9 +123,12 @@ def make_inputs(p, seed=0):
 
 
 def prefill_op(q, kv, cache, table, prefix_lens, query_lens, w_uk, w_uv, k_scale, *,
-               max_prefix):
-    return jf.mla_prefill(q, kv, cache, table, prefix_lens, query_lens, w_uk=w_uk, w_uv=w_uv,
-                          softmax_scale=SCALE, max_prefix=max_prefix, k_scale=k_scale)
+               max_prefix_tokens):
+    """mla_prefill of the one request, out and lse with the baselines' batch axis."""
+    out, lse = jf.mla_prefill(q[0], kv[0], cache, table, prefix_lens, query_lens, w_uk=w_uk,
+                              w_uv=w_uv, softmax_scale=SCALE,
+                              max_prefix_tokens=max_prefix_tokens, k_scale=k_scale)
+    return out[None], lse[None]
 
 
 @functools.partial(jax.jit, static_argnames="prefix")
@@ -174,7 +177,8 @@ def absorbed_fits(p):
 
 
 def cudnn_prefill(q, k_new, v_new, k_pre, v_pre):
-    """cuDNN's flash attention called as prefill.py's _cudnn_attention calls it: (out, lse)."""
+    """cuDNN's flash attention called as ragged_attention.cudnn_attention calls it for one
+    request: (out, lse)."""
     from jax._src.cudnn import fused_attention_stablehlo as fa
 
     def attend(k, v, mask):
@@ -219,7 +223,8 @@ def run_point(p, args, cudnn_here):
     inputs = make_inputs(p)
     q, kv, cache, table, _, _, w_uk, w_uv, k_scale = inputs
     dense = (q, *decompress(kv, cache, table, k_scale, w_uk, w_uv, prefix=p.prefix))
-    wanted = dict(mla_prefill=(functools.partial(prefill_op, max_prefix=p.prefix), inputs),
+    wanted = dict(mla_prefill=(functools.partial(prefill_op, max_prefix_tokens=p.prefix),
+                               inputs),
                   cudnn=(cudnn_prefill, dense), einsum=(einsum_prefill, dense))
     if absorbed_fits(p):
         wanted["absorbed"] = (absorbed_prefill, absorbed_inputs(inputs, p))

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flashmla import prefill
+from jax_flashmla import prefill, ragged_attention
 
 RANK, ROPE, NOPE, V = 512, 64, 128, 128
 
@@ -29,9 +29,9 @@ decompress_two = prefill._decompress
 
 def decompress_one(rows, w_uk, w_uv):
     latent, k_pe = rows[..., :RANK], rows[..., RANK:]
-    kv = jnp.einsum("bsc,chd->bshd", latent, jnp.concatenate([w_uk, w_uv], axis=-1))
+    kv = jnp.einsum("sc,chd->shd", latent, jnp.concatenate([w_uk, w_uv], axis=-1))
     h = w_uk.shape[1]
-    k_pe = jnp.broadcast_to(k_pe[:, :, None, :], k_pe.shape[:2] + (h, ROPE))
+    k_pe = jnp.broadcast_to(k_pe[:, None, :], (k_pe.shape[0], h, ROPE))
     return jnp.concatenate([kv[..., :NOPE], k_pe], axis=-1), kv[..., NOPE:]
 
 
@@ -41,8 +41,8 @@ def decompress_fused(rows, w_uk, w_uv):
     w_k = w_k.at[:RANK, :, :NOPE].set(w_uk)
     w_k = w_k.at[RANK:, :, NOPE:].set(jnp.broadcast_to(jnp.eye(ROPE, dtype=rows.dtype)[:, None],
                                                        (ROPE, h, ROPE)))
-    k = jnp.einsum("bsc,chd->bshd", rows, w_k)
-    v = jnp.einsum("bsc,chd->bshd", rows[..., :RANK], w_uv)
+    k = jnp.einsum("sc,chd->shd", rows, w_k)
+    v = jnp.einsum("sc,chd->shd", rows[..., :RANK], w_uv)
     return k, v
 
 
@@ -67,11 +67,13 @@ def probe(h, t, s):
     pages = s // 64
     cache = jnp.asarray(rng.standard_normal((pages, 64, 1, RANK + ROPE)) * 0.1, bf)
     table = jnp.asarray(rng.permutation(pages)[None].astype(np.int32))
-    q = jnp.asarray(rng.standard_normal((1, t, h, NOPE + ROPE)), bf)
-    kv = jnp.asarray(rng.standard_normal((1, t, RANK + ROPE)) * 0.1, bf)
+    q = jnp.asarray(rng.standard_normal((t, h, NOPE + ROPE)), bf)
+    kv = jnp.asarray(rng.standard_normal((t, RANK + ROPE)) * 0.1, bf)
     w_uk = jnp.asarray(rng.standard_normal((RANK, h, NOPE)) * 0.05, bf)
     w_uv = jnp.asarray(rng.standard_normal((RANK, h, V)) * 0.05, bf)
     plen, qlen = jnp.asarray([s], jnp.int32), jnp.asarray([t], jnp.int32)
+    prefix = ragged_attention.Segments(jnp.zeros((1,), jnp.int32), plen)
+    new = ragged_attention.Segments(jnp.zeros((1,), jnp.int32), qlen)
     scale = 192 ** -0.5
     flops = t * (s + t / 2) * h * 2 * (NOPE + ROPE + V)
     report = lambda name, ms: print(  # noqa: E731
@@ -82,7 +84,7 @@ def probe(h, t, s):
         prefill._decompress = FORMS[form]
         try:
             fn = jax.jit(lambda *a: prefill.mla_prefill(
-                *a, w_uk=w_uk, w_uv=w_uv, softmax_scale=scale, max_prefix=s,
+                *a, w_uk=w_uk, w_uv=w_uv, softmax_scale=scale, max_prefix_tokens=s,
                 implementation="cudnn"))
             return time_ms(fn, q, kv, cache, table, plen, qlen)
         finally:
@@ -91,18 +93,19 @@ def probe(h, t, s):
     for form in FORMS:
         report(f"mla_prefill decompress={form}", run(form))
         gather = jax.jit(lambda c, bt, form=form: FORMS[form](
-            prefill._prefix_rows(c, bt, 0, s, plen, None, bf), w_uk, w_uv))
+            prefill._prefix_rows(c, bt, prefix, 0, s, None, bf), w_uk, w_uv))
         report(f"gather+decompress {form}", time_ms(gather, cache, table))
 
     k, v = jax.jit(lambda c, bt: decompress_two(
-        prefill._prefix_rows(c, bt, 0, s, plen, None, bf), w_uk, w_uv))(cache, table)
+        prefill._prefix_rows(c, bt, prefix, 0, s, None, bf), w_uk, w_uv))(cache, table)
     ks, vs = decompress_two(kv, w_uk, w_uv)
 
     @jax.jit
     def cudnn_only(q, k, v, ks, vs):
-        a = prefill._cudnn_attention(q, k, v, qlen, plen, causal=False, scale=scale)
-        b = prefill._cudnn_attention(q, ks, vs, qlen, qlen, causal=True, scale=scale)
-        return prefill._merge(*a, *b)
+        attend = ragged_attention.cudnn_attention
+        a = attend(q, k, v, new, prefix, causal=False, scale=scale)
+        b = attend(q, ks, vs, new, new, causal=True, scale=scale)
+        return ragged_attention.merge(*a, *b)
 
     report("cudnn two calls + merge", time_ms(cudnn_only, q, k, v, ks, vs))
 

@@ -57,8 +57,8 @@ from jax_flashmla.flax import MLAConfig, MultiHeadLatentAttention, RMSNorm
 # New tokens prefilled in one chunk are padded to a power of two of at least this many; in
 # several chunks, each chunk to the chunk size (a multiple of this): prefill compiles few shapes.
 PREFILL_BUCKET = 64
-# A chunk's prefix (the static max_prefix of extend) is bucketed to a power of two up to this
-# many tokens, then to a multiple of it: a few compiled shapes, less than this much padding.
+# A chunk's prefix (the static max_prefix_tokens of extend) is bucketed to a power of two up to
+# this many tokens, then to a multiple of it: a few compiled shapes, less than this much padding.
 PREFIX_STEP = 8192
 # The FP8 cache's per-layer k scale: this model's rows (RMS-normed latents, rope keys) stay
 # well inside +-448 * K_SCALE.
@@ -123,17 +123,17 @@ class TinyDeepSeek(nnx.Module):
         return self.lm_head(self.norm(x)), tuple(new_caches)
 
     def extend(self, tokens, positions, block_table, prefix_lens, lengths, caches, k_scales=None,
-               *, max_prefix, implementation=None, decode_implementation=None):
+               *, max_prefix_tokens, implementation=None, decode_implementation=None):
         """New tokens over each request's cached prefix (a prompt's chunk, a turn), their rows
         written into the caches. tokens, positions (b, s) int32 (positions prefix_lens + 0..);
-        block_table (b, >= ceil(max_prefix / 64) and covering the new tokens) int32;
-        prefix_lens, lengths (b,) int32 (lengths: the real tokens of each row); max_prefix a
-        static bucket >= prefix_lens; k_scales as in decode -> (logits (b, s, vocab) f32,
-        caches). implementation: mla_prefill's (long chunks); decode_implementation:
+        block_table (b, max_pages) int32, covering the prefix and the new tokens;
+        prefix_lens, lengths (b,) int32 (lengths: the real tokens of each row);
+        max_prefix_tokens a static bucket >= the prefixes' pages; k_scales as in decode ->
+        (logits (b, s, vocab) f32, caches). implementation: mla_prefill's (long chunks); decode_implementation:
         mla_decode's (short ones, which the layer attends in the absorbed form)."""
         return self._run(tokens, lambda attn, x, kv, k_scale: attn.extend(
-            x, positions, kv, block_table, prefix_lens, max_prefix=max_prefix, lengths=lengths,
-            k_scale=k_scale, implementation=implementation,
+            x, positions, kv, block_table, prefix_lens, max_prefix_tokens=max_prefix_tokens,
+            lengths=lengths, k_scale=k_scale, implementation=implementation,
             decode_implementation=decode_implementation), caches, k_scales)
 
     def decode(self, tokens, positions, block_table, seq_lens, caches, k_scales=None, *,
@@ -163,17 +163,17 @@ def build(cfg, num_pages, seed=0, dtype=jnp.bfloat16, kv_cache_dtype=jnp.bfloat1
 
 
 @functools.partial(jax.jit, donate_argnums=(6,),
-                   static_argnames=("graphdef", "max_prefix", "implementation",
+                   static_argnames=("graphdef", "max_prefix_tokens", "implementation",
                                     "decode_implementation"))
 def prefill_step(state, tokens, positions, block_table, prefix_lens, lengths, caches, k_scales, *,
-                 graphdef, max_prefix, implementation=None, decode_implementation=None):
-    """One chunk through TinyDeepSeek.extend (max_prefix 0: new prompts, no cache read), the
+                 graphdef, max_prefix_tokens, implementation=None, decode_implementation=None):
+    """One chunk through TinyDeepSeek.extend (max_prefix_tokens 0: new prompts, no cache read), the
     caches donated -> (the greedy token after each row's last real token, caches): the next
     token when the chunk ends the row's new tokens. Jitted once per process for a model
     structure (graphdef), so that serve() called again compiles no chunk shape twice."""
     logits, caches = nnx.merge(graphdef, state).extend(
         tokens, positions, block_table, prefix_lens, lengths, caches, k_scales,
-        max_prefix=max_prefix, implementation=implementation,
+        max_prefix_tokens=max_prefix_tokens, implementation=implementation,
         decode_implementation=decode_implementation)
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
     return jnp.argmax(last, axis=-1).astype(jnp.int32), caches
@@ -183,8 +183,8 @@ def make_steps(graphdef, implementation=None, token_queue=None, prefill_implemen
     """(prefill, decode) over (state, ...), jitted with the caches donated.
 
     prefill(state, tokens, positions, block_table, prefix_lens, lengths, caches, k_scales, *,
-    max_prefix) is prefill_step with implementation prefill_implementation (mla_prefill's) and
-    decode_implementation implementation.
+    max_prefix_tokens) is prefill_step with implementation prefill_implementation
+    (mla_prefill's) and decode_implementation implementation.
     decode(state, tokens, positions, block_table, seq_lens, caches, k_scales) -> (tokens,
     logits, caches) is one greedy decode step (implementation: mla_decode's); it pushes its
     tokens to token_queue (a jax_flashmla.serving.HostQueue) where one is given."""
@@ -205,10 +205,11 @@ def make_steps(graphdef, implementation=None, token_queue=None, prefill_implemen
 
 
 def chunk_shape(turn_tokens, prefix, chunk):
-    """(padded tokens, max_prefix): the compiled shape of a chunk that starts `prefix` tokens
-    into its request, in a turn of turn_tokens new tokens (chunk: the chunk size, a multiple
-    of PREFILL_BUCKET). A turn of several chunks pads each to the chunk size, a turn of one
-    to a power of two; max_prefix is the prefix's bucket. So a loop compiles a few shapes."""
+    """(padded tokens, max_prefix_tokens): the compiled shape of a chunk that starts `prefix`
+    tokens into its request, in a turn of turn_tokens new tokens (chunk: the chunk size, a
+    multiple of PREFILL_BUCKET). A turn of several chunks pads each to the chunk size, a turn
+    of one to a power of two; max_prefix_tokens is the prefix's bucket. So a loop compiles a
+    few shapes."""
     tokens = chunk if turn_tokens > chunk else length_bucket(turn_tokens, minimum=PREFILL_BUCKET,
                                                               step=chunk)
     return tokens, length_bucket(prefix, minimum=PREFILL_BUCKET, step=PREFIX_STEP)
@@ -415,25 +416,25 @@ def serve(args):
             r = prefilling[0]
             i = slots.index(r)
             position, n = chunks[r].popleft()
-            s, max_prefix = chunk_shape(len(turn_tokens[r]), position, chunk)
+            s, max_prefix_tokens = chunk_shape(len(turn_tokens[r]), position, chunk)
             allocations += len(allocator.grow(r, position + n))
             # The pages of the prefix bucket and the padded chunk: the shape's own width.
-            width = int(pages_for_tokens(max_prefix + s))
+            width = int(pages_for_tokens(max_prefix_tokens + s))
             first = position - prefixes[r][-1]
             tokens = np.zeros((1, s), np.int32)
             tokens[0, :n] = turn_tokens[r][first:first + n]
             tokens = jnp.asarray(tokens)
             if first == 0 and r in carried:  # the turn before's last token, on the device
                 tokens = tokens.at[0, :1].set(carried.pop(r))
-            if (s, max_prefix) not in shapes:
-                shapes.add((s, max_prefix))
+            if (s, max_prefix_tokens) not in shapes:
+                shapes.add((s, max_prefix_tokens))
                 progress.update(info=f"a new chunk shape, compiled once: {s} tokens over "
-                                f"max_prefix {max_prefix}", force=True)
+                                f"max_prefix_tokens {max_prefix_tokens}", force=True)
             positions = np.arange(position, position + s, dtype=np.int32)[None]
             out, caches = prefill(state, tokens, jnp.asarray(positions),
                                   jnp.asarray(allocator.block_table([r], width)),
                                   jnp.asarray([position], np.int32), jnp.asarray([n], np.int32),
-                                  caches, k_scales, max_prefix=max_prefix)
+                                  caches, k_scales, max_prefix_tokens=max_prefix_tokens)
             num_chunks += 1
             length[r] = position + n
             if not chunks[r]:  # the turn's last chunk: its first generated token

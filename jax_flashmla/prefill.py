@@ -252,8 +252,9 @@ def mla_prefill(q, kv, kv_cache=None, block_table=None, prefix_lens=None, query_
     the cache read, when its rows leave [0, tokens) or overlap an earlier request's, when its
     prefix_len is outside [0, max_prefix_tokens] or needs more pages than its block table
     row has, when one of those pages is outside [0, num_pages), or when its prefix ends past
-    max_prefix_tokens after the prefixes of the requests before it not answered empty. With jax_flashmla.value_checks() on while tracing, such values are also checkify
-    errors naming the request and the value.
+    max_prefix_tokens after the pages of the requests before it not answered empty. With
+    jax_flashmla.value_checks() on while tracing, such values are also checkify errors naming
+    the request and the value.
 
     Returns:
       out: (tokens, h, v_head_dim) in q's dtype; 0 in padding rows.

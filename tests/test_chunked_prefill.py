@@ -70,9 +70,9 @@ def test_length_buckets_are_few_and_cover_every_length():
 
 # -- chunks against the prompt at once, through the example's model ----------------------------
 
-def prefill_chunks(prefill, state, caches, prompt, chunk, table, max_prefix):
+def prefill_chunks(prefill, state, caches, prompt, chunk, table, max_prefix_tokens):
     """The prompt through the example's jitted prefill (TinyDeepSeek.extend), chunk by chunk,
-    each chunk of `chunk` tokens (the last padded to it) with the one static max_prefix;
+    each chunk of `chunk` tokens (the last padded to it) with the one static max_prefix_tokens;
     returns (the next token, caches)."""
     for position, n in plan_chunks(len(prompt), chunk):
         tokens = np.zeros((1, chunk), np.int32)
@@ -80,7 +80,7 @@ def prefill_chunks(prefill, state, caches, prompt, chunk, table, max_prefix):
         positions = np.arange(position, position + chunk, dtype=np.int32)[None]
         token, caches = prefill(state, jnp.asarray(tokens), jnp.asarray(positions), table,
                                 jnp.asarray([position], np.int32), jnp.asarray([n], np.int32),
-                                caches, None, max_prefix=max_prefix)
+                                caches, None, max_prefix_tokens=max_prefix_tokens)
     return token, caches
 
 
@@ -123,14 +123,15 @@ def test_a_prompt_prefilled_in_chunks_decodes_as_the_prompt_prefilled_at_once():
     graphdef, state, _, _ = ex.build(cfg, num_pages, seed=1)
     prefill, decode = ex.make_steps(graphdef, "reference")
     prompt = np.random.default_rng(7).integers(0, cfg.vocab_size, length).astype(np.int32)
-    # Pages out of order, as a pool hands them out: 4 pages, room for max_prefix 256.
+    # Pages out of order, as a pool hands them out: 4 pages, room for max_prefix_tokens 256.
     table = jnp.asarray(block_table_from_pages([[4, 1, 3, 0]], 4))
     runs = {}
-    # In chunks of 48, each over max_prefix 256 (a bucket past every prefix, 0 included);
+    # In chunks of 48, each over max_prefix_tokens 256 (a bucket past every prefix, 0 included);
     # at once: a chunk of 192 over no prefix.
-    for chunk, max_prefix in ((48, 256), (192, 0)):
+    for chunk, max_prefix_tokens in ((48, 256), (192, 0)):
         caches = tuple(PagedKVCache.create(num_pages, jnp.bfloat16) for _ in range(2))
-        token, caches = prefill_chunks(prefill, state, caches, prompt, chunk, table, max_prefix)
+        token, caches = prefill_chunks(prefill, state, caches, prompt, chunk, table,
+                                       max_prefix_tokens)
         rows = [np.asarray(c.data) for c in caches]
         tokens, logits = greedy_decode(decode, state, token, length, caches, table, steps)
         runs[chunk] = [int(token[0])] + tokens, rows, logits

@@ -68,7 +68,8 @@ def test_extend_matches_hf_with_a_dynamic_cache(case):
     _, kv = layer.prefill(pre_x, pre_pos, kv, slots)
     new_x, new_pos = padded([x[:, p:] for x, p in zip(seqs, prefix_lens)], s_new, prefix_lens)
     extend = jax.jit(lambda x, pos, kv, lens: layer.extend(
-        x, pos, kv, table, jnp.asarray(prefix_lens, jnp.int32), max_prefix=192, lengths=lens))
+        x, pos, kv, table, jnp.asarray(prefix_lens, jnp.int32), max_prefix_tokens=320,
+        lengths=lens))
     out, kv = extend(new_x, new_pos, kv, jnp.asarray(new_lens, jnp.int32))
     for i, (x, p, n) in enumerate(zip(seqs, prefix_lens, new_lens)):
         want = hf_extend(config, attn, x[:, :p], x[:, p:])
@@ -108,7 +109,7 @@ def test_both_forms_match_hf_in_bf16(form, decode_implementation):
                           jnp.where(real, jf.token_slots(table, pre_pos), -1))
     new_pos = jnp.asarray(prefix_lens, jnp.int32)[:, None] + jnp.arange(s_new, dtype=jnp.int32)
     out, _ = layer.extend(jnp.asarray(new_x), new_pos, kv, table,
-                          jnp.asarray(prefix_lens, jnp.int32), max_prefix=192,
+                          jnp.asarray(prefix_lens, jnp.int32), max_prefix_tokens=320,
                           lengths=jnp.asarray(new_lens, jnp.int32), form=form,
                           decode_implementation=decode_implementation)
     for i, (x, p, n) in enumerate(zip(seqs, prefix_lens, new_lens)):
@@ -140,7 +141,7 @@ def test_extend_writes_the_donated_cache_in_place(form):
     x = jnp.zeros((2, 32, config.hidden_size), jnp.float32)
     prefix = jnp.asarray([100, 0], jnp.int32)
     pos = prefix[:, None] + jnp.arange(32, dtype=jnp.int32)
-    step = jax.jit(lambda kv, x: layer.extend(x, pos, kv, table, prefix, max_prefix=128,
+    step = jax.jit(lambda kv, x: layer.extend(x, pos, kv, table, prefix, max_prefix_tokens=128,
                                               form=form)[1], donate_argnums=0)
     stats = step.lower(kv, x).compile().memory_analysis()
     assert stats.alias_size_in_bytes >= kv.nbytes

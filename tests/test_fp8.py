@@ -408,7 +408,8 @@ def test_a_known_bad_scale_is_refused_at_trace_time(value):
     with pytest.raises(ValueError, match=r"k_scale must be positive and finite"):
         jax.jit(lambda q: jf.mla_decode(q, cache, bt, sl, k_scale=scale))(q)
     with pytest.raises(ValueError, match=r"mla_prefill: k_scale must be positive and finite"):
-        jf.mla_prefill(jnp.ones((1, 2, 1, 192), jnp.bfloat16), jnp.ones((1, 2, 576), jnp.bfloat16),
-                       cache, bt, jnp.ones((1,), jnp.int32), w_uk=jnp.ones((512, 1, 128)),
-                       w_uv=jnp.ones((512, 1, 128)), softmax_scale=0.1, max_prefix=64,
+        jf.mla_prefill(jnp.ones((2, 1, 192), jnp.bfloat16), jnp.ones((2, 576), jnp.bfloat16),
+                       cache, bt, jnp.ones((1,), jnp.int32), jnp.full((1,), 2, jnp.int32),
+                       w_uk=jnp.ones((512, 1, 128)),
+                       w_uv=jnp.ones((512, 1, 128)), softmax_scale=0.1, max_prefix_tokens=64,
                        k_scale=scale)

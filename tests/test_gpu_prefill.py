@@ -6,7 +6,7 @@ import pytest
 
 import jax_flashmla as jf
 from prefill_cases import call, make_case
-from test_prefill import BAD, RAGGED, check_against_oracle, check_bad_value
+from test_prefill import BAD, GAPS, RAGGED, check_against_oracle, check_bad_value
 
 pytestmark = pytest.mark.gpu
 
@@ -14,9 +14,16 @@ SCALE = 96 ** -0.5  # the oracle tests' scale (test_prefill.SCALE)
 DEEPSEEK = dict(heads=16, nope=128, v_dim=128)
 
 
+CASES = {"packed": dict(**RAGGED), "gaps": dict(**RAGGED, gaps=GAPS),
+         "one request": dict(prefix_lens=[1500], query_lens=[300]),
+         "one request off row 0": dict(prefix_lens=[700], query_lens=[90], gaps=[11])}
+
+
 @pytest.mark.parametrize("fp8_cache", [False, True], ids=["bf16", "fp8"])
-def test_cudnn_matches_float64_oracle(fp8_cache):
-    case = make_case(np.random.default_rng(0), **RAGGED, t=160, fp8_cache=fp8_cache, **DEEPSEEK)
+@pytest.mark.parametrize("layout", CASES)
+def test_cudnn_matches_float64_oracle(layout, fp8_cache):
+    """Several requests go through cuDNN's packed layout, one through its plain layout."""
+    case = make_case(np.random.default_rng(0), **CASES[layout], fp8_cache=fp8_cache, **DEEPSEEK)
     out, lse = call(jf.mla_prefill, case, softmax_scale=SCALE, implementation="cudnn")
     check_against_oracle(case, out, lse)
     xla_out, xla_lse = call(jf.mla_prefill, case, softmax_scale=SCALE, implementation="xla")
@@ -25,9 +32,10 @@ def test_cudnn_matches_float64_oracle(fp8_cache):
 
 
 def test_cudnn_is_the_default_on_hopper():
-    case = make_case(np.random.default_rng(1), [64], [32], 32, **DEEPSEEK)
-    text = jax.jit(lambda c: call(jf.mla_prefill, c | {"max_prefix": 64}, softmax_scale=SCALE)
-                   ).lower({k: v for k, v in case.items() if k != "max_prefix"}).as_text()
+    case = make_case(np.random.default_rng(1), [64], [32], **DEEPSEEK)
+    static = {"max_prefix_tokens": 64}
+    text = jax.jit(lambda c: call(jf.mla_prefill, c | static, softmax_scale=SCALE)).lower(
+        {k: v for k, v in case.items() if k not in static}).as_text()
     assert "__cudnn$fmha" in text
 
 
@@ -37,15 +45,15 @@ def test_bad_values_on_cudnn(bad):
 
 
 def executable_temp_bytes(t, prefix, heads=128):
-    q = jax.ShapeDtypeStruct((1, t, heads, 192), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((1, t, 576), jnp.bfloat16)
+    q = jax.ShapeDtypeStruct((t, heads, 192), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((t, 576), jnp.bfloat16)
     pages = max(1, prefix // 64)
     cache = jax.ShapeDtypeStruct((pages, 64, 1, 576), jnp.bfloat16)
     table = jax.ShapeDtypeStruct((1, pages), jnp.int32)
     lens = jax.ShapeDtypeStruct((1,), jnp.int32)
     w = jax.ShapeDtypeStruct((512, heads, 128), jnp.bfloat16)
     fn = jax.jit(lambda *a: jf.mla_prefill(*a[:6], w_uk=a[6], w_uv=a[7], softmax_scale=0.07,
-                                           max_prefix=prefix))
+                                           max_prefix_tokens=prefix))
     return fn.lower(q, kv, cache, table, lens, lens, w, w).compile().memory_analysis(
     ).temp_size_in_bytes
 
@@ -62,27 +70,27 @@ def test_a_128k_prompt_at_128_heads():
     """A 131072-token prompt: its last queries against attention computed for them alone."""
     t, h = 131072, 128
     key = jax.random.split(jax.random.key(0), 4)
-    q = jax.random.normal(key[0], (1, t, h, 192), jnp.bfloat16)
-    kv = jax.random.normal(key[1], (1, t, 576), jnp.bfloat16)
+    q = jax.random.normal(key[0], (t, h, 192), jnp.bfloat16)
+    kv = jax.random.normal(key[1], (t, 576), jnp.bfloat16)
     w_uk = (jax.random.normal(key[2], (512, h, 128)) / 512 ** 0.5).astype(jnp.bfloat16)
     w_uv = (jax.random.normal(key[3], (512, h, 128)) / 512 ** 0.5).astype(jnp.bfloat16)
     out, lse = jax.jit(lambda *a: jf.mla_prefill(*a[:2], w_uk=a[2], w_uv=a[3],
                                                  softmax_scale=192 ** -0.5))(q, kv, w_uk, w_uv)
     last = 4
-    k_nope = jnp.einsum("sc,chd->shd", kv[0, :, :512], w_uk,
+    k_nope = jnp.einsum("sc,chd->shd", kv[:, :512], w_uk,
                         preferred_element_type=jnp.float32).astype(jnp.bfloat16)
-    k = jnp.concatenate([k_nope, jnp.broadcast_to(kv[0, :, None, 512:], (t, h, 64))], -1)
-    v = jnp.einsum("sc,chd->shd", kv[0, :, :512], w_uv,
+    k = jnp.concatenate([k_nope, jnp.broadcast_to(kv[:, None, 512:], (t, h, 64))], -1)
+    v = jnp.einsum("sc,chd->shd", kv[:, :512], w_uv,
                    preferred_element_type=jnp.float32).astype(jnp.bfloat16)
-    s = jnp.einsum("qhd,shd->hqs", q[0, -last:].astype(jnp.float32), k.astype(jnp.float32),
+    s = jnp.einsum("qhd,shd->hqs", q[-last:].astype(jnp.float32), k.astype(jnp.float32),
                    precision="highest") * 192 ** -0.5
     s = jnp.where(jnp.arange(t)[None, None, :] <= (t - last + jnp.arange(last))[None, :, None],
                   s, -jnp.inf)
     want_lse = jax.nn.logsumexp(s, axis=-1)
     want = jnp.einsum("hqs,shd->qhd", jax.nn.softmax(s, axis=-1), v.astype(jnp.float32))
-    np.testing.assert_allclose(np.asarray(out[0, -last:], np.float32), np.asarray(want),
+    np.testing.assert_allclose(np.asarray(out[-last:], np.float32), np.asarray(want),
                                atol=2e-2, rtol=2e-2)
-    np.testing.assert_allclose(np.asarray(lse[0, :, -last:]), np.asarray(want_lse), rtol=1e-3)
+    np.testing.assert_allclose(np.asarray(lse[:, -last:]), np.asarray(want_lse), rtol=1e-3)
     assert np.isfinite(np.asarray(lse)).all()
 
 
@@ -109,7 +117,7 @@ def test_the_layers_two_forms_agree(fp8_cache):
     _, kv = layer.prefill(prefix, pos, kv, slots, k_scale=k_scale)
     x = jax.random.normal(key[1], (4, 64, 512), jnp.bfloat16)
     new_pos = prefix_lens[:, None] + jnp.arange(64, dtype=jnp.int32)
-    outs = {form: layer.extend(x, new_pos, kv, table, prefix_lens, max_prefix=4096,
+    outs = {form: layer.extend(x, new_pos, kv, table, prefix_lens, max_prefix_tokens=5120,
                                lengths=lengths, k_scale=k_scale, form=form)[0]
             for form in ("absorbed", "expanded")}
     for i, n in enumerate(np.asarray(lengths)):

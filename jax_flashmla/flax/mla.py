@@ -250,9 +250,9 @@ class MultiHeadLatentAttention(nnx.Module):
             kv_cache = _write(kv_cache, slots, latent, k_pe, k_scale)
         return out, kv_cache
 
-    def extend(self, hidden_states, positions, kv_cache, block_table, prefix_lens, *, max_prefix,
-               lengths=None, slots=None, k_scale=None, form=None, implementation=None,
-               decode_implementation=None):
+    def extend(self, hidden_states, positions, kv_cache, block_table, prefix_lens, *,
+               max_prefix_tokens, lengths=None, slots=None, k_scale=None, form=None,
+               implementation=None, decode_implementation=None):
         """New tokens of requests whose first prefix_lens tokens are in the paged cache (a
         prompt's next chunk, a conversation's next turn): writes their rows into the cache and
         attends them to that prefix and causally to themselves.
@@ -263,7 +263,9 @@ class MultiHeadLatentAttention(nnx.Module):
           kv_cache: (num_pages, 64, 1, 576) bf16 / fp16 / float8_e4m3fn array or PagedKVCache.
           block_table: (b, max_pages) int32 pages of each request, prefix and new tokens.
           prefix_lens: (b,) int32 tokens already cached per request (0: a new prompt).
-          max_prefix: static int >= every prefix_len (mla_prefill's bucket).
+          max_prefix_tokens: static int, a multiple of 64, >= the sum over the requests of
+            their prefixes rounded up to pages (mla_prefill's bucket; the expanded form reads
+            and decompresses that many keys).
           lengths: optional (b,) int32 new tokens per row (default s).
           slots: (b, s) int32 cache slots of the new tokens; by default
             jax_flashmla.token_slots(block_table, positions), with padded tokens not written.
@@ -292,7 +294,7 @@ class MultiHeadLatentAttention(nnx.Module):
             out = self._attend(q_nope, q_pe, latent, k_pe, lengths=lengths,
                                kv_cache=getattr(kv_cache, "data", kv_cache),
                                block_table=block_table, prefix_lens=prefix_lens,
-                               max_prefix=max_prefix, k_scale=k_scale,
+                               max_prefix_tokens=max_prefix_tokens, k_scale=k_scale,
                                implementation=implementation)
             return out, _write(kv_cache, slots, latent, k_pe, k_scale)
         kv_cache = _write(kv_cache, slots, latent, k_pe, k_scale)
@@ -339,17 +341,25 @@ class MultiHeadLatentAttention(nnx.Module):
         return jnp.einsum("bshc,chd->bshd", out.astype(self.dtype), w_uv)
 
     def _attend(self, q_nope, q_pe, latent, k_pe, *, lengths, implementation, kv_cache=None,
-                block_table=None, prefix_lens=None, max_prefix=0, k_scale=None):
-        """mla_prefill over the projected new tokens, then W_O."""
+                block_table=None, prefix_lens=None, max_prefix_tokens=0, k_scale=None):
+        """mla_prefill over the projected new tokens, then W_O. Row r of the batch is request
+        r, its tokens from row r * s of mla_prefill's token axis."""
+        b, s = q_nope.shape[:2]
         w_uk, w_uv = self._kv_b_split()
         q = jnp.concatenate([q_nope, q_pe], axis=-1)
         kv = jnp.concatenate([latent, k_pe], axis=-1)
-        attn, _ = prefill.mla_prefill(q, kv, kv_cache, block_table, prefix_lens, lengths,
-                                      w_uk=w_uk, w_uv=w_uv,
-                                      softmax_scale=self.config.softmax_scale,
-                                      max_prefix=max_prefix, k_scale=k_scale,
-                                      implementation=implementation)
-        return self._output(attn)
+        if lengths is None:
+            lengths = jnp.full((b,), s, jnp.int32)
+        # A length past the row would reach into the next request's tokens: -1 makes the
+        # request empty instead.
+        lengths = jnp.where(lengths > s, -1, lengths)
+        attn, _ = prefill.mla_prefill(
+            q.reshape(b * s, *q.shape[2:]), kv.reshape(b * s, kv.shape[-1]), kv_cache,
+            block_table, prefix_lens, lengths, w_uk=w_uk, w_uv=w_uv,
+            softmax_scale=self.config.softmax_scale, max_prefix_tokens=max_prefix_tokens,
+            query_starts=None if b == 1 else jnp.arange(b, dtype=jnp.int32) * s,
+            k_scale=k_scale, implementation=implementation)
+        return self._output(attn.reshape(b, s, *attn.shape[1:]))
 
     # -- decode -------------------------------------------------------------------------------
     def absorbed_query(self, q_nope, q_pe):

@@ -4,7 +4,7 @@ A serving loop prefills a long prompt a chunk at a time (MultiHeadLatentAttentio
 jax_flashmla.mla_prefill): chunk k attends to the tokens before it, read from the paged cache,
 and causally to itself, then writes its rows. Between two chunks the loop runs decode steps of
 its other requests, so that a long prompt does not stall them. plan_chunks cuts the tokens;
-length_bucket rounds a chunk's token count and its prefix's (max_prefix, a static argument)
+length_bucket rounds a chunk's token count and its prefix's (max_prefix_tokens, a static argument)
 up to a few sizes, so that the loop compiles a few shapes, not one per length.
 """
 import numpy as np
@@ -46,10 +46,10 @@ def length_bucket(length, *, minimum=64, step=None):
     two bound the shapes to a logarithm of the longest length; step bounds the padding of long
     lengths to less than step.
 
-    Use it for a chunk's max_prefix (MultiHeadLatentAttention.extend, mla_prefill: the prefix
-    keys read per request, and the block table then needs ceil(max_prefix / 64) columns), and
-    for the padded token count of a chunk: with step = the chunk size, a multiple of minimum,
-    no chunk pads past the chunk size.
+    Use it for a chunk's max_prefix_tokens (MultiHeadLatentAttention.extend, mla_prefill: the
+    prefix keys read for the batch; with the default minimum a multiple of 64, as they take),
+    and for the padded token count of a chunk: with step = the chunk size, a multiple of
+    minimum, no chunk pads past the chunk size.
 
     Args:
       length: int >= 0.
