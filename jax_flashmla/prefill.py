@@ -265,24 +265,36 @@ def mla_prefill(q, kv, kv_cache=None, block_table=None, prefix_lens=None, query_
     _check_args(q, kv, kv_cache, block_table, prefix_lens, query_lens, query_starts, w_uk, w_uv,
                 max_prefix_tokens, k_scale)
     validation.check_softmax_scale("mla_prefill", softmax_scale)
-    core = functools.partial(ragged_attention.CORES[_resolve(implementation, q.dtype)],
-                             scale=float(softmax_scale))
     t = q.shape[0]
     if query_lens is None:
         query_lens = jnp.full((1,), t, jnp.int32)
-    b = query_lens.shape[0]
     if prefix_lens is None:
-        prefix_lens = jnp.zeros((b,), jnp.int32)
+        prefix_lens = jnp.zeros(query_lens.shape, jnp.int32)
+    return _prefill(q, kv, kv_cache, block_table, prefix_lens, query_lens, query_starts,
+                    w_uk.astype(q.dtype), w_uv.astype(q.dtype), k_scale,
+                    scale=float(softmax_scale), capacity=max_prefix_tokens,
+                    implementation=_resolve(implementation, q.dtype),
+                    value_checks=checks.enabled())
+
+
+# Jitted so that a call outside jit compiles once, not op by op; inside jit it is inlined.
+# value_checks is static because the checks are traced in only while they are enabled.
+@functools.partial(jax.jit, static_argnames=("scale", "capacity", "implementation",
+                                             "value_checks"))
+def _prefill(q, kv, kv_cache, block_table, prefix_lens, query_lens, query_starts, w_uk, w_uv,
+             k_scale, *, scale, capacity, implementation, value_checks):
+    core = functools.partial(ragged_attention.CORES[implementation], scale=scale)
+    t, b = q.shape[0], query_lens.shape[0]
     packed = query_starts is None
     if packed:
         held = jnp.maximum(query_lens, 0)
         query_starts = (jnp.cumsum(held) - held).astype(jnp.int32)
     num_pages = 0 if kv_cache is None else kv_cache.shape[0]
     bad, prefix_starts = _layout(block_table, prefix_lens, query_lens, query_starts, num_pages,
-                                 max_prefix_tokens, t)
-    if checks.enabled():
+                                 capacity, t)
+    if value_checks:
         _check_values(block_table, prefix_lens, query_lens, query_starts, prefix_starts,
-                      num_pages, max_prefix_tokens, t, k_scale)
+                      num_pages, capacity, t, k_scale)
     shift = None
     if b == 1 and not packed:
         # One request goes through cuDNN's plain layout, which reads from row 0.
@@ -290,20 +302,19 @@ def mla_prefill(q, kv, kv_cache=None, block_table=None, prefix_lens=None, query_
         q, kv = jnp.roll(q, -shift, axis=0), jnp.roll(kv, -shift, axis=0)
         query_starts = jnp.zeros_like(query_starts)
     q_segments = ragged_attention.ordered(query_starts, jnp.where(bad, 0, query_lens))
-    w_uk, w_uv = w_uk.astype(q.dtype), w_uv.astype(q.dtype)
 
     owner, _ = ragged_attention.owners(q_segments, t)
     new_rows = jnp.where((owner >= 0)[:, None], kv.astype(q.dtype), jnp.zeros((), q.dtype))
     k, v = _decompress(new_rows, w_uk, w_uv)
     out, lse = core(q, k, v, q_segments, q_segments, causal=True)
-    if max_prefix_tokens:
+    if capacity:
         prefixes = ragged_attention.ordered(prefix_starts, jnp.where(bad, 0, prefix_lens))
         # cuDNN's packed layout pads v to q's head dim (ragged_attention.cudnn_attention).
         v_width = q.shape[2] if b > 1 else w_uv.shape[2]
         per_key = q.shape[1] * (q.shape[2] + v_width) * q.dtype.itemsize
         step = max(PAGE_SIZE, PREFIX_SLICE_BYTES // per_key // PAGE_SIZE * PAGE_SIZE)
-        for first in range(0, max_prefix_tokens, step):
-            size = min(step, max_prefix_tokens - first)
+        for first in range(0, capacity, step):
+            size = min(step, capacity - first)
             rows = _prefix_rows(kv_cache, block_table, prefixes, first, size, k_scale, q.dtype)
             k, v = _decompress(rows, w_uk, w_uv)
             # Merged as they come, so that one slice's keys are freed before the next's.
