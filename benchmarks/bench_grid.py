@@ -10,7 +10,7 @@ Implementations (--impl):
   flashmla       jf.mla_decode under jax.jit; metadata computed once per (q, block_table) set,
                  outside the timed region (for an FP8 cache with the guard for empty requests
                  in it, as a model's step makes it); lse returned in FlashMLA's layout
-                 (jf.lse_format), as the torch op returns it
+                 (jf.serving.lse_format), as the torch op returns it
   torch          FlashMLA's torch op on the same buffers (dlpack), arguments by schema name (GPU)
   reference      the pure-JAX reference under jax.jit, skipped past --ref-budget-gib
   flashmla_step  one jitted decode step as a model's: get_mla_metadata, then --layers decodes
@@ -158,7 +158,7 @@ def bench_point(work, dtype, h_q, s_q, impls, args, torch_side, ceiling_gbps, bl
         # for s_q > 1), not transposed by XLA into a new buffer.
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         decode = jax.jit(functools.partial(jf.mla_decode, implementation="custom_call"),
-                         out_shardings=(device, jf.lse_format(s_q, device)))
+                         out_shardings=(device, jf.serving.lse_format(s_q, device)))
         variants["flashmla"] = (
             lambda i: decode(kernel_qs[i % rot], kv, bts[i % rot], sl, metadata=mds[i % rot],
                              k_scale=k_scale),
@@ -177,7 +177,7 @@ def bench_point(work, dtype, h_q, s_q, impls, args, torch_side, ceiling_gbps, bl
         caches = work.layer_caches(dtype, rot)
         step_caches = [caches[j % rot] for j in range(layers)]
         # Called as a serving loop calls a step, through AlternatingStep.
-        step = jf.AlternatingStep(
+        step = jf.serving.AlternatingStep(
             decode_step.lower(step_qs, step_caches, bts[0], sl, k_scale).compile())
         variants["flashmla_step"] = (
             lambda i: step(step_qs, step_caches, bts[0], sl, k_scale), jax_sync)

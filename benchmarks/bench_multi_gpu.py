@@ -1,6 +1,6 @@
 """A model's decode step over several GPUs: bench_step.py's step (per layer the new rows
 written, then the decode; the layers' caches stacked, the layers unrolled, called through
-jax_flashmla.AlternatingStep) with the query heads split over TP devices and each request's
+jax_flashmla.serving.AlternatingStep) with the query heads split over TP devices and each request's
 tokens over DCP devices (round robin), TP * DCP of the GPUs there are, 128 query heads in all.
 
 Per (b, mean s_k) and (TP, DCP): µs per layer (the median synced step's wall clock over its
@@ -100,7 +100,7 @@ def make_step(p, tp, dcp, devices, implementation=None):
     args = (put(cache, "dcp"), put(p.qs, None, None, None, "tp", None), put(p.rows),
             put(tables, "dcp"), put(lens, "dcp"), put(positions))
     compiled = jax.jit(step, donate_argnums=0).lower(*args).compile()
-    return jf.AlternatingStep(compiled), args
+    return jf.serving.AlternatingStep(compiled), args
 
 
 def time_step(run, args, steps, warmup=3):

@@ -12,7 +12,7 @@ output. With --rows-from-inputs the new rows are the step's inputs instead: no w
 waits for the decode before it, and XLA copies a stacked cache at each layer's write to keep
 that decode's reads intact (the compiled HLO shows the copies).
 jax_flashmla runs it jitted three ways: that stacked cache under lax.scan (with
-jax_flashmla.LOOP_STEP_COMPILER_OPTIONS, SCAN_UNROLL layers per iteration) and unrolled over
+jax_flashmla.serving.LOOP_STEP_COMPILER_OPTIONS, SCAN_UNROLL layers per iteration) and unrolled over
 the layers, and with one cache array per layer. Beside those: the same step of FlashMLA's torch
 ops (an indexed write of the rows, the decode, the concatenation) captured in a torch CUDA
 graph and replayed, as SGLang serves decode, and eagerly; and the per-layer step with a trivial
@@ -252,7 +252,7 @@ def jax_steps(p, xla_options=None, scan_unroll=SCAN_UNROLL, queues=None):
     extra = dict(xla_options or {})
     jit = lambda f, options=None: jax.jit(f, donate_argnums=0,
                                           compiler_options={**(options or {}), **extra} or None)
-    steps = {"scan": (scan_step, jf.LOOP_STEP_COMPILER_OPTIONS, p.stacked_cache),
+    steps = {"scan": (scan_step, jf.serving.LOOP_STEP_COMPILER_OPTIONS, p.stacked_cache),
              "unrolled": (unrolled_step, None, p.stacked_cache),
              "per_layer": (per_layer_step, None, p.layer_caches),
              "per_layer_trivial": (trivial_step, None, p.layer_caches)}
@@ -358,7 +358,7 @@ def run_point(p, steps, torch_side, xla_options=None, sync="host_queue"):
         record["compile_s"] = round(time.perf_counter() - start, 1)
     for name, single in ALTERNATING.items():
         if single in compiled:
-            compiled[name] = jf.AlternatingStep(compiled[single])
+            compiled[name] = jf.serving.AlternatingStep(compiled[single])
             variants[name] = variants[single]
 
     def launcher(name):

@@ -52,7 +52,7 @@ def markdown(result):
              f"waits for each jitted step by {sync}; for the torch step by "
              "torch.cuda.synchronize.", "",
              "Wall clock of the median step / layers (GPU span per layer in brackets). `alt.`: "
-             "the same compiled step called through jax_flashmla.AlternatingStep. Ratio: "
+             "the same compiled step called through jax_flashmla.serving.AlternatingStep. Ratio: "
              "jax_flashmla's stacked layouts through AlternatingStep against the torch CUDA "
              "graph; bar 1.05 where the graph's step takes >= 2 ms, else 1.15. `trivial` is the "
              "per-layer step with a fusion in place of each decode (what JAX costs for that "

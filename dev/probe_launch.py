@@ -17,7 +17,7 @@ XLA (bench_step.py's unrolled stacked step, called through AlternatingStep):
                 5 attributes; the decode's: 6, 4 and 3), to tell whether a custom call's cost
                 per execution grows with its buffers or its attributes
   xla_scan_unrollU  bench_step.py's scanned step, U layers per iteration of its loop
-                (lax.scan's unroll), with jax_flashmla.LOOP_STEP_COMPILER_OPTIONS
+                (lax.scan's unroll), with jax_flashmla.serving.LOOP_STEP_COMPILER_OPTIONS
 torch_step      bench_step.py's torch step (per layer the indexed write of the rows, the decode,
                 the next q) captured in a CUDA graph and replayed, as bench_step times it
 CUDA graphs of the decode op alone, L calls on one cache (FlashMLA from torch):
@@ -124,7 +124,7 @@ def xla_variants(p, names, sync="block"):
             continue
         state = {"stack": p.stacked_cache()}
         compiled = jitted().lower(state["stack"], *args).compile()
-        step = jf.AlternatingStep(compiled)
+        step = jf.serving.AlternatingStep(compiled)
         queue = queues.get(name)
         state["queue"] = queue["scan"] if isinstance(queue, dict) else queue
         state["unpopped"] = 0

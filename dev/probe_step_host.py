@@ -80,7 +80,7 @@ def variant(p, name):
             jax.block_until_ready(state["out"])
     elif name in ("unrolled_alternating", "scan_alternating"):
         f, _ = bench_step.jax_steps(p)[name.split("_")[0]]
-        step_pair = jf.AlternatingStep(f.lower(state["stack"], *args).compile())
+        step_pair = jf.serving.AlternatingStep(f.lower(state["stack"], *args).compile())
 
         def run():
             state["stack"], state["out"] = step_pair(state["stack"], *args)

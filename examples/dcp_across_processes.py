@@ -77,9 +77,9 @@ def main(args):
 
     @jax.jit
     def step(cache, tables, lens, positions, rows, q):
-        cache = jf.dcp_write_kv(cache, tables, positions, mesh=mesh, axis="dcp",
+        cache = jf.context_parallel.dcp_write_kv(cache, tables, positions, mesh=mesh, axis="dcp",
                                 layout="round_robin", kv=rows)
-        return jf.dcp_mla_decode(q, cache, tables, lens, mesh=mesh, axis="dcp",
+        return jf.context_parallel.dcp_mla_decode(q, cache, tables, lens, mesh=mesh, axis="dcp",
                                  implementation="custom_call")
 
     out, lse = step(cache, tables, lens, positions, rows, q)

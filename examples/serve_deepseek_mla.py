@@ -335,7 +335,7 @@ def serve(args):
     # jax_flashmla documents for a decode step (XLA then replays it without recording again).
     progress.update(info="compiling the decode step", force=True)
     rows = jnp.zeros((args.batch,), jnp.int32)
-    decode = jf.AlternatingStep(decode.lower(
+    decode = jf.serving.AlternatingStep(decode.lower(
         state, rows, rows - 1, jnp.full((args.batch, max_pages), -1, jnp.int32), rows, caches,
         k_scales).compile())
     allocator = PageAllocator(num_pages)

@@ -1,23 +1,28 @@
 """FlashMLA's MLA decode for JAX: jit-native XLA FFI custom calls with a pure-JAX reference,
-prefill and extend over the paged cache (mla_prefill), the paged KV cache around them, and
-multi-device decode. A serving loop's helpers (pages, block tables, batch buckets, chunked
-prefill, decode loops) are in jax_flashmla.serving."""
-from jax_flashmla import serving
+prefill and extend over the paged cache (mla_prefill), and the paged KV cache around them.
+
+Namespaces: serving (pages, block tables, chunked prefill, decode loops, and the XLA step
+helpers AlternatingStep and HostQueue), speculative (target verify, multi-step drafts),
+context_parallel (the KV cache split over devices), flax (the DeepSeek attention layer; needs
+flax, imported on first use)."""
+import importlib
+
+from jax_flashmla import context_parallel, serving, speculative
 from jax_flashmla.cache import PagedKVCache, token_slots, write_kv
 from jax_flashmla.checks import value_checks
-from jax_flashmla.context_parallel import dcp_mla_decode, dcp_write_kv, merge_attention_states
-from jax_flashmla.ops import (LOOP_STEP_COMPILER_OPTIONS, MLAMetadata, get_mla_metadata, lse_format,
-                              mla_decode)
+from jax_flashmla.context_parallel import merge_attention_states
+from jax_flashmla.ops import MLAMetadata, get_mla_metadata, mla_decode
 from jax_flashmla.prefill import mla_prefill
-from jax_flashmla.reference import mla_decode_reference
-from jax_flashmla.speculative import (multi_step_draft, multi_step_draft_metadata, target_verify,
-                                      target_verify_metadata)
-from jax_flashmla.step import AlternatingStep
 
 __all__ = [
-    "AlternatingStep", "LOOP_STEP_COMPILER_OPTIONS", "MLAMetadata", "PagedKVCache",
-    "dcp_mla_decode", "dcp_write_kv", "get_mla_metadata", "lse_format", "merge_attention_states",
-    "mla_decode", "mla_decode_reference", "mla_prefill", "multi_step_draft", "multi_step_draft_metadata",
-    "serving", "target_verify", "target_verify_metadata", "token_slots", "value_checks",
-    "write_kv"
+    "MLAMetadata", "PagedKVCache", "context_parallel", "flax", "get_mla_metadata",
+    "merge_attention_states", "mla_decode", "mla_prefill", "serving", "speculative",
+    "token_slots", "value_checks", "write_kv",
 ]
+
+
+def __getattr__(name):
+    # jax_flashmla.flax needs flax, an optional dependency: imported when first asked for.
+    if name == "flax":
+        return importlib.import_module("jax_flashmla.flax")
+    raise AttributeError(f"module 'jax_flashmla' has no attribute {name!r}")

@@ -14,6 +14,9 @@ from jax.sharding import PartitionSpec as P
 from jax_flashmla import cache, checks
 from jax_flashmla.ops import mla_decode
 
+__all__ = ["LAYOUTS", "dcp_mla_decode", "dcp_write_kv", "local_lengths", "local_positions",
+           "merge_attention_states"]
+
 LAYOUTS = ("contiguous", "round_robin")
 
 

@@ -9,28 +9,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.layout import Format, Layout
 
 from jax_flashmla import fp8 as fp8_quant
 from jax_flashmla import checks, kernels, lowering, sharding, validation
 from jax_flashmla.reference import mla_decode_reference
 
 IMPLEMENTATIONS = ("custom_call", "reference")
-
-# Compiler options for a jitted decode step whose layers are a loop (lax.scan, fori_loop):
-# XLA's default command-buffer types (jax 0.11) plus WHILE, and command buffers however few
-# their commands, so that the loop runs as one CUDA graph instead of launching each layer's
-# kernels and custom calls from the host; and a loop of known trip count recorded iteration by
-# iteration into that graph rather than as a CUDA conditional node around its body, which ran
-# slower on the GPU. A step written out layer by layer is captured with XLA's defaults.
-# Use: jax.jit(step, compiler_options=jax_flashmla.LOOP_STEP_COMPILER_OPTIONS).
-LOOP_STEP_COMPILER_OPTIONS = {
-    "xla_gpu_enable_command_buffer":
-        "FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL,CONDITIONAL,DYNAMIC_SLICE_FUSION,WHILE",
-    "xla_gpu_graph_min_graph_size": 1,
-    "xla_gpu_command_buffer_unroll_loops": True,
-}
-
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["tile_scheduler_metadata", "num_splits", "kernel_block_table",
@@ -316,19 +300,3 @@ def _checked_operands(q, kv_cache, block_table, seq_lens, metadata, k_scale):
     checks.metadata_matches(where, [getattr(metadata, n) for n in names],
                             [getattr(expected, n) for n in names], names, ignore=jnp.any(bad))
     return safe_table, safe_lens, made_for(safe_table, safe_lens)
-
-
-def lse_format(s_q, sharding):
-    """The jax Format under which a jitted function returns mla_decode's lse as FlashMLA wrote it.
-
-    For s_q > 1 the decode writes lse (batch, h_q, s_q) with s_q outside h_q, and XLA
-    transposes it to row-major where it is read; returning it with this format
-    (jax.jit(..., out_shardings=...)) hands that memory out untouched, as FlashMLA's torch op
-    returns its lse view. The values are the same either way.
-
-    Args:
-      s_q: query tokens per request.
-      sharding: a concrete sharding of lse (jax.sharding.SingleDeviceSharding, NamedSharding).
-    """
-    minor_to_major = lowering.lse_minor_to_major(s_q) or (2, 1, 0)
-    return Format(Layout(major_to_minor=tuple(reversed(minor_to_major))), sharding)

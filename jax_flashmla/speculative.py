@@ -19,6 +19,9 @@ from jax_flashmla.cache import PagedKVCache
 from jax_flashmla.ops import get_mla_metadata
 from jax_flashmla.serving.loop import decode_step, run_steps, step_seq_lens
 
+__all__ = ["multi_step_draft", "multi_step_draft_metadata", "target_verify",
+           "target_verify_metadata", "verify_seq_lens"]
+
 
 def _check_count(where, name, value):
     if not isinstance(value, int) or value < 1:

@@ -67,7 +67,7 @@ def loop(kind):
             return jnp.concatenate([out.astype(q.dtype), q[..., 512:]], axis=-1), None
         return jax.lax.scan(body, q, None, length=LAYERS)[0]
 
-    run = jax.jit(step, compiler_options=jf.LOOP_STEP_COMPILER_OPTIONS)
+    run = jax.jit(step, compiler_options=jf.serving.LOOP_STEP_COMPILER_OPTIONS)
     for _ in range(3):
         jax.block_until_ready(run(q, cache, bt, sl))
 
@@ -94,7 +94,7 @@ def _donated_step(seed, how, push=None):
         return cache, q
 
     compiled = jax.jit(step, donate_argnums=0).lower(cache, q, bt, sl, slots).compile()
-    run = jf.AlternatingStep(compiled) if how == "alternating" else compiled
+    run = jf.serving.AlternatingStep(compiled) if how == "alternating" else compiled
     return run, (cache, q, bt, sl, slots)
 
 

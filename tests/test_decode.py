@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import jax_flashmla as jf
+from jax_flashmla.reference import mla_decode_reference
 from helpers import (LSE_TOL, OUT_TOL, SENTINEL_PAGE, assert_flashmla_close, dense_attention_f64,
                      make_decode_inputs)
 
@@ -32,7 +33,7 @@ def _decode(inputs, implementation, **kwargs):
 def _fp32_reference_in_chunks(q, kv, block_table, seq_lens, chunk=16):
     """The reference on float32 copies of the same values (so its output is not rounded to
     dtype), a few requests at a time to bound its memory at FlashMLA's grid sizes."""
-    reference = jax.jit(lambda *a: jf.mla_decode_reference(
+    reference = jax.jit(lambda *a: mla_decode_reference(
         *a, softmax_scale=SCALE, causal=True, head_dim_v=512))
     kv32 = kv.astype(jnp.float32)
     parts = [reference(q[i:i + chunk].astype(jnp.float32), kv32, block_table[i:i + chunk],
@@ -99,7 +100,7 @@ def test_lse_stays_in_flashmlas_layout_until_read(s_q):
     # Returned with lse_format, lse leaves the call as FlashMLA wrote it: no transposition.
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     as_written = jax.jit(functools.partial(jf.mla_decode, implementation="custom_call"),
-                         out_shardings=(device, jf.lse_format(s_q, device)))
+                         out_shardings=(device, jf.serving.lse_format(s_q, device)))
     hlo = as_written.lower(q, kv, bt, sl).compile().as_text()
     assert "copy" not in hlo and "transpose" not in hlo
     # The one fusion makes the lengths safe (s32[batch]); none touches lse.

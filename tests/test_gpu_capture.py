@@ -138,7 +138,7 @@ def test_a_loop_step_is_captured_under_the_loop_step_options():
     assert log.count(TRACED_CUSTOM_CALL) >= 2, log[-3000:]
 
 
-@pytest.mark.parametrize("options", [None, jf.LOOP_STEP_COMPILER_OPTIONS],
+@pytest.mark.parametrize("options", [None, jf.serving.LOOP_STEP_COMPILER_OPTIONS],
                          ids=["xla_defaults", "loop_step_options"])
 @pytest.mark.parametrize("loop", ["scan", "fori_loop"])
 def test_a_loop_over_stacked_layers_with_a_donated_cache_equals_torch(loop, options):

@@ -24,7 +24,7 @@ def test_calls_equal_the_compiled_steps_and_run_two_executables():
     q = jnp.asarray(rng.normal(0, 0.1, (2, 1, 16, 576)), jnp.bfloat16)
     compiled = jax.jit(_decode_step, donate_argnums=0).lower(
         cache, q, block_table, seq_lens, slots).compile()
-    step = jf.AlternatingStep(compiled)
+    step = jf.serving.AlternatingStep(compiled)
     mine, theirs = (cache.copy(), q), (cache.copy(), q)
     for _ in range(3):  # both copies run, the first twice
         *mine, lse = step(*mine, block_table, seq_lens, slots)
@@ -38,7 +38,7 @@ def test_calls_equal_the_compiled_steps_and_run_two_executables():
 
 def test_it_takes_a_compiled_step_only():
     with pytest.raises(TypeError, match="jax.stages.Compiled.*got function"):
-        jf.AlternatingStep(_decode_step)
+        jf.serving.AlternatingStep(_decode_step)
 
 
 
@@ -52,4 +52,4 @@ def test_a_step_closing_over_arrays_is_refused_with_the_way_out(monkeypatch):
     monkeypatch.setattr(serialize_executable, "serialize", refuse)
     compiled = jax.jit(lambda x: x + 1).lower(jnp.zeros((2,), jnp.int32)).compile()
     with pytest.raises(ValueError, match="closes over arrays.*pass them as arguments.*const_args"):
-        jf.AlternatingStep(compiled)
+        jf.serving.AlternatingStep(compiled)

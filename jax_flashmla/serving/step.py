@@ -1,6 +1,24 @@
-"""A model's decode step called the way XLA's command buffers replay fastest."""
+"""A model's decode step called the way XLA's command buffers replay fastest: AlternatingStep,
+the compiler options of a step written as a loop, and the layout of the lse FlashMLA writes."""
 import jax
 from jax.experimental import serialize_executable
+from jax.experimental.layout import Format, Layout
+
+from jax_flashmla import lowering
+
+# Compiler options for a jitted decode step whose layers are a loop (lax.scan, fori_loop):
+# XLA's default command-buffer types (jax 0.11) plus WHILE, and command buffers however few
+# their commands, so that the loop runs as one CUDA graph instead of launching each layer's
+# kernels and custom calls from the host; and a loop of known trip count recorded iteration by
+# iteration into that graph rather than as a CUDA conditional node around its body, which ran
+# slower on the GPU. A step written out layer by layer is captured with XLA's defaults.
+# Use: jax.jit(step, compiler_options=jax_flashmla.serving.LOOP_STEP_COMPILER_OPTIONS).
+LOOP_STEP_COMPILER_OPTIONS = {
+    "xla_gpu_enable_command_buffer":
+        "FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL,CONDITIONAL,DYNAMIC_SLICE_FUSION,WHILE",
+    "xla_gpu_graph_min_graph_size": 1,
+    "xla_gpu_command_buffer_unroll_loops": True,
+}
 
 
 class AlternatingStep:
@@ -38,3 +56,19 @@ class AlternatingStep:
     def __call__(self, *args, **kwargs):
         self._turn ^= 1
         return self._copies[self._turn](*args, **kwargs)
+
+
+def lse_format(s_q, sharding):
+    """The jax Format under which a jitted function returns mla_decode's lse as FlashMLA wrote it.
+
+    For s_q > 1 the decode writes lse (batch, h_q, s_q) with s_q outside h_q, and XLA
+    transposes it to row-major where it is read; returning it with this format
+    (jax.jit(..., out_shardings=...)) hands that memory out untouched, as FlashMLA's torch op
+    returns its lse view. The values are the same either way.
+
+    Args:
+      s_q: query tokens per request.
+      sharding: a concrete sharding of lse (jax.sharding.SingleDeviceSharding, NamedSharding).
+    """
+    minor_to_major = lowering.lse_minor_to_major(s_q) or (2, 1, 0)
+    return Format(Layout(major_to_minor=tuple(reversed(minor_to_major))), sharding)
