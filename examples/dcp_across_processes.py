@@ -1,34 +1,42 @@
 """Decode context parallelism across processes, as a multi-host deployment runs it.
 
-Every process runs this script with its own --process-id (one process per GPU on GPUs; on CPU
-each process takes --local-devices devices). jax.distributed joins them; one mesh axis, "dcp",
+Run bare, the script starts --num-processes copies of itself on this machine and waits for
+them; each copy, or each process of a real deployment, runs it with its own --process-id (one
+process per GPU on GPUs; on CPU each process takes --local-devices devices). jax.distributed joins them; one mesh axis, "dcp",
 spans every device of every process. A batch of prompts is written through dcp_write_kv, each
 token into the cache of the one device that holds its position (round-robin), so that no
 process holds another's tokens; then one decode step through dcp_mla_decode merges the
 devices' partial attention through their LSEs. Each process checks the merged result against
 the pure-JAX reference of the whole cache on one of its own devices.
 
+    python examples/dcp_across_processes.py                # 2 processes on this machine
     python examples/dcp_across_processes.py --process-id 0 --num-processes 2 &
     python examples/dcp_across_processes.py --process-id 1 --num-processes 2
 """
 import argparse
 import os
+import socket
+import subprocess
+import sys
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--process-id", type=int, required=True, help="this process's index")
-    p.add_argument("--num-processes", type=int, required=True, help="processes in all")
-    p.add_argument("--coordinator", default="localhost:12321",
-                   help="host:port of process 0's coordination service")
+    p.add_argument("--process-id", type=int,
+                   help="this process's index; unset: start every process here and wait")
+    p.add_argument("--num-processes", type=int, default=2, help="processes in all")
+    p.add_argument("--coordinator", help="host:port of process 0's coordination service "
+                   "(unset: localhost with a free port when run bare, else localhost:12321)")
     p.add_argument("--local-devices", type=int, default=2,
                    help="CPU devices per process (on GPUs: the process's visible GPUs)")
     p.add_argument("--batch", type=int, default=3, help="requests")
     p.add_argument("--prompt", type=int, default=300, help="tokens per prompt")
     p.add_argument("--heads", type=int, default=16, help="query heads")
     args = p.parse_args(argv)
-    if not 0 <= args.process_id < args.num_processes:
+    if args.num_processes < 1:
+        p.error("--num-processes must be >= 1")
+    if args.process_id is not None and not 0 <= args.process_id < args.num_processes:
         p.error(f"--process-id must be in [0, --num-processes = {args.num_processes})")
     for name in ("local_devices", "batch", "prompt", "heads"):
         if getattr(args, name) < 1:
@@ -103,5 +111,27 @@ def main(args):
     return ok
 
 
+def launch(args):
+    """Every process of the run on this machine, as children; True when all of them match."""
+    if args.coordinator is None:
+        with socket.socket() as s:
+            s.bind(("localhost", 0))
+            args.coordinator = f"localhost:{s.getsockname()[1]}"
+    shared = [f"--{name.replace('_', '-')}={value}" for name, value in vars(args).items()
+              if name != "process_id"]
+    runs = [subprocess.Popen([sys.executable, __file__, *shared, f"--process-id={i}"])
+            for i in range(args.num_processes)]
+    try:
+        return all(run.wait() == 0 for run in runs)
+    finally:  # a process whose peer failed would wait for it
+        for run in runs:
+            run.kill()
+
+
 if __name__ == "__main__":
-    raise SystemExit(0 if main(parse_args()) else 1)
+    arguments = parse_args()
+    if arguments.process_id is None:
+        raise SystemExit(0 if launch(arguments) else 1)
+    if arguments.coordinator is None:
+        arguments.coordinator = "localhost:12321"
+    raise SystemExit(0 if main(arguments) else 1)
