@@ -23,9 +23,13 @@ skips what depends on it.
 import argparse
 import glob
 import os
-import shutil
 import sys
 import sysconfig
+
+# The repository's build_env.py: where the build's inputs are looked for, as CMake looks.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
+from build_env import (find_cuda_include, find_cudart, find_nvcc, find_torch,  # noqa: E402
+                       xla_ffi_include)
 
 # nanobind's core: src/*.cpp less the unity build, the split-mode backend and (on an interpreter
 # that is not free-threaded) the free-threading support, as nanobind_build_library compiles it.
@@ -77,56 +81,6 @@ def _all_files_glob(*dirs):
     return "glob(" + _starlark([f"{d}/**" for d in dirs]) + ")"
 
 
-def find_torch():
-    """(what the CUDA bridge needs from the installed torch, or None; why not)."""
-    try:
-        import torch
-        from torch.utils import cpp_extension
-    except ImportError as e:
-        return None, f"torch is not importable ({e})"
-    return {
-        "version": torch.__version__,
-        "include_dirs": cpp_extension.include_paths(),
-        "library_dir": cpp_extension.library_paths()[0],
-        "cxx11_abi": int(torch._C._GLIBCXX_USE_CXX11_ABI),
-        "cuda": torch.version.cuda,
-    }, None
-
-
-def _cuda_roots():
-    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
-    candidates.append("/usr/local/cuda")
-    return [root for root in candidates if root]
-
-
-def find_cuda_include():
-    for root in _cuda_roots():
-        include = os.path.join(root, "include")
-        if os.path.isfile(os.path.join(include, "cuda_runtime_api.h")):
-            return include
-    return None
-
-
-def find_nvcc():
-    for root in _cuda_roots():
-        if os.access(os.path.join(root, "bin", "nvcc"), os.X_OK):
-            return os.path.join(root, "bin", "nvcc")
-    return shutil.which("nvcc")
-
-
-def find_cudart():
-    """The CUDA runtime's shared library (the bridge's kernel shares torch's runtime)."""
-    for root in _cuda_roots():
-        for lib in ("lib64", "lib", os.path.join("targets", "x86_64-linux", "lib")):
-            path = os.path.join(root, lib, "libcudart.so")
-            if os.path.isfile(path):
-                return path
-    return None
-
-
 def configure(out):
     os.makedirs(out, exist_ok=True)
     notes = [f"python: {sys.executable} ({sys.version.split()[0]})"]
@@ -138,8 +92,8 @@ def configure(out):
 
     import jax
 
-    xla = _link(out, "xla_ffi/include", jax.ffi.include_dir())
-    notes.append(f"jax {jax.__version__}: XLA FFI headers in {jax.ffi.include_dir()}")
+    xla = _link(out, "xla_ffi/include", xla_ffi_include())
+    notes.append(f"jax {jax.__version__}: XLA FFI headers in {xla_ffi_include()}")
     build.append(_cc_library("xla_ffi_headers", hdrs=_headers_glob(xla), includes=[xla]))
 
     py_include = sysconfig.get_paths()["include"]

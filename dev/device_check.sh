@@ -10,6 +10,7 @@
 #     gpu      every test marked gpu but the two-GPU ones (~6 min), or those in GPU_TESTS
 #     prefill  mla_prefill's tests on the GPU: tests/test_gpu_prefill.py, and the CPU suite's
 #              prefill tests, which run on cuDNN there
+#     readme   tests/test_readme.py: the README's code with FlashMLA and cuDNN beneath it
 #     prefill-bench  bench_prefill.py; PREFILL_ARGS, PREFILL_NAME (prefill_h200),
 #              PREFILL_DEADLINE_S (default 360)
 #     serve    examples/serve_deepseek_mla.py with 32k-token prompts prefilled in chunks and a
@@ -78,6 +79,7 @@ for mode in "${modes[@]}"; do
       tests/test_value_checks.py ;;
   prefill)
     pytest_logged pytest_prefill.txt 400 tests/test_gpu_prefill.py tests/test_prefill.py ;;
+  readme) pytest_logged pytest_readme.txt 200 tests/test_readme.py ;;
   prefill-bench)
     timeout $((${PREFILL_DEADLINE_S:-360} + 120)) python3 benchmarks/bench_prefill.py \
       --deadline-s "${PREFILL_DEADLINE_S:-360}" --out "$out/${PREFILL_NAME:-prefill_h200}" \

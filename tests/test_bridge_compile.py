@@ -4,33 +4,25 @@ wheel carries the headers)."""
 import os
 import shutil
 import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
-import jax
 import pytest
 
-FFI_DIR = Path(__file__).resolve().parents[1] / "ffi"
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the repository's build_env.py, which the builds use too
+from build_env import find_cuda_include, find_nvcc, find_torch, xla_ffi_include  # noqa: E402
+
+FFI_DIR = ROOT / "ffi"
 TESTS_CPP = Path(__file__).resolve().parent / "cpp"
 CUDA_SOURCES = ["torch_bridge.cc", "buffer_lending.cc", "cuda_handlers.cc", "cuda_module.cc"]
 
 
-def _cuda_include_dir():
-    for root in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
-        if root and (Path(root) / "include" / "cuda_runtime_api.h").is_file():
-            return Path(root) / "include"
-    nvcc = shutil.which("nvcc")
-    if nvcc and (Path(nvcc).resolve().parents[1] / "include" / "cuda_runtime_api.h").is_file():
-        return Path(nvcc).resolve().parents[1] / "include"
-    return None
-
-
 def _missing():
-    try:
-        import torch  # noqa: F401
-    except ImportError:
+    if find_torch()[0] is None:
         return "torch (its headers) is not installed"
-    if _cuda_include_dir() is None:
+    if find_cuda_include() is None:
         return "the CUDA headers are not installed"
     if shutil.which("c++") is None:
         return "no C++ compiler"
@@ -45,13 +37,12 @@ def _bridge_compile_flags():
             pytest.fail(f"CI must compile the CUDA bridge, but {missing}")
         pytest.skip(missing)
     import nanobind
-    import torch
-    from torch.utils import cpp_extension
 
-    includes = [*cpp_extension.include_paths(), str(_cuda_include_dir()), jax.ffi.include_dir(),
+    torch = find_torch()[0]
+    includes = [*torch["include_dirs"], find_cuda_include(), xla_ffi_include(),
                 nanobind.include_dir(), sysconfig.get_paths()["include"]]
     return ["-std=c++20", "-fPIC", "-O1", "-Wall", "-Werror",
-            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+            f"-D_GLIBCXX_USE_CXX11_ABI={torch['cxx11_abi']}",
             # The CPU wheel lacks this one generated header; it only sets export macros.
             "-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE",
             *[arg for path in includes for arg in ("-isystem", path)], "-I", str(FFI_DIR)]
@@ -70,9 +61,7 @@ def test_torch_bridge_host_side(tmp_path):
     """tests/cpp/torch_bridge_test.cc, linked with the bridge and torch's CPU libraries:
     WrapBuffer's tensors, and CallTorchOp's errors for ops it cannot call."""
     flags = _bridge_compile_flags()
-    from torch.utils import cpp_extension
-
-    lib_dir = cpp_extension.library_paths()[0]
+    lib_dir = find_torch()[0]["library_dir"]
     binary = tmp_path / "torch_bridge_test"
     command = ["c++", *flags, str(TESTS_CPP / "torch_bridge_test.cc"),
                str(FFI_DIR / "torch_bridge.cc"), "-o", str(binary), "-L", lib_dir,
@@ -88,11 +77,11 @@ def test_torch_bridge_host_side(tmp_path):
 
 @pytest.mark.parametrize("kernel", ["fp8_guard"])
 def test_bridge_kernels_compile(tmp_path, kernel):
-    nvcc = shutil.which("nvcc")
+    nvcc = find_nvcc()
     if nvcc is None:
         if os.environ.get("CI"):
-            pytest.fail("CI must compile the CUDA bridge's kernels, but nvcc is not on PATH")
-        pytest.skip("nvcc is not on PATH")
+            pytest.fail("CI must compile the CUDA bridge's kernels, but nvcc is not found")
+        pytest.skip("nvcc is not found")
     command = [nvcc, "-std=c++17", "-O3", "-arch=sm_90", "-Xcompiler", "-fPIC,-Wall,-Werror",
                "-Werror", "all-warnings", "-I", str(FFI_DIR), "-c", str(FFI_DIR / f"{kernel}.cu"),
                "-o", str(tmp_path / f"{kernel}.o")]
