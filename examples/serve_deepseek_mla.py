@@ -305,7 +305,11 @@ def make_requests(args, vocab_size):
     return turns
 
 
-def serve(args):
+def serve(args, report=None):
+    """Serves the requests of make_requests(args); returns each request's generated tokens,
+    {request: [tokens of every turn]}. A dict given as report gets what the run did:
+    prefilled (tokens), chunks, chunk_shapes, prefixes ({request: [cached tokens each turn
+    started over]}) and page_allocations. Raises AssertionError if a page is leaked."""
     cfg = dataclasses.replace(ModelConfig(), num_layers=args.layers)
     turns = make_requests(args, cfg.vocab_size)
     # A request's cache holds every turn's user tokens and every generated token but the last.
@@ -484,6 +488,10 @@ def serve(args):
     elapsed = time.perf_counter() - start
     out_total = sum(len(o) for o in outputs.values())
     assert allocator.num_free == num_pages and not allocator.requests, "pages leaked"
+    if report is not None:
+        report.update(prefilled=progress.prefilled, chunks=num_chunks, chunk_shapes=len(shapes),
+                      prefixes={r: list(prefixes[r]) for r in range(args.requests)},
+                      page_allocations=allocations)
     print(f"implementation={impl} kv_cache_dtype={args.kv_cache_dtype} layers={cfg.num_layers} "
           f"requests={args.requests} "
           f"batch={args.batch} pages={num_pages} ({allocations} page allocations: freed pages "

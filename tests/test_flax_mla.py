@@ -276,17 +276,16 @@ def load_example():
 
 @pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "fp8"])
 @pytest.mark.parametrize("implementation", ["reference", "custom_call"])
-def test_example_serves_to_completion(implementation, kv_cache_dtype, capsys):
+def test_example_serves_to_completion(implementation, kv_cache_dtype):
+    """Every request served, every page given back (serve raises on a leak)."""
     ex = load_example()
     args = ex.parse_args(["--implementation", implementation, "--kv-cache-dtype", kv_cache_dtype,
                           "--layers", "1", "--requests", "5", "--batch", "3", "--max-new", "6",
                           "--max-prompt", "70", "--quiet"])
-    outputs = ex.serve(args)
+    report = {}
+    outputs = ex.serve(args, report)
     assert len(outputs) == 5 and all(3 <= len(o) <= 6 for o in outputs.values())
-    printed = capsys.readouterr().out
-    assert "tok/s" in printed and "none leaked" in printed
-    assert f"implementation={implementation} kv_cache_dtype={kv_cache_dtype}" in printed
-    assert all(f"  request {r}: prompt " in printed for r in range(5))  # every request
+    assert report["page_allocations"] > 0 and report["chunks"] >= 5
 
 
 def test_example_reads_the_same_tokens_after_launching_the_next_step():
