@@ -62,7 +62,7 @@ def default_num_sms():
     return int(getattr(device, "core_count", 0) or validation.DEFAULT_NUM_SMS)
 
 
-def get_mla_metadata(seq_lens, *, num_heads_q, num_q_tokens=1, num_heads_k=1, num_sms=None,
+def get_mla_metadata(seq_lens, *, num_heads_q, num_q_tokens=1, num_sms=None,
                      implementation=None, fp8=False, block_table=None, num_pages=None):
     """Computes FlashMLA's tile-scheduler metadata for one decode step.
 
@@ -70,8 +70,6 @@ def get_mla_metadata(seq_lens, *, num_heads_q, num_q_tokens=1, num_heads_k=1, nu
       seq_lens: (batch,) int32, KV length of each request (the query tokens included).
       num_heads_q: query heads per device (h_q).
       num_q_tokens: query tokens per request (s_q; > 1 for speculative verify / MTP).
-      num_heads_k: KV heads: 1, MLA's one latent head (FlashMLA's h_k; anything else is
-        refused).
       num_sms: SMs of the target GPU; defaults to the default device's SM count, or 132 (an
         H100/H200) on devices that have none, so CPU traces see GPU shapes.
       implementation: as in mla_decode. The pure-JAX reference needs no schedule: with it this
@@ -99,11 +97,12 @@ def get_mla_metadata(seq_lens, *, num_heads_q, num_q_tokens=1, num_heads_k=1, nu
 
     Returns:
       MLAMetadata with tile_scheduler_metadata (num_sm_parts, 8) int32 and num_splits
-      (batch + 1,) int32, where num_sm_parts = num_sms // num_heads_k //
-      ceil(num_q_tokens * num_heads_q / num_heads_k / 64), and with block_table the guard's
-      kernel_block_table and kernel_seq_lens; or None for the reference.
+      (batch + 1,) int32, where num_sm_parts = num_sms // ceil(num_q_tokens * num_heads_q /
+      64), and with block_table the guard's kernel_block_table and kernel_seq_lens; or None
+      for the reference.
     """
-    validation.check_metadata_args(seq_lens, num_heads_q, num_q_tokens, num_heads_k)
+    validation.check_metadata_args(seq_lens, num_heads_q, num_q_tokens)
+    num_heads_k = 1  # MLA's one latent KV head: the cache is (num_pages, 64, 1, 576)
     if num_sms is not None:
         validation.check_num_sms("get_mla_metadata", num_sms)
     if block_table is not None or num_pages is not None:
@@ -175,7 +174,7 @@ def _decode_jvp(config, primals, tangents):
 
 
 def mla_decode(q, kv_cache, block_table, seq_lens, *, metadata=None, softmax_scale=None,
-               causal=True, head_dim_v=validation.HEAD_DIM_V, implementation=None, k_scale=None):
+               causal=True, implementation=None, k_scale=None):
     """Multi-head latent attention decode over a paged KV cache (FlashMLA's dense decode).
 
     Args:
@@ -206,7 +205,6 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, metadata=None, softmax_sca
         qk_rope_head_dim) ** -0.5, times mscale ** 2 under YaRN (MLAConfig.softmax_scale).
       causal: with s_q > 1, query i sees the first s_k - s_q + i + 1 keys (speculative verify
         / MTP); with s_q = 1 it makes no difference.
-      head_dim_v: 512, the only V width FlashMLA supports.
       implementation: None picks "custom_call" on a Hopper GPU whose kernels and CUDA bridge
         are available, else "reference". "custom_call" is jax_flashmla's XLA custom call:
         FlashMLA's kernels on CUDA (lowering fails naming what is missing), its C++ model of
@@ -234,7 +232,7 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, metadata=None, softmax_sca
     causal mask hides from a query makes column d of that query's out NaN (the kernel weighs
     hidden keys by 0). Rows past a request's length are never read.
     """
-    batch, s_q, h_q = validation.check_decode_args(q, kv_cache, block_table, seq_lens, head_dim_v,
+    batch, s_q, h_q = validation.check_decode_args(q, kv_cache, block_table, seq_lens,
                                                    k_scale)
     fp8 = k_scale is not None
     implementation = _resolve(implementation)
@@ -259,8 +257,8 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, metadata=None, softmax_sca
         if q.dtype != fp8_quant.FP8_DTYPE:
             q = fp8_quant.quantize(q, scale)
         descales = (scale, scale)
-    kernel = sharding.DecodeConfig(float(softmax_scale), bool(causal), int(head_dim_v), num_sms,
-                                   fp8)
+    kernel = sharding.DecodeConfig(float(softmax_scale), bool(causal), validation.HEAD_DIM_V,
+                                   num_sms, fp8)
     return _decode(_DecodeConfig(kernel, implementation), q, kv_cache, block_table, seq_lens,
                    metadata, descales)
 

@@ -94,18 +94,13 @@ def check_scale(where, name, scale):
                                      f"stands for e * {name}); got {value!r}")
 
 
-def check_metadata_args(seq_lens, num_heads_q, num_q_tokens, num_heads_k):
+def check_metadata_args(seq_lens, num_heads_q, num_q_tokens):
     where = "get_mla_metadata"
     check_rank(where, "seq_lens", seq_lens, 1, "(batch,)")
     check_int32(where, "seq_lens", seq_lens)
-    for name, value in (("num_heads_q", num_heads_q), ("num_q_tokens", num_q_tokens),
-                        ("num_heads_k", num_heads_k)):
+    for name, value in (("num_heads_q", num_heads_q), ("num_q_tokens", num_q_tokens)):
         if not isinstance(value, (int, np.integer)) or value < 1:
             _fail(ValueError, where, f"{name} must be a positive Python int; got {value!r}")
-    if num_heads_k != 1:
-        # MLA's cache has one latent KV head, (num_pages, 64, 1, 576), which every decode takes.
-        _fail(ValueError, where, f"num_heads_k must be 1, MLA's one latent KV head (the "
-                                 f"kv_cache's third dimension); got {num_heads_k}")
 
 
 def _check_dtypes(where, q, kv_cache, k_scale):
@@ -129,7 +124,7 @@ def _check_dtypes(where, q, kv_cache, k_scale):
                                 f"{kv_cache.dtype}")
 
 
-def check_decode_args(q, kv_cache, block_table, seq_lens, head_dim_v, k_scale=None):
+def check_decode_args(q, kv_cache, block_table, seq_lens, k_scale=None):
     """Checks the operands of mla_decode; returns (batch, s_q, h_q)."""
     where = "mla_decode"
     check_rank(where, "q", q, 4, "(batch, s_q, h_q, 576)")
@@ -156,9 +151,6 @@ def check_decode_args(q, kv_cache, block_table, seq_lens, head_dim_v, k_scale=No
     if seq_lens.shape != (batch,):
         _fail(ValueError, where,
               f"seq_lens must have shape ({batch},); got {tuple(seq_lens.shape)}")
-    if head_dim_v != HEAD_DIM_V:
-        _fail(ValueError, where,
-              f"head_dim_v must be {HEAD_DIM_V} (FlashMLA's V width); got {head_dim_v}")
     if s_q < 1 or h_q < 1 or batch < 1:
         _fail(ValueError, where, f"q must have batch, s_q and h_q >= 1; got shape {tuple(q.shape)}")
     return batch, s_q, h_q
