@@ -71,9 +71,11 @@ def _prefix_rows(kv_cache, block_table, segments, first, size, k_scale, dtype):
     rows = kv_cache[page].reshape(size, kv_cache.shape[-1])
     rows = fp8.dequantize(rows, k_scale) if k_scale is not None else rows
     # Flash attention weighs a key outside every request by 0 but still multiplies its
-    # value: unused cache rows may hold anything, NaN included.
-    held = ragged_attention.owners(segments, size, first)[0] >= 0
-    return jnp.where(held[:, None], rows.astype(dtype), jnp.zeros((), dtype))
+    # value: unused cache rows may hold anything, NaN included. A row is held when its page
+    # is and its position is within the page owner's prefix.
+    position = local[:, None] * PAGE_SIZE + jnp.arange(PAGE_SIZE, dtype=jnp.int32)
+    held = (owner[:, None] >= 0) & (position < segments.lens[jnp.maximum(owner, 0)][:, None])
+    return jnp.where(held.reshape(size, 1), rows.astype(dtype), jnp.zeros((), dtype))
 
 
 def _decompress(rows, w_uk, w_uv):
@@ -95,7 +97,7 @@ def _layout(block_table, prefix_lens, query_lens, query_starts, num_pages, capac
     starts on the prefix axis: the prefixes of the others one after the other, in order, each
     from a page boundary (so that a request's keys fall into the cores' blocks alike wherever
     its prefix lies, and its answer does not change with the requests before it)."""
-    in_range = (query_lens >= 0) & (query_starts >= 0) & (query_starts + query_lens <= t)
+    in_range = _in_range(query_lens, query_starts, t)
     bad = ~in_range | _overlaps(query_starts, query_lens, in_range)[0]
     bad = bad | (prefix_lens < 0) | (prefix_lens > capacity)
     if capacity:
@@ -104,6 +106,11 @@ def _layout(block_table, prefix_lens, query_lens, query_starts, num_pages, capac
     held = jnp.where(bad, 0, (prefix_lens + PAGE_SIZE - 1) // PAGE_SIZE * PAGE_SIZE)
     prefix_starts = (jnp.cumsum(held) - held).astype(jnp.int32)
     return bad | (prefix_starts + prefix_lens > capacity), prefix_starts
+
+
+def _in_range(query_lens, query_starts, t):
+    """(batch,): requests whose rows lie within the t rows of q."""
+    return (query_lens >= 0) & (query_starts >= 0) & (query_starts + query_lens <= t)
 
 
 def _overlaps(query_starts, query_lens, in_range):
@@ -124,7 +131,7 @@ def _check_values(block_table, prefix_lens, query_lens, query_starts, prefix_sta
         checkify.check(~jnp.any(bad), f"{where}: {message}", i=i,
                        **{name: v[i] for name, v in values.items()})
 
-    in_range = (query_lens >= 0) & (query_starts >= 0) & (query_starts + query_lens <= t)
+    in_range = _in_range(query_lens, query_starts, t)
     check(~in_range, f"query_lens[{{i}}] = {{length}} with query_starts[{{i}}] = {{start}}: "
           f"rows outside [0, {t})", length=query_lens, start=query_starts)
     overlaps, before = _overlaps(query_starts, query_lens, in_range)
