@@ -150,7 +150,8 @@ def bench_point(work, dtype, h_q, s_q, impls, args, torch_side, ceiling_gbps, bl
     if "flashmla" in impls:
         # A metadata per set, as a model makes one per step for its block table; for an FP8
         # cache it carries the guard's copies of that table, so the calls guard nothing.
-        fp8_table = lambda bt: dict(fp8=True, block_table=bt) if k_scale is not None else {}
+        fp8_table = lambda bt: (dict(fp8=True, block_table=bt, num_pages=kv.shape[0])
+                               if k_scale is not None else {})
         mds = [jax_sync(jf.get_mla_metadata(sl, num_heads_q=h_q, num_q_tokens=s_q,
                                             implementation="custom_call", **fp8_table(bt)))
                for bt in bts]

@@ -57,7 +57,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
 import bench_step  # noqa: E402  (sets XLA_FLAGS and the allocator as bench_step.py runs)
 import jax_flashmla as jf  # noqa: E402
-from jax_flashmla import lowering  # noqa: E402
+from jax_flashmla import custom_calls  # noqa: E402
 from probe_step_host import host_profile, unrolled  # noqa: E402
 
 
@@ -94,7 +94,7 @@ def xla_variants(p, names, sync="block"):
     # Inputs of their own per layer (the block table, the lengths), so that XLA does not merge
     # the layers' custom calls.
     def guard(layer, q, t):
-        _, lens = lowering.bind_fp8_guard(t["block_table"] + layer, t["seq_lens"])
+        _, lens = custom_calls.FP8_GUARD(block_table=t["block_table"] + layer, seq_lens=t["seq_lens"])
         return q + (lens[0] - p.s_k).astype(q.dtype)
 
     def metadata(layer, q, t):

@@ -1,9 +1,5 @@
-"""Public ops: get_mla_metadata and mla_decode (the logical op over jax_flashmla/lowering.py).
-
-mla_decode's custom call sits under three wrappers, each for what the one below lacks: a
-jax.custom_jvp (FlashMLA has no backward pass; differentiating says so instead of failing
-inside the wrappers below), sharding.py's custom_vmap (custom_partitioning has no vmap rule)
-and custom_partitioning (the Shardy rule, so that a split q is not gathered)."""
+"""Public ops: get_mla_metadata and mla_decode, the logical op over the custom calls
+(jax_flashmla/decode_primitive.py)."""
 import dataclasses
 import functools
 
@@ -11,15 +7,14 @@ import jax
 import jax.numpy as jnp
 
 from jax_flashmla import fp8 as fp8_quant
-from jax_flashmla import checks, kernels, lowering, sharding, validation
-from jax_flashmla.reference import mla_decode_reference
+from jax_flashmla import checks, custom_calls, decode_primitive, kernels, validation
 
 IMPLEMENTATIONS = ("custom_call", "reference")
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["tile_scheduler_metadata", "num_splits", "kernel_block_table",
                                 "kernel_seq_lens", "seq_lens"],
-                   meta_fields=["num_heads_q", "num_q_tokens", "num_heads_k", "fp8"])
+                   meta_fields=["num_heads_q", "num_q_tokens", "fp8"])
 @dataclasses.dataclass(frozen=True)
 class MLAMetadata:
     """FlashMLA's split-KV schedule for one decode step, shared by every layer of the step.
@@ -27,7 +22,7 @@ class MLAMetadata:
     Attributes:
       tile_scheduler_metadata: (num_sm_parts, 8) int32, one row of work per SM part.
       num_splits: (batch + 1,) int32, prefix sums of the number of KV splits per request.
-      num_heads_q, num_q_tokens, num_heads_k: the layout it was computed for (static).
+      num_heads_q, num_q_tokens: the layout it was computed for (static).
       fp8: made by the FP8 decode's scheduler, for a float8_e4m3fn cache (static).
       kernel_block_table, kernel_seq_lens: with fp8 and a block_table given to
         get_mla_metadata, the FP8 guard's copies of the step's block table (batch, max_pages)
@@ -41,7 +36,6 @@ class MLAMetadata:
     num_splits: jax.Array
     num_heads_q: int
     num_q_tokens: int
-    num_heads_k: int
     fp8: bool = False
     kernel_block_table: jax.Array | None = None
     kernel_seq_lens: jax.Array | None = None
@@ -78,22 +72,20 @@ def get_mla_metadata(seq_lens, *, num_heads_q, num_q_tokens=1, num_sms=None,
         (get_mla_decoding_metadata_dense_fp8), whose rows the bf16 decode cannot read, nor the
         reverse; mla_decode refuses a mismatch. It schedules a length of 0 as 1, as mla_decode
         gives it to the FP8 kernel (see there).
-      block_table: the step's (batch, max_pages) int32 block table. Without fp8 it is for
-        num_pages, and the metadata serves every layer's decode, whose table may also be
-        this one plus the page where the layer starts in a stacked cache. With fp8 the FP8
-        kernel reads a guarded copy of it and of seq_lens (requests of length 0 as length 1
-        over page 0, ffi/fp8_guard.h) in place of the decode's, so every layer's mla_decode
-        must be given this very table; made here, the guard runs once per step. Without it
-        each mla_decode guards its own inputs: XLA merges those guards across layers
-        written out one after another, but XLA's GPU compiler leaves them inside a lax.scan
-        over layers, once per layer.
-      num_pages: with block_table, the pages a layer's block table may name (a layer's cache,
-        or its share of a stacked one). The metadata is then made for the step's lengths with
-        every out-of-range request's set to 0: a length outside [0, max_pages * 64], or a
-        page it reads (the first ceil(seq_lens / 64) entries of its row) outside
-        [0, num_pages). mla_decode decodes those lengths, so that such a request comes out
-        empty (out 0, lse +inf) on every implementation, and no kernel reads outside the
-        cache, once per step.
+      block_table, num_pages: the step's (batch, max_pages) int32 block table and the pages it
+        may name (a layer's cache, or its share of a stacked one), given together. The
+        metadata is then made for the step's lengths with every out-of-range request's set to
+        0 (a length outside [0, max_pages * 64], or a page it reads, among the first
+        ceil(seq_lens / 64) entries of its row, outside [0, num_pages)), and carries those
+        lengths: mla_decode decodes them, so that such a request comes out empty (out 0, lse
+        +inf) on every implementation and no kernel reads outside the cache. It serves every
+        layer's decode, whose table may also be this one plus the page where the layer starts
+        in a stacked cache. With fp8 it also carries the guarded copy of the table that the
+        FP8 kernel reads in place of the decode's (requests of length 0 as length 1 over page
+        0, ffi/fp8_guard.h), so every layer's mla_decode must be given this very table; made
+        here, the guard runs once per step. Without them each mla_decode guards its own
+        inputs: XLA merges those guards across layers written out one after another, but its
+        GPU compiler leaves them inside a lax.scan over layers, once per layer.
 
     Returns:
       MLAMetadata with tile_scheduler_metadata (num_sm_parts, 8) int32 and num_splits
@@ -102,29 +94,32 @@ def get_mla_metadata(seq_lens, *, num_heads_q, num_q_tokens=1, num_sms=None,
       for the reference.
     """
     validation.check_metadata_args(seq_lens, num_heads_q, num_q_tokens)
-    num_heads_k = 1  # MLA's one latent KV head: the cache is (num_pages, 64, 1, 576)
     if num_sms is not None:
         validation.check_num_sms("get_mla_metadata", num_sms)
     if block_table is not None or num_pages is not None:
-        validation.check_metadata_block_table(block_table, seq_lens, fp8, num_pages)
+        validation.check_metadata_block_table(block_table, seq_lens, num_pages)
     if checks.enabled():
         checks.lengths("get_mla_metadata", seq_lens)
     if _resolve(implementation) == "reference":
         return None
-    safe_lens = None
-    if num_pages is not None:
-        safe_lens = safe_seq_lens(block_table, seq_lens, num_pages)
-        seq_lens = safe_lens
-    parts = validation.num_sm_parts(num_sms or default_num_sms(), num_heads_q, num_q_tokens,
-                                    num_heads_k)
-    tile_md, num_splits = lowering.bind_metadata(
-        seq_lens, num_heads_q=int(num_heads_q), num_q_tokens=int(num_q_tokens),
-        num_heads_k=int(num_heads_k), num_sm_parts=parts, fp8=bool(fp8))
+    if block_table is not None:
+        seq_lens = safe_seq_lens(block_table, seq_lens, num_pages)
+    parts = validation.num_sm_parts(num_sms or default_num_sms(), num_heads_q, num_q_tokens)
+    return _make_metadata(seq_lens, block_table, num_heads_q=int(num_heads_q),
+                          num_q_tokens=int(num_q_tokens), num_sm_parts=parts, fp8=bool(fp8))
+
+
+def _make_metadata(seq_lens, block_table, *, num_heads_q, num_q_tokens, num_sm_parts, fp8):
+    """The metadata for seq_lens; with a block_table it carries seq_lens and, for fp8, the
+    guard's copies of both."""
+    tile_md, num_splits = custom_calls.schedule(seq_lens, num_heads_q=num_heads_q,
+                                                num_q_tokens=num_q_tokens,
+                                                num_sm_parts=num_sm_parts, fp8=fp8)
     guarded = (None, None)
     if block_table is not None and fp8:
-        guarded = lowering.bind_fp8_guard(block_table, seq_lens)
-    return MLAMetadata(tile_md, num_splits, int(num_heads_q), int(num_q_tokens), int(num_heads_k),
-                       bool(fp8), *guarded, seq_lens=safe_lens)
+        guarded = custom_calls.FP8_GUARD(block_table=block_table, seq_lens=seq_lens)
+    return MLAMetadata(tile_md, num_splits, num_heads_q, num_q_tokens, fp8, *guarded,
+                       seq_lens=None if block_table is None else seq_lens)
 
 
 def safe_seq_lens(block_table, seq_lens, num_pages):
@@ -132,45 +127,6 @@ def safe_seq_lens(block_table, seq_lens, num_pages):
     whose read pages (its row's first ceil(seq_lens / 64) entries) is outside [0, num_pages):
     lengths no implementation reads outside the cache for, every other request's unchanged."""
     return jnp.where(checks.bad_requests(block_table, seq_lens, num_pages), 0, seq_lens)
-
-
-@dataclasses.dataclass(frozen=True)
-class _DecodeConfig:
-    kernel: sharding.DecodeConfig
-    implementation: str
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _decode(config, q, kv_cache, block_table, seq_lens, metadata, descales):
-    """descales: () or, for the FP8 decode, (descale_q, descale_k) of shape (1,)."""
-    kernel = config.kernel
-    if config.implementation == "reference":
-        q_scale, k_scale = descales or (None, None)
-        return mla_decode_reference(q, kv_cache, block_table, seq_lens,
-                                    softmax_scale=kernel.softmax_scale, causal=kernel.causal,
-                                    head_dim_v=kernel.head_dim_v, q_scale=q_scale,
-                                    k_scale=k_scale)
-    # With an FP8 cache the lowering's guard keeps FlashMLA's FP8 kernel from ever seeing a
-    # request of length 0, which it cannot take (ffi/fp8_guard.h).
-    if metadata is None:
-        out, lse = sharding.partitioned_decode_local_metadata(kernel)(q, kv_cache, block_table,
-                                                                      seq_lens, *descales)
-    else:
-        guarded = () if metadata.kernel_block_table is None else (metadata.kernel_block_table,
-                                                                  metadata.kernel_seq_lens)
-        kernel = dataclasses.replace(kernel, guard_in_metadata=bool(guarded))
-        out, lse = sharding.partitioned_decode(kernel)(q, kv_cache, block_table, seq_lens,
-                                                       metadata.tile_scheduler_metadata,
-                                                       metadata.num_splits, *descales, *guarded)
-    return out, lse
-
-
-@_decode.defjvp
-def _decode_jvp(config, primals, tangents):
-    raise NotImplementedError(
-        "mla_decode is decode-only: FlashMLA has no backward pass, so jax_flashmla defines no "
-        "gradient (nor JVP) for it. Differentiate a prefill attention instead, or wrap the "
-        "inputs in jax.lax.stop_gradient if no gradient should flow through the decode.")
 
 
 def mla_decode(q, kv_cache, block_table, seq_lens, *, metadata=None, softmax_scale=None,
@@ -240,7 +196,7 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, metadata=None, softmax_sca
     if metadata is not None:
         validation.check_metadata_matches(metadata, block_table, batch, s_q, h_q, fp8)
     elif implementation == "custom_call":
-        validation.num_sm_parts(num_sms, h_q, s_q, 1, where="mla_decode")
+        validation.num_sm_parts(num_sms, h_q, s_q, where="mla_decode")
     if softmax_scale is None:
         softmax_scale = validation.HEAD_DIM ** -0.5
     validation.check_softmax_scale("mla_decode", softmax_scale)
@@ -251,16 +207,22 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, metadata=None, softmax_sca
         seq_lens = safe_seq_lens(block_table, seq_lens, kv_cache.shape[0])
     if metadata is not None and metadata.seq_lens is not None:
         seq_lens = metadata.seq_lens
-    descales = ()
+    operands = dict(q=q, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens)
+    if metadata is not None and implementation == "custom_call":
+        operands.update(tile_scheduler_metadata=metadata.tile_scheduler_metadata,
+                        num_splits=metadata.num_splits)
     if fp8:
         scale = jnp.asarray(k_scale).reshape(1)
         if q.dtype != fp8_quant.FP8_DTYPE:
-            q = fp8_quant.quantize(q, scale)
-        descales = (scale, scale)
-    kernel = sharding.DecodeConfig(float(softmax_scale), bool(causal), validation.HEAD_DIM_V,
-                                   num_sms, fp8)
-    return _decode(_DecodeConfig(kernel, implementation), q, kv_cache, block_table, seq_lens,
-                   metadata, descales)
+            operands["q"] = fp8_quant.quantize(q, scale)
+        operands.update(descale_q=scale, descale_k=scale)
+    if (metadata is not None and metadata.kernel_block_table is not None
+            and implementation == "custom_call"):
+        operands.update(kernel_block_table=metadata.kernel_block_table,
+                        kernel_seq_lens=metadata.kernel_seq_lens)
+    return decode_primitive.mla_decode(operands, softmax_scale=float(softmax_scale),
+                                       causal=bool(causal), num_sms=num_sms,
+                                       implementation=implementation)
 
 
 def _checked_operands(q, kv_cache, block_table, seq_lens, metadata, k_scale):
@@ -279,17 +241,11 @@ def _checked_operands(q, kv_cache, block_table, seq_lens, metadata, k_scale):
         return safe_table, safe_lens, None
 
     def made_for(table, lens):
-        tile_md, num_splits = lowering.bind_metadata(
-            lens, num_heads_q=metadata.num_heads_q, num_q_tokens=metadata.num_q_tokens,
-            num_heads_k=metadata.num_heads_k,
-            num_sm_parts=metadata.tile_scheduler_metadata.shape[0], fp8=metadata.fp8)
-        guarded = (None, None)
-        if metadata.kernel_block_table is not None:
-            guarded = lowering.bind_fp8_guard(table, lens)
-        return dataclasses.replace(metadata, tile_scheduler_metadata=tile_md,
-                                   num_splits=num_splits, kernel_block_table=guarded[0],
-                                   kernel_seq_lens=guarded[1],
-                                   seq_lens=None if metadata.seq_lens is None else lens)
+        return _make_metadata(lens, None if metadata.seq_lens is None else table,
+                              num_heads_q=metadata.num_heads_q,
+                              num_q_tokens=metadata.num_q_tokens,
+                              num_sm_parts=metadata.tile_scheduler_metadata.shape[0],
+                              fp8=metadata.fp8)
 
     expected = made_for(block_table, seq_lens)
     names = ["tile_scheduler_metadata", "num_splits"]

@@ -44,14 +44,15 @@ def check_int32(where, name, x):
                                 f"makes int64 by default)")
 
 
-def num_sm_parts(num_sms, num_heads_q, num_q_tokens, num_heads_k, where="get_mla_metadata"):
-    """Rows of the tile-scheduler metadata FlashMLA uses for this head and query layout."""
-    tiles = math.ceil(num_q_tokens * num_heads_q // num_heads_k / QUERY_TILE_ROWS)
-    parts = num_sms // num_heads_k // tiles
+def num_sm_parts(num_sms, num_heads_q, num_q_tokens, where="get_mla_metadata"):
+    """Rows of the tile-scheduler metadata FlashMLA uses for this head and query layout (MLA's
+    one latent KV head)."""
+    rows = num_q_tokens * num_heads_q
+    tiles = math.ceil(rows / QUERY_TILE_ROWS)
+    parts = num_sms // tiles
     if parts < 1:
-        rows = num_q_tokens * num_heads_q // num_heads_k
         _fail(ValueError, where,
-              f"num_q_tokens * num_heads_q / num_heads_k = {rows} query rows need {tiles} tiles"
+              f"num_q_tokens * num_heads_q = {rows} query rows need {tiles} tiles"
               f" of {QUERY_TILE_ROWS}, more than the {num_sms} SMs; split the heads or the"
               " query tokens")
     return parts
@@ -156,18 +157,13 @@ def check_decode_args(q, kv_cache, block_table, seq_lens, k_scale=None):
     return batch, s_q, h_q
 
 
-def check_metadata_block_table(block_table, seq_lens, fp8, num_pages):
+def check_metadata_block_table(block_table, seq_lens, num_pages):
     where = "get_mla_metadata"
-    if block_table is None:
-        _fail(ValueError, where, f"num_pages={num_pages!r} needs the step's block_table: the "
-                                 "pages are those its entries name")
-    if not fp8 and num_pages is None:
-        _fail(ValueError, where, "block_table without fp8=True needs num_pages (the pages a "
-                                 "layer's block table may name), to make the metadata for "
-                                 "in-range requests")
-    if num_pages is not None and (isinstance(num_pages, bool)
-                                  or not isinstance(num_pages, (int, np.integer))
-                                  or num_pages < 1):
+    if block_table is None or num_pages is None:
+        _fail(ValueError, where, "block_table and num_pages go together (the step's block table "
+                                 "and the pages it may name); got "
+                                 f"{'num_pages' if block_table is None else 'block_table'} alone")
+    if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) or num_pages < 1:
         _fail(ValueError, where, f"num_pages must be a positive int (the cache's first "
                                  f"dimension); got {num_pages!r}")
     check_rank(where, "block_table", block_table, 2, "(batch, max_pages)")

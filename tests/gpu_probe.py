@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_flashmla as jf
-from jax_flashmla import kernels, lowering
+from jax_flashmla import custom_calls, kernels
 
 # Enough layers for XLA to make a command buffer of the step (>= 5 commands by default).
 LAYERS = 6
@@ -42,7 +42,8 @@ def capture(dtype):
 
     @jax.jit
     def step(qs, cache, bt, sl):
-        md = jf.get_mla_metadata(sl, num_heads_q=16, fp8=fp8, block_table=bt if fp8 else None)
+        md = jf.get_mla_metadata(sl, num_heads_q=16, fp8=fp8, block_table=bt,
+                                 num_pages=cache.shape[0])
         extra = dict(k_scale=scale) if fp8 else {}
         return [jf.mla_decode(qs[i], cache, bt, sl, metadata=md, **extra)[0]
                 for i in range(LAYERS)]
@@ -126,7 +127,7 @@ def refuse(target):
     ops = kernels.ensure_cuda_targets()
     parts = md.tile_scheduler_metadata.shape[0]
     if target == "metadata":
-        call = jax.ffi.ffi_call(lowering.METADATA_TARGET, (
+        call = jax.ffi.ffi_call(custom_calls.METADATA.target, (
             jax.ShapeDtypeStruct((parts, 8), jnp.int32),
             jax.ShapeDtypeStruct((3,), jnp.int32)))  # num_splits is (batch + 1,)
         result = call(sl, op=ops.metadata, num_q_tokens_per_head_k=np.int64(16),
@@ -136,7 +137,7 @@ def refuse(target):
         q = jnp.asarray(rng.normal(0, 0.1, (3, 1, 16, 576)), jnp.bfloat16)
         cache = jnp.asarray(rng.normal(0, 0.1, (15, 64, 1, 576)), jnp.bfloat16)
         splits = 3 + parts - 1  # one split short
-        call = jax.ffi.ffi_call(lowering.DECODE_TARGET, (
+        call = jax.ffi.ffi_call(custom_calls.DECODE.target, (
             jax.ShapeDtypeStruct((3, 1, 16, 512), jnp.bfloat16),
             jax.ShapeDtypeStruct((3, 16, 1), jnp.float32),
             jax.ShapeDtypeStruct((splits, 16, 1, 512), jnp.float32),

@@ -188,6 +188,11 @@ def entry_computation(hlo):
     return entry[:entry.index("\n}")]
 
 
+def guard_table(block_table, kv, guard_in_metadata):
+    """get_mla_metadata's arguments that make a metadata carry the FP8 guard's copies."""
+    return dict(block_table=block_table, num_pages=kv.shape[0]) if guard_in_metadata else {}
+
+
 def scan_over_fp8_layers(guard_in_metadata):
     """A jitted step as a model's: the metadata once (with the step's block table when
     guard_in_metadata), then lax.scan over the layers; every argument a jit argument. Asserts
@@ -198,7 +203,7 @@ def scan_over_fp8_layers(guard_in_metadata):
     @jax.jit
     def step(qs, kv, bt, sl):
         md = jf.get_mla_metadata(sl, num_heads_q=qs.shape[3], fp8=True, implementation="custom_call",
-                                 block_table=bt if guard_in_metadata else None)
+                                 **guard_table(bt, kv, guard_in_metadata))
         layer = lambda carry, q: (carry, jf.mla_decode(q, kv, bt, sl, metadata=md,
                                                        k_scale=jnp.float32(K_SCALE),
                                                        implementation="custom_call"))

@@ -32,7 +32,7 @@ CHILD = textwrap.dedent("""
     import jax.numpy as jnp
     import numpy as np
     import jax_flashmla
-    from jax_flashmla import lowering
+    from jax_flashmla import custom_calls
 
     batch, s_q, h_q, page = 3, 2, 16, 64
     seq_lens = np.array([3, 70, 150], np.int32)  # >= s_q: every query sees a key
@@ -55,7 +55,7 @@ CHILD = textwrap.dedent("""
     print(json.dumps({
         "backend": jax.default_backend(),
         "module_file": os.path.realpath(sys.modules["jax_flashmla._cpu"].__file__),
-        "lowering_uses_it": lowering._cpu is module,
+        "lowering_uses_it": custom_calls._cpu is module,
         # Every jax_flashmla extension mapped into the process: the Bazel one only.
         "mapped_modules": sorted({line.split()[-1] for line in open("/proc/self/maps")
                                   if "/_cpu" in line and ".so" in line}),

@@ -223,14 +223,14 @@ def test_the_guard_target_is_its_jax_model():
     """jax_flashmla_fp8_guard on the default device (the CUDA kernel on a GPU) against
     fp8.guard_empty_requests: requests of length 0 as length 1 over page 0, sentinel slots of
     the others untouched."""
-    from jax_flashmla import kernels, lowering
+    from jax_flashmla import custom_calls, kernels
     if jax.default_backend() == "gpu":
         kernels.ensure_cuda_targets()
     rng = np.random.default_rng(15)
     sl = jnp.asarray([0, 5, 0, 300, 64, 0, 1], jnp.int32)
     bt = jnp.asarray(rng.integers(0, 50, (7, 6)), jnp.int32).at[:, 4:].set(2**31 - 1)
     bt = bt.at[0].set(2**31 - 1)  # an empty request whose whole row is a sentinel
-    guard = jax.ffi.ffi_call(lowering.FP8_GUARD_TARGET,
+    guard = jax.ffi.ffi_call(custom_calls.FP8_GUARD.target,
                              (jax.ShapeDtypeStruct(bt.shape, jnp.int32),
                               jax.ShapeDtypeStruct(sl.shape, jnp.int32)))
     kernel_bt, kernel_sl = jax.jit(guard)(bt, sl)

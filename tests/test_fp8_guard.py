@@ -11,7 +11,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_flashmla as jf
 from jax_flashmla import fp8
-from helpers import FP8_LAYERS, K_SCALE, fp8_custom_calls, fp8_layers, scan_over_fp8_layers
+from helpers import (FP8_LAYERS, K_SCALE, fp8_custom_calls, fp8_layers, guard_table,
+                     scan_over_fp8_layers)
 
 @pytest.mark.usefixtures("on_cpu")
 @pytest.mark.parametrize("guard_in_metadata", [False, True])
@@ -28,7 +29,7 @@ def test_the_metadatas_guard_replaces_the_layers_own():
 
     def step(qs, kv, bt, sl, guard_in_metadata):
         md = jf.get_mla_metadata(sl, num_heads_q=16, fp8=True, implementation="custom_call",
-                                 block_table=bt if guard_in_metadata else None)
+                                 **guard_table(bt, kv, guard_in_metadata))
         return [jf.mla_decode(qs[i], kv, bt, sl, metadata=md, k_scale=jnp.float32(K_SCALE),
                               implementation="custom_call") for i in range(FP8_LAYERS)]
 
@@ -50,7 +51,7 @@ def test_the_metadatas_guard_under_a_mesh_gathers_nothing():
 
     def step(q, kv, bt, sl):
         md = jf.get_mla_metadata(sl, num_heads_q=16, fp8=True, implementation="custom_call",
-                                 block_table=bt)
+                                 block_table=bt, num_pages=kv.shape[0])
         return jf.mla_decode(q, kv, bt, sl, metadata=md, k_scale=jnp.float32(K_SCALE),
                              implementation="custom_call")
 
@@ -64,8 +65,8 @@ def test_the_metadatas_guard_under_a_mesh_gathers_nothing():
 
 
 @pytest.mark.parametrize("kwargs,exc,pattern", [
-    (dict(fp8=False), ValueError,
-     r"get_mla_metadata: block_table without fp8=True needs num_pages"),
+    (dict(fp8=True, num_pages=None), ValueError,
+     r"get_mla_metadata: block_table and num_pages go together .*; got block_table alone"),
     (dict(fp8=True, table=(4, 0)), ValueError,
      r"block_table must have shape \(4, max_pages >= 1\) for seq_lens of shape \(4,\); got "
      r"\(4, 0\)"),
@@ -80,13 +81,14 @@ def test_get_mla_metadata_rejects_a_block_table(kwargs, exc, pattern):
     table = jnp.zeros(kwargs.get("table", (4, 2)), kwargs.get("dtype", jnp.int32))
     with pytest.raises(exc, match=pattern):
         jf.get_mla_metadata(sl, num_heads_q=16, fp8=kwargs["fp8"], implementation="custom_call",
-                            block_table=table)
+                            block_table=table, num_pages=kwargs.get("num_pages", 8))
 
 
 def test_mla_decode_rejects_the_guard_of_another_block_table():
     qs, kv8, bt, sl = fp8_layers()
     md = jf.get_mla_metadata(sl, num_heads_q=16, fp8=True, implementation="custom_call",
-                             block_table=jnp.concatenate([bt, bt], axis=1))
+                             block_table=jnp.concatenate([bt, bt], axis=1),
+                             num_pages=kv8.shape[0])
     with pytest.raises(ValueError, match=r"mla_decode: metadata carries the guarded copy of a "
                                          r"block_table of shape \(4, 8\)"):
         jf.mla_decode(qs[0], kv8, bt, sl, metadata=md, k_scale=jnp.float32(K_SCALE),

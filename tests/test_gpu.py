@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import jax_flashmla as jf
-from jax_flashmla import kernels, lowering
+from jax_flashmla import custom_calls, kernels
 from helpers import K_SCALE, call_by_name, fp8_inputs, make_decode_inputs, torch_decode
 
 pytestmark = pytest.mark.gpu
@@ -64,10 +64,17 @@ def test_an_error_inside_the_op_is_a_python_exception():
                                        mean_sk=64, varlen=False, dtype=jnp.bfloat16)
     sl = jnp.asarray(sl)
     md = jf.get_mla_metadata(sl, num_heads_q=16)
+    parts = md.tile_scheduler_metadata.shape[0]
+    v = 256
+    decode = jax.ffi.ffi_call(custom_calls.DECODE.target, (
+        jax.ShapeDtypeStruct((2, 1, 16, v), jnp.bfloat16),
+        jax.ShapeDtypeStruct((2, 16, 1), jnp.float32),
+        jax.ShapeDtypeStruct((2 + parts, 16, 1, v), jnp.float32),
+        jax.ShapeDtypeStruct((2 + parts, 16, 1), jnp.float32)))
     with pytest.raises(Exception, match="failed"):
-        out, _ = lowering.bind_decode(q, kv, jnp.asarray(bt), sl, md.tile_scheduler_metadata,
-                                      md.num_splits, fp8=False, softmax_scale=0.1, causal=True,
-                                      head_dim_v=256)
+        out, *_ = decode(q, kv, jnp.asarray(bt), sl, md.tile_scheduler_metadata, md.num_splits,
+                         op=kernels.ensure_cuda_targets().decode, softmax_scale=np.float32(0.1),
+                         causal=True)
         out.block_until_ready()
     # The process and the GPU are still usable afterwards.
     out, lse = jf.mla_decode(q, kv, jnp.asarray(bt), sl, metadata=md)

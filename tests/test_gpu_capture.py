@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jax_flashmla as jf
-from jax_flashmla import fp8, kernels, lowering
+from jax_flashmla import fp8, kernels
 from helpers import K_SCALE, make_decode_inputs, torch_decode
 
 pytestmark = pytest.mark.gpu
@@ -62,7 +62,8 @@ def _step_inputs(seed, *, batch, s_q, h_q, fp8_cache=False):
 def _unrolled_step(fp8_cache):
     def step(qs, caches, bt, sl):
         md = jf.get_mla_metadata(sl, num_heads_q=qs.shape[3], num_q_tokens=qs.shape[2],
-                                 fp8=fp8_cache, block_table=bt if fp8_cache else None)
+                                 fp8=fp8_cache, block_table=bt,
+                                 num_pages=caches[0].shape[0])
         scale = dict(k_scale=jnp.float32(K_SCALE)) if fp8_cache else {}
         return [jf.mla_decode(qs[i], caches[i], bt, sl, metadata=md, softmax_scale=SCALE,
                               **scale) for i in range(len(caches))]

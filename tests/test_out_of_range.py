@@ -91,7 +91,8 @@ def test_the_metadata_carries_the_lengths_it_was_made_for():
 
 
 @pytest.mark.parametrize("kwargs,pattern", [
-    (dict(num_pages=8), r"get_mla_metadata: num_pages=8 needs the step's block_table"),
+    (dict(num_pages=8), r"get_mla_metadata: block_table and num_pages go together .*; got "
+                        r"num_pages alone"),
     (dict(block_table=True, num_pages=0), r"num_pages must be a positive int .* got 0"),
     (dict(block_table=True, num_pages=2.0), r"num_pages must be a positive int .* got 2.0"),
     (dict(block_table=True, num_pages=True), r"num_pages must be a positive int .* got True"),

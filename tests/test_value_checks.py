@@ -104,13 +104,15 @@ def test_fp8_metadata_of_another_block_table_is_named(inputs):
 
     def step(q, kv8, bt, md_bt, sl):
         md = jf.get_mla_metadata(sl, num_heads_q=16, fp8=True, block_table=md_bt,
+                                 num_pages=kv8.shape[0],
                                  implementation="custom_call")
         return jf.mla_decode(q, kv8, bt, sl, metadata=md, k_scale=scale,
                              implementation="custom_call")
 
     err, _ = _checked(step, q, kv8, bt, bt, sl)
     err.throw()
-    err, _ = _checked(step, q, kv8, bt, jnp.roll(bt, 1, axis=0), sl)
+    # Other pages, all in range: the same lengths, so the same schedule, another guarded table.
+    err, _ = _checked(step, q, kv8, bt, (bt + 1) % kv8.shape[0], sl)
     with pytest.raises(checkify.JaxRuntimeError, match="metadata.kernel_block_table is not"):
         err.throw()
 

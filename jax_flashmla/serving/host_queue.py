@@ -7,7 +7,7 @@ import time
 import jax
 import numpy as np
 
-from jax_flashmla import _cpu, kernels, lowering  # lowering registers the CPU targets
+from jax_flashmla import _cpu, custom_calls, kernels
 
 HEADER_BYTES = 64  # ffi/host_queue.h
 WRITING = 1 << 63
@@ -82,7 +82,7 @@ class HostQueue:
         if tuple(x.shape) != self.shape or np.dtype(x.dtype) != self.dtype:
             raise ValueError(f"HostQueue.push: x must be {self.shape} {self.dtype} (the "
                              f"queue's), got {tuple(x.shape)} {np.dtype(x.dtype)}")
-        lowering.bind_host_queue_push(x, queue_id=self._id)
+        custom_calls.HOST_QUEUE_PUSH(payload=x, queue_id=self._id)
 
     def pop(self, timeout_s=60.0):
         """The next pushed array, in push order, once the device has written it. Raises

@@ -4,7 +4,7 @@ import jax
 from jax.experimental import serialize_executable
 from jax.experimental.layout import Format, Layout
 
-from jax_flashmla import lowering
+from jax_flashmla import custom_calls
 
 # Compiler options for a jitted decode step whose layers are a loop (lax.scan, fori_loop):
 # XLA's default command-buffer types (jax 0.11) plus WHILE, and command buffers however few
@@ -70,5 +70,5 @@ def lse_format(s_q, sharding):
       s_q: query tokens per request.
       sharding: a concrete sharding of lse (jax.sharding.SingleDeviceSharding, NamedSharding).
     """
-    minor_to_major = lowering.lse_minor_to_major(s_q) or (2, 1, 0)
+    minor_to_major = custom_calls.lse_minor_to_major(s_q) or (2, 1, 0)
     return Format(Layout(major_to_minor=tuple(reversed(minor_to_major))), sharding)

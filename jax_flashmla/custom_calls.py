@@ -1,0 +1,220 @@
+"""The physical ops: jax_flashmla's XLA custom calls, each stated once.
+
+A CustomCall names its target, its operands and results (with their Shardy factors in FACTORS)
+in the order of ffi/operands.h, its result types and its attributes on each platform; its
+primitive, abstract evaluation, CPU and CUDA lowerings and sequential batching are generated
+from that. On CUDA a call runs FlashMLA's kernels or our small ones (kernels.py loads them and
+registers the CUDA targets when a CUDA lowering first happens); on CPU the C++ model of FlashMLA
+(ffi/reference_mla.cc). The targets are those the compiled modules' registrations() return.
+
+The decode's results are out, lse and FlashMLA's split-KV accumulators (out_accum, lse_accum),
+scratch that XLA allocates so that the kernel allocates nothing itself. FlashMLA's FP8 decode
+(q and the cache in float8_e4m3fn, out bfloat16) is its own call: it takes the scales as (1,)
+float32 buffers, and reads the FP8 guard's copies of the block table and lengths, which hand
+the kernel requests of length 0 as length 1 (ffi/fp8_guard.h).
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
+from jax.interpreters import partial_eval as pe
+
+from jax_flashmla import _cpu, kernels, validation
+
+# Each operand's and result's dims as Shardy factors: b batch, s query tokens, h query heads,
+# d head dim (576), v V dim (512), n pages, p page size, k KV heads (1), m block-table width,
+# x SM parts, y metadata fields, c batch + 1, a batch + SM parts, e and f the FP8 scales.
+FACTORS = {
+    "q": "b s h d", "kv_cache": "n p k d", "block_table": "b m", "seq_lens": "b",
+    "tile_scheduler_metadata": "x y", "num_splits": "c", "descale_q": "e", "descale_k": "f",
+    "kernel_block_table": "b m", "kernel_seq_lens": "b",
+    "out": "b s h v", "lse": "b h s", "out_accum": "a h s v", "lse_accum": "a h s",
+}
+
+CPU_TARGETS = _cpu.registrations()
+for _name, _capsule in CPU_TARGETS.items():
+    jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
+
+
+def _impl(primitive, *args, **params):
+    return jax.jit(functools.partial(primitive.bind, **params))(*args)
+
+
+def batch_sequentially(primitive, args, dims, **params):
+    """A vmap rule: one call per element of the mapped axis (FlashMLA has no batch-of-batches
+    form), unmapped operands passed through, not broadcast."""
+    mapped = [i for i, d in enumerate(dims) if d is not None]
+    moved = [jnp.moveaxis(args[i], dims[i], 0) for i in mapped]
+
+    def one(xs):
+        full = list(args)
+        for i, x in zip(mapped, xs):
+            full[i] = x
+        return primitive.bind(*full, **params)
+
+    outs = jax.lax.map(one, moved)
+    return outs, (0,) * len(outs)
+
+
+def make_primitive(name, abstract_eval):
+    """A primitive of several results, evaluated eagerly through jit, vmapped sequentially."""
+    primitive = Primitive(name)
+    primitive.multiple_results = True
+    primitive.def_impl(functools.partial(_impl, primitive))
+    primitive.def_abstract_eval(abstract_eval)
+    batching.primitive_batchers[primitive] = functools.partial(batch_sequentially, primitive)
+    return primitive
+
+
+class CustomCall:
+    """One custom call: `call(**operands, **params)` binds its primitive, operands by name.
+
+    result_types(**operand_avals, **params) gives the results' ShapedArrays; attributes(platform,
+    **params) the FFI attributes of the lowering on "cpu" or "cuda"; result_layouts(avals_out)
+    their layouts (None: row-major)."""
+
+    def __init__(self, target, operands, results, result_types, attributes,
+                 result_layouts=lambda avals_out: None, has_side_effect=False):
+        if target not in CPU_TARGETS:
+            raise AssertionError(f"{target} is not among the C++ module's targets")
+        self.target, self.operands, self.results = target, operands, results
+        self._attributes, self._result_layouts = attributes, result_layouts
+        self._has_side_effect = has_side_effect
+        self.primitive = make_primitive(target, self._abstract_eval)
+        self._result_types = result_types
+        for platform in ("cpu", "cuda"):
+            mlir.register_lowering(self.primitive, functools.partial(self._lower, platform),
+                                   platform=platform)
+
+    def __call__(self, **named):
+        values = [named.pop(name) for name in self.operands]
+        return self.primitive.bind(*values, **named)
+
+    def _abstract_eval(self, *avals, **params):
+        return self._result_types(**dict(zip(self.operands, avals)), **params)
+
+    def _lower(self, platform, ctx, *values, **params):
+        if platform == "cuda":
+            kernels.ensure_cuda_targets()
+        lowering = jax.ffi.ffi_lowering(self.target,
+                                        result_layouts=self._result_layouts(ctx.avals_out),
+                                        has_side_effect=self._has_side_effect)
+        return lowering(ctx, *values, **self._attributes(platform, **params))
+
+
+def _i32(*shape):
+    return jax.core.ShapedArray(shape, jnp.int32)
+
+
+def _f32(*shape):
+    return jax.core.ShapedArray(shape, jnp.float32)
+
+
+def _kernel_op(ops, name):
+    op = getattr(ops, name)
+    if op is None:
+        raise RuntimeError(f"the FlashMLA kernels in {ops.library.path} have no dense FP8 decode "
+                           "(fwd_kvcache_mla_fp8, get_mla_decoding_metadata_dense_fp8)")
+    return op
+
+
+# Scheduler-row fields FlashMLA writes (the CUDA handler zeroes the rest): the bf16 scheduler
+# 7 (requests, blocks, split, first/last split flags); the FP8 decode's scheduler, FlashMLA's
+# original one, 5 (begin request and token, end request and token, begin split).
+WRITTEN_METADATA_FIELDS = {False: 7, True: 5}
+
+
+def _metadata_attributes(platform, *, num_heads_q, num_q_tokens, num_sm_parts, fp8):
+    if platform == "cpu":
+        return {}  # the C++ model's decode reads its own scheduler's rows, bf16 and FP8 alike
+    # FlashMLA's scheduler plans for the GPU's own SM count, whatever num_sms said at trace
+    # time. Its bf16 and FP8 schedulers share the formula (FlashMLA's dense FP8 source);
+    # should a release differ, the handler refuses the result's shape at run time.
+    expected = validation.num_sm_parts(kernels.gpu_sm_count(), num_heads_q, num_q_tokens)
+    if num_sm_parts != expected:
+        raise ValueError(
+            f"get_mla_metadata: traced for {num_sm_parts} SM parts, but FlashMLA on this GPU "
+            f"({kernels.gpu_sm_count()} SMs) makes {expected}; leave num_sms unset on GPUs")
+    ops = kernels.ensure_cuda_targets()
+    return dict(op=_kernel_op(ops, "metadata_fp8") if fp8 else ops.metadata,
+                num_q_tokens_per_head_k=np.int64(num_q_tokens * num_heads_q),
+                num_heads_k=np.int64(1), num_heads_q=np.int64(num_heads_q),
+                written_fields=np.int64(WRITTEN_METADATA_FIELDS[fp8]))
+
+
+METADATA = CustomCall(
+    "jax_flashmla_mla_metadata", ("seq_lens",), ("tile_scheduler_metadata", "num_splits"),
+    lambda seq_lens, *, num_sm_parts, **_: (_i32(num_sm_parts, validation.METADATA_FIELDS),
+                                            _i32(seq_lens.shape[0] + 1)),
+    _metadata_attributes)
+
+FP8_GUARD = CustomCall(
+    "jax_flashmla_fp8_guard", ("block_table", "seq_lens"), ("kernel_block_table",
+                                                            "kernel_seq_lens"),
+    lambda block_table, seq_lens: (_i32(*block_table.shape), _i32(*seq_lens.shape)),
+    lambda platform: {})
+
+
+def _decode_types(q, tile_scheduler_metadata, fp8, **_):
+    batch, s_q, h_q, _ = q.shape
+    splits = batch + tile_scheduler_metadata.shape[0]
+    v = validation.HEAD_DIM_V
+    return (jax.core.ShapedArray((batch, s_q, h_q, v), jnp.bfloat16 if fp8 else q.dtype),
+            _f32(batch, h_q, s_q), _f32(splits, h_q, s_q, v), _f32(splits, h_q, s_q))
+
+
+def lse_minor_to_major(s_q):
+    """lse (b, h_q, s_q) as FlashMLA lays it out, s_q outside h_q (minor to major: h_q, s_q,
+    b), or None for s_q = 1, where that is row-major's bytes."""
+    return None if s_q == 1 else (1, 2, 0)
+
+
+def _decode_layouts(avals_out):
+    """out and the accumulators row-major; lse in FlashMLA's layout, so that FlashMLA writes it
+    in place and XLA transposes it only where it is read (nowhere, when a model drops it)."""
+    lse_layout = lse_minor_to_major(avals_out[1].shape[2])
+    return None if lse_layout is None else [None, lse_layout, None, None]
+
+
+def _decode_attributes(fp8, platform, *, softmax_scale, causal):
+    attributes = dict(softmax_scale=np.float32(softmax_scale), causal=bool(causal))
+    if platform == "cuda":
+        ops = kernels.ensure_cuda_targets()
+        attributes["op"] = _kernel_op(ops, "decode_fp8") if fp8 else ops.decode
+    return attributes
+
+
+_DECODE_RESULTS = ("out", "lse", "out_accum", "lse_accum")
+DECODE = CustomCall(
+    "jax_flashmla_mla_decode",
+    ("q", "kv_cache", "block_table", "seq_lens", "tile_scheduler_metadata", "num_splits"),
+    _DECODE_RESULTS, functools.partial(_decode_types, fp8=False),
+    functools.partial(_decode_attributes, False), _decode_layouts)
+
+DECODE_FP8 = CustomCall(
+    "jax_flashmla_mla_decode_fp8",
+    ("q", "kv_cache", "kernel_block_table", "kernel_seq_lens", "seq_lens",
+     "tile_scheduler_metadata", "num_splits", "descale_q", "descale_k"),
+    _DECODE_RESULTS, functools.partial(_decode_types, fp8=True),
+    functools.partial(_decode_attributes, True), _decode_layouts)
+
+# The host queue's push (serving/host_queue.py): no results, kept by its DCE rule in jaxprs
+# and by has_side_effect in XLA. It declares no JAX effect: an executable with effects is run
+# through JAX's slower Python dispatch, with a runtime token, at every call.
+HOST_QUEUE_PUSH = CustomCall(
+    "jax_flashmla_host_queue_push", ("payload",), (), lambda payload, *, queue_id: [],
+    lambda platform, *, queue_id: dict(queue_id=np.uint64(queue_id)), has_side_effect=True)
+pe.dce_rules[HOST_QUEUE_PUSH.primitive] = lambda used, eqn: ([True] * len(eqn.invars), eqn)
+
+
+def schedule(seq_lens, *, num_heads_q, num_q_tokens, num_sm_parts, fp8):
+    """(tile_scheduler_metadata, num_splits) for seq_lens. The FP8 decode's guard gives its
+    kernel a request of length 0 as length 1 (ffi/fp8_guard.h: the kernel faults on 0), so its
+    schedule is planned over lengths of at least 1."""
+    if fp8:
+        seq_lens = jnp.maximum(seq_lens, 1)
+    return METADATA(seq_lens=seq_lens, num_heads_q=num_heads_q, num_q_tokens=num_q_tokens,
+                    num_sm_parts=num_sm_parts, fp8=fp8)
