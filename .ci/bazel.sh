@@ -44,9 +44,10 @@ for note in found["NOTES"]:
     print("   ", note, file=sys.stderr)
 targets = []
 if found["TORCH_FOUND"] and found["CUDA_HEADERS_FOUND"] and found["NVCC"]:
-    targets += ["//:bridge_kernels", "//:cuda_handlers", "//:cuda_module"]  # compile only
+    targets += ["//:bridge_kernels", "//:cuda_handlers", "//:flashmla_handlers",
+                "//:flashmla_module"]  # compile only
     if found["TORCH_CUDA"]:
-        targets += ["//:_cuda", "//:jax_flashmla"]  # link against torch's CUDA libraries
+        targets += ["//:_cuda", "//:_flashmla", "//:jax_flashmla"]  # link against CUDA's libraries
 print(" ".join(targets))
 PY
 )

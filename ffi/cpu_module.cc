@@ -8,6 +8,7 @@
 #include "cpu_handlers.h"
 #include "host_queue.h"
 #include "nb_capsule.h"
+#include "targets.h"
 
 namespace nb = nanobind;
 
@@ -17,11 +18,11 @@ namespace {
 NB_MODULE(_cpu, m) {
   m.def("registrations", []() {
     nb::dict targets;
-    targets["jax_flashmla_mla_decode"] = EncapsulateFfiHandler(kMlaDecodeCpu);
-    targets["jax_flashmla_mla_decode_fp8"] = EncapsulateFfiHandler(kMlaDecodeFp8Cpu);
-    targets["jax_flashmla_mla_metadata"] = EncapsulateFfiHandler(kMlaMetadataCpu);
-    targets["jax_flashmla_fp8_guard"] = EncapsulateFfiHandler(kFp8GuardCpu);
-    targets["jax_flashmla_host_queue_push"] = EncapsulateFfiHandler(kHostQueuePushCpu);
+    targets[kMlaDecodeTarget] = EncapsulateFfiHandler(kMlaDecodeCpu);
+    targets[kMlaDecodeFp8Target] = EncapsulateFfiHandler(kMlaDecodeFp8Cpu);
+    targets[kMlaMetadataTarget] = EncapsulateFfiHandler(kMlaMetadataCpu);
+    targets[kFp8GuardTarget] = EncapsulateFfiHandler(kFp8GuardCpu);
+    targets[kHostQueuePushTarget] = EncapsulateFfiHandler(kHostQueuePushCpu);
     return targets;
   });
   // A CPU host queue (host_queue.h) registered as `id`; returns the address of its slots.

@@ -1,24 +1,18 @@
+// XLA FFI handlers of our own small CUDA kernels: the FP8 decode's guard for empty requests
+// (fp8_guard.h) and the host queue's push (host_queue.h). No torch: this module links the CUDA
+// runtime alone, so that a host queue needs neither torch nor FlashMLA's kernels.
 #include "cuda_handlers.h"
 
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
-#include <exception>
-#include <stdexcept>
 #include <string>
-#include <string_view>
-#include <vector>
-
-#include <ATen/ATen.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 
 #include "fp8_guard.h"
 #include "host_queue.h"
 #include "host_queue_push.h"
 #include "operands.h"
-#include "buffer_lending.h"
-#include "torch_bridge.h"
+#include "targets.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -26,147 +20,18 @@ namespace ffi = xla::ffi;
 namespace jax_flashmla {
 namespace {
 
-at::Tensor Wrap(ffi::AnyBuffer buffer, int device) {
-  return WrapBuffer(buffer.untyped_data(), buffer.dimensions(), buffer.element_type(), device);
-}
-
-template <ffi::DataType T>
-at::Tensor Wrap(ffi::Buffer<T> buffer, int device) {
-  return WrapBuffer(buffer.untyped_data(), buffer.dimensions(), T, device);
-}
-
-// Runs `body` with XLA's stream as torch's current stream, turning any exception (a torch
-// check inside the op, a missing op) into an XLA error that JAX raises in Python.
-template <typename Body>
-ffi::Error OnXlaStream(cudaStream_t stream, int32_t device, std::string_view what, Body body) {
-  try {
-    c10::cuda::CUDAStreamGuard guard(
-        c10::cuda::getStreamFromExternal(stream, static_cast<c10::DeviceIndex>(device)));
-    body();
-    return ffi::Error::Success();
-  } catch (const std::exception& e) {
-    return ffi::Error::Internal(std::string(what) + " failed: " + e.what());
-  } catch (...) {
-    return ffi::Error::Internal(std::string(what) + " failed with an unknown exception");
-  }
-}
-
-void ThrowOnError(cudaError_t status, std::string_view what) {
-  if (status != cudaSuccess)
-    throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(status));
-}
-
-// The arguments both decode ops take.
-OpArgs DecodeArgs(int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
-                  const at::Tensor& block_table, const at::Tensor& seq_lens,
-                  ffi::Buffer<ffi::S32> tile_scheduler_metadata, ffi::Buffer<ffi::S32> num_splits,
-                  float softmax_scale, bool causal, int64_t head_dim_v) {
-  OpArgs args;
-  Slot(args, OpArg::kQ) = Wrap(q, device);
-  Slot(args, OpArg::kKvCache) = Wrap(kv_cache, device);
-  Slot(args, OpArg::kHeadDimV) = head_dim_v;
-  Slot(args, OpArg::kSeqLens) = seq_lens;
-  Slot(args, OpArg::kBlockTable) = block_table;
-  Slot(args, OpArg::kSoftmaxScale) = static_cast<double>(softmax_scale);
-  Slot(args, OpArg::kCausal) = causal;
-  Slot(args, OpArg::kTileSchedulerMetadata) = Wrap(tile_scheduler_metadata, device);
-  Slot(args, OpArg::kNumSplits) = Wrap(num_splits, device);
-  return args;
-}
-
-// Runs `op` with XLA's buffers `buffers` (tensors in the layouts the lowering declared; the
-// op's results first, then its scratch) lent to its allocations; fails if the op allocated
-// anything else (buffer_lending.h) or returned its results elsewhere than in those buffers.
-void RunInBuffers(std::string_view op, const OpArgs& args, const std::vector<at::Tensor>& buffers,
-                  const std::vector<const char*>& result_names) {
-  std::vector<at::Tensor> results;
-  std::string refusal;
-  {
-    LendBuffers lending(buffers, op);
-    results = CallTorchOp(op, args);
-    refusal = lending.Refusal();
-  }
-  if (!refusal.empty()) throw std::runtime_error(refusal);
-  if (results.size() < result_names.size())
-    throw std::runtime_error(std::string(op) + " returned " + std::to_string(results.size()) +
-                             " tensors, fewer than jax_flashmla's " +
-                             std::to_string(result_names.size()) + " results");
-  for (size_t i = 0; i < result_names.size(); ++i)
-    if (!IsBuffer(results[i], buffers[i]))
-      throw std::runtime_error(std::string(op) + " returned its " + result_names[i] +
-                               " elsewhere than in XLA's buffer, or in another layout (shape " +
-                               c10::str(results[i].sizes()) + ", strides " +
-                               c10::str(results[i].strides()) + "; XLA's buffer: shape " +
-                               c10::str(buffers[i].sizes()) + ", strides " +
-                               c10::str(buffers[i].strides()) + ")");
-}
-
-ffi::Error MlaMetadataCudaImpl(cudaStream_t stream, int32_t device,
-                               ffi::Buffer<ffi::S32> seq_lens, std::string_view op,
-                               int64_t num_q_tokens_per_head_k, int64_t num_heads_k,
-                               int64_t num_heads_q, int64_t written_fields,
-                               ffi::ResultBuffer<ffi::S32> tile_scheduler_metadata,
-                               ffi::ResultBuffer<ffi::S32> num_splits) {
-  return OnXlaStream(stream, device, op, [&] {
-    OpArgs args;
-    Slot(args, OpArg::kSeqLens) = Wrap(seq_lens, device);
-    Slot(args, OpArg::kQTokensPerHeadK) = num_q_tokens_per_head_k;
-    Slot(args, OpArg::kNumHeadsK) = num_heads_k;
-    Slot(args, OpArg::kNumHeadsQ) = num_heads_q;
-    Slot(args, OpArg::kIsFp8) = false;
-    RunInBuffers(op, args, {Wrap(*tile_scheduler_metadata, device), Wrap(*num_splits, device)},
-                 {"tile_scheduler_metadata", "num_splits"});
-    // The scheduler leaves the rows' last fields unwritten (uninitialised memory); zeroing
-    // them keeps XLA's buffer deterministic.
-    const auto dims = tile_scheduler_metadata->dimensions();
-    const size_t row_bytes = dims[1] * sizeof(int32_t);
-    const size_t written_bytes = written_fields * sizeof(int32_t);
-    if (dims[0] > 0 && written_bytes < row_bytes)
-      ThrowOnError(cudaMemset2DAsync(reinterpret_cast<char*>(tile_scheduler_metadata->untyped_data()) +
-                                         written_bytes,
-                                     row_bytes, 0, row_bytes - written_bytes, dims[0], stream),
-                   "zeroing the scheduler rows' unused fields");
-  });
-}
-
-// What the decode ops write, as the lowering lays it out: out; lse (b, h_q, s_q) as FlashMLA's
-// (b, s_q, h_q) memory, which the op returns as a transposed view for s_q > 1
-// (lowering._result_layouts); then the split-KV accumulators, which FlashMLA allocates after
-// its results.
-std::vector<at::Tensor> DecodeBuffers(int32_t device, ffi::Result<ffi::AnyBuffer> out,
-                                      ffi::ResultBuffer<ffi::F32> lse,
-                                      ffi::ResultBuffer<ffi::F32> out_accum,
-                                      ffi::ResultBuffer<ffi::F32> lse_accum) {
-  const at::Tensor lse_buffer = Wrap(*lse, device);
-  const int64_t batch = lse_buffer.size(0), h_q = lse_buffer.size(1), s_q = lse_buffer.size(2);
-  return {Wrap(*out, device),
-          s_q == 1 ? lse_buffer : lse_buffer.view({batch, s_q, h_q}).transpose(1, 2),
-          Wrap(*out_accum, device), Wrap(*lse_accum, device)};
-}
-
-ffi::Error MlaDecodeCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
-                             ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> block_table,
-                             ffi::Buffer<ffi::S32> seq_lens,
-                             ffi::Buffer<ffi::S32> tile_scheduler_metadata,
-                             ffi::Buffer<ffi::S32> num_splits, float softmax_scale, bool causal,
-                             std::string_view op, ffi::Result<ffi::AnyBuffer> out,
-                             ffi::ResultBuffer<ffi::F32> lse,
-                             ffi::ResultBuffer<ffi::F32> out_accum,
-                             ffi::ResultBuffer<ffi::F32> lse_accum) {
-  return OnXlaStream(stream, device, op, [&] {
-    OpArgs args = DecodeArgs(device, q, kv_cache, Wrap(block_table, device),
-                             Wrap(seq_lens, device), tile_scheduler_metadata, num_splits,
-                             softmax_scale, causal, out->dimensions().back());
-    Slot(args, OpArg::kIsFp8) = false;
-    RunInBuffers(op, args, DecodeBuffers(device, out, lse, out_accum, lse_accum),
-                 {"out", "lse"});
-  });
+// This module's CUDA runtime is its own: make XLA's device its current one before a launch.
+ffi::Error OnDevice(int32_t device, const std::string& what) {
+  if (cudaError_t status = cudaSetDevice(device); status != cudaSuccess)
+    return ffi::Error::Internal(what + ": cudaSetDevice(" + std::to_string(device) +
+                                "): " + cudaGetErrorString(status));
+  return ffi::Error::Success();
 }
 
 // The copies of block_table and seq_lens that FlashMLA's FP8 kernel reads: requests of
-// length 0 as length 1 over page 0 (fp8_guard.h). CUDA alone, no torch.
-ffi::Error Fp8GuardCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> block_table,
-                            ffi::Buffer<ffi::S32> seq_lens,
+// length 0 as length 1 over page 0 (fp8_guard.h).
+ffi::Error Fp8GuardCudaImpl(cudaStream_t stream, int32_t device,
+                            ffi::Buffer<ffi::S32> block_table, ffi::Buffer<ffi::S32> seq_lens,
                             ffi::ResultBuffer<ffi::S32> kernel_block_table,
                             ffi::ResultBuffer<ffi::S32> kernel_seq_lens) {
   const auto dims = block_table.dimensions();
@@ -174,6 +39,7 @@ ffi::Error Fp8GuardCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> block_tab
       static_cast<int64_t>(seq_lens.element_count()) != dims[0])
     return ffi::Error::InvalidArgument(
         "the FP8 guard needs a (batch, max_pages >= 1) block_table and (batch,) seq_lens");
+  if (ffi::Error err = OnDevice(device, "the FP8 guard"); err.failure()) return err;
   const cudaError_t status = LaunchGuardEmptyRequests(
       seq_lens.typed_data(), block_table.typed_data(), dims[0], dims[1],
       kernel_seq_lens->typed_data(), kernel_block_table->typed_data(), stream);
@@ -183,54 +49,23 @@ ffi::Error Fp8GuardCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> block_tab
   return ffi::Error::Success();
 }
 
-// FlashMLA's dense FP8 decode (fwd_kvcache_mla_fp8): q and the cache in e4m3fn, the per-tensor
-// scales as (1,) float32 buffers on the device, out bfloat16. The kernel reads the guard's
-// copies of block_table and seq_lens; requests whose seq_lens are 0 then get out 0, lse +inf
-// (fp8_guard.h).
-ffi::Error MlaDecodeFp8CudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
-                                ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> kernel_block_table,
-                                ffi::Buffer<ffi::S32> kernel_seq_lens,
-                                ffi::Buffer<ffi::S32> seq_lens,
-                                ffi::Buffer<ffi::S32> tile_scheduler_metadata,
-                                ffi::Buffer<ffi::S32> num_splits, ffi::Buffer<ffi::F32> descale_q,
-                                ffi::Buffer<ffi::F32> descale_k, float softmax_scale, bool causal,
-                                std::string_view op, ffi::Result<ffi::AnyBuffer> out,
-                                ffi::ResultBuffer<ffi::F32> lse,
-                                ffi::ResultBuffer<ffi::F32> out_accum,
-                                ffi::ResultBuffer<ffi::F32> lse_accum) {
-  return OnXlaStream(stream, device, op, [&] {
-    OpArgs args = DecodeArgs(device, q, kv_cache, Wrap(kernel_block_table, device),
-                             Wrap(kernel_seq_lens, device), tile_scheduler_metadata, num_splits,
-                             softmax_scale, causal, out->dimensions().back());
-    Slot(args, OpArg::kDescaleQ) = Wrap(descale_q, device);
-    Slot(args, OpArg::kDescaleK) = Wrap(descale_k, device);
-    RunInBuffers(op, args, DecodeBuffers(device, out, lse, out_accum, lse_accum),
-                 {"out", "lse"});
-    const int64_t batch = seq_lens.element_count();
-    if (batch > 0)
-      ThrowOnError(LaunchClearEmptyRequests(seq_lens.typed_data(), batch, out->untyped_data(),
-                                            out->element_count() / batch, lse->typed_data(),
-                                            lse->element_count() / batch, stream),
-                   "setting the results of requests of length 0");
-  });
-}
-
 // host_queue.h's push: a kernel on XLA's stream, so that XLA captures it with the step.
 ffi::Error HostQueuePushCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer payload,
                                  uint64_t queue_id) {
   const HostQueue* queue = FindHostQueue(queue_id);
   if (queue == nullptr || queue->device != device)
-    return ffi::Error::InvalidArgument("jax_flashmla_host_queue_push: no HostQueue " +
+    return ffi::Error::InvalidArgument(std::string(kHostQueuePushTarget) + ": no HostQueue " +
                                        std::to_string(queue_id) + " of CUDA device " +
                                        std::to_string(device) + " in this process");
   const int64_t bytes = static_cast<int64_t>(payload.size_bytes());
   if (bytes > queue->slot_bytes - kHostQueueHeaderBytes)
-    return ffi::Error::InvalidArgument("jax_flashmla_host_queue_push: the array has " +
+    return ffi::Error::InvalidArgument(std::string(kHostQueuePushTarget) + ": the array has " +
                                        std::to_string(bytes) + " bytes, the queue's slots " +
                                        std::to_string(queue->slot_bytes - kHostQueueHeaderBytes));
+  if (ffi::Error err = OnDevice(device, kHostQueuePushTarget); err.failure()) return err;
   if (cudaError_t status = LaunchHostQueuePush(payload.untyped_data(), bytes, *queue, stream);
       status != cudaSuccess)
-    return ffi::Error::Internal(std::string("jax_flashmla_host_queue_push: ") +
+    return ffi::Error::Internal(std::string(kHostQueuePushTarget) + ": " +
                                 cudaGetErrorString(status));
   return ffi::Error::Success();
 }
@@ -241,32 +76,11 @@ auto CudaContext() {
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaMetadataCuda, MlaMetadataCudaImpl,
-                              BindMetadataResults(BindMetadataOperands(CudaContext())
-                                                      .Attr<std::string_view>("op")
-                                                      .Attr<int64_t>("num_q_tokens_per_head_k")
-                                                      .Attr<int64_t>("num_heads_k")
-                                                      .Attr<int64_t>("num_heads_q")
-                                                      .Attr<int64_t>("written_fields")),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kFp8GuardCuda, Fp8GuardCudaImpl,
+                              BindFp8GuardResults(BindFp8GuardOperands(CudaContext())),
                               {kCudaTargetTraits});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    kMlaDecodeCuda, MlaDecodeCudaImpl,
-    BindDecodeResults(BindDecodeOperands(CudaContext()).Attr<std::string_view>("op")),
-    {kCudaTargetTraits});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    kFp8GuardCuda, Fp8GuardCudaImpl,
-    BindFp8GuardResults(
-        BindFp8GuardOperands(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())),
-    {kCudaTargetTraits});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kHostQueuePushCuda, HostQueuePushCudaImpl,
                               BindHostQueuePushOperands(CudaContext()), {kCudaTargetTraits});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    kMlaDecodeFp8Cuda, MlaDecodeFp8CudaImpl,
-    BindDecodeResults(BindDecodeFp8Operands(CudaContext()).Attr<std::string_view>("op")),
-    {kCudaTargetTraits});
 
 }  // namespace jax_flashmla

@@ -1,6 +1,6 @@
-// XLA FFI handlers of the CUDA custom-call targets: FlashMLA's kernels, reached through the
-// torch ops of SGLang's kernel packages, on XLA's stream and buffers; and the host queue's
-// push (host_queue.h).
+// XLA FFI handlers of the CUDA targets that need no torch: the FP8 decode's guard
+// (fp8_guard.h) and the host queue's push (host_queue.h). FlashMLA's are in
+// flashmla_handlers.h.
 #ifndef JAX_FLASHMLA_FFI_CUDA_HANDLERS_H_
 #define JAX_FLASHMLA_FFI_CUDA_HANDLERS_H_
 
@@ -14,10 +14,7 @@ namespace jax_flashmla {
 // target is registered.
 inline constexpr xla::ffi::Traits kCudaTargetTraits = xla::ffi::Traits::kCmdBufferCompatible;
 
-XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaDecodeCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaDecodeFp8Cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kFp8GuardCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaMetadataCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kHostQueuePushCuda);
 
 }  // namespace jax_flashmla

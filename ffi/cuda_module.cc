@@ -1,5 +1,5 @@
-// The CUDA extension module. It links torch, so jax_flashmla imports it only after torch
-// and the FlashMLA kernel library are loaded, when the GPU path is first lowered.
+// The CUDA extension module of our own kernels (the FP8 guard, the host queue): it links the
+// CUDA runtime alone, no torch.
 #include <cuda_runtime_api.h>
 #include <nanobind/nanobind.h>
 
@@ -10,6 +10,7 @@
 #include "cuda_handlers.h"
 #include "host_queue.h"
 #include "nb_capsule.h"
+#include "targets.h"
 
 namespace nb = nanobind;
 
@@ -48,11 +49,8 @@ uintptr_t CreateHostQueue(uint64_t id, int64_t slot_bytes, int64_t depth, int32_
 NB_MODULE(_cuda, m) {
   m.def("registrations", []() {
     nb::dict targets;
-    targets["jax_flashmla_mla_decode"] = EncapsulateFfiHandler(kMlaDecodeCuda);
-    targets["jax_flashmla_mla_decode_fp8"] = EncapsulateFfiHandler(kMlaDecodeFp8Cuda);
-    targets["jax_flashmla_mla_metadata"] = EncapsulateFfiHandler(kMlaMetadataCuda);
-    targets["jax_flashmla_fp8_guard"] = EncapsulateFfiHandler(kFp8GuardCuda);
-    targets["jax_flashmla_host_queue_push"] = EncapsulateFfiHandler(kHostQueuePushCuda);
+    targets[kFp8GuardTarget] = EncapsulateFfiHandler(kFp8GuardCuda);
+    targets[kHostQueuePushTarget] = EncapsulateFfiHandler(kHostQueuePushCuda);
     return targets;
   });
   m.def("host_queue_create", &CreateHostQueue);

@@ -1,5 +1,5 @@
 // The operands, attributes and results of each custom call, stated once for the CPU and the
-// CUDA handlers (jax_flashmla/lowering.py states them once for Python). A platform's handler
+// CUDA handlers (jax_flashmla/custom_calls.py states them once for Python). A platform's handler
 // binds its context first (CUDA: the stream and the device), then everything here, then its own
 // attributes (CUDA: the torch op's name), then the results; its function takes them in that
 // order.

@@ -71,7 +71,7 @@ struct SplitAccumulators {
 // seq_lens (batch), rows (num_parts), num_splits (batch + 1). Outputs: out
 // (batch, seqlen_q, heads_q, head_dim_v) row-major, lse (batch, heads_q, seqlen_q) laid out
 // as FlashMLA lays it out, seqlen_q outside heads_q (row-major (batch, seqlen_q, heads_q); the
-// custom call declares that layout, lowering.py); the splits' partial results in `accum`.
+// custom call declares that layout, custom_calls.py); the splits' partial results in `accum`.
 // Returns an empty string on success, otherwise what was wrong with the inputs.
 std::string DecodeReference(const DecodeProblem& p, const void* q, const void* kv_cache,
                             const int32_t* block_table, const int32_t* seq_lens,

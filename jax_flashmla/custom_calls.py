@@ -3,9 +3,10 @@
 A CustomCall names its target, its operands and results (with their Shardy factors in FACTORS)
 in the order of ffi/operands.h, its result types and its attributes on each platform; its
 primitive, abstract evaluation, CPU and CUDA lowerings and sequential batching are generated
-from that. On CUDA a call runs FlashMLA's kernels or our small ones (kernels.py loads them and
-registers the CUDA targets when a CUDA lowering first happens); on CPU the C++ model of FlashMLA
-(ffi/reference_mla.cc). The targets are those the compiled modules' registrations() return.
+from that. On CUDA a call runs FlashMLA's kernels (through jax_flashmla._flashmla, which
+kernels.py loads with torch when a decode is first lowered for CUDA) or our small ones
+(jax_flashmla._cuda, no torch); on CPU the C++ model of FlashMLA (ffi/reference_mla.cc). The
+targets are those the compiled modules' registrations() return.
 
 The decode's results are out, lse and FlashMLA's split-KV accumulators (out_accum, lse_accum),
 scratch that XLA allocates so that the kernel allocates nothing itself. FlashMLA's FP8 decode
@@ -98,7 +99,7 @@ class CustomCall:
 
     def _lower(self, platform, ctx, *values, **params):
         if platform == "cuda":
-            kernels.ensure_cuda_targets()
+            kernels.register_cuda_targets()
         lowering = jax.ffi.ffi_lowering(self.target,
                                         result_layouts=self._result_layouts(ctx.avals_out),
                                         has_side_effect=self._has_side_effect)

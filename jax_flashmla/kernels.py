@@ -140,9 +140,31 @@ def gpu_sm_count():
     return int(_hopper_gpus()[0].core_count)
 
 
+def _register(module):
+    # The targets' traits (command-buffer compatible) are compiled into their handlers, where
+    # XLA reads them when they are registered.
+    for name, capsule in module.registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+
+
+@functools.cache
+def register_cuda_targets():
+    """Registers the CUDA targets of jax_flashmla's own kernels (the FP8 guard, the host
+    queue's push), which need neither torch nor FlashMLA's kernels; returns their module."""
+    try:
+        from jax_flashmla import _cuda
+    except ImportError as e:
+        raise RuntimeError(
+            "jax_flashmla was built without its CUDA targets (jax_flashmla._cuda): reinstall it "
+            "where the CUDA toolkit (headers and nvcc) is present, e.g. "
+            "`pip install --no-build-isolation -e .`") from e
+    _register(_cuda)
+    return _cuda
+
+
 @functools.cache
 def ensure_cuda_targets():
-    """Loads the kernels and registers the CUDA custom-call targets; returns the op names.
+    """Loads the kernels and registers every CUDA custom-call target; returns the op names.
 
     Raises RuntimeError naming what is missing: a Hopper GPU, the kernels, or the CUDA bridge.
     """
@@ -153,17 +175,15 @@ def ensure_cuda_targets():
             f"FlashMLA's decode kernels need a Hopper GPU (sm 9.x); JAX sees {kinds}")
     ops = load_kernels()
     try:
-        from jax_flashmla import _cuda
+        from jax_flashmla import _flashmla
     except ImportError as e:
         raise RuntimeError(
-            "jax_flashmla was built without its CUDA bridge (jax_flashmla._cuda): reinstall it "
-            "where a CUDA build of torch and the CUDA toolkit are present, e.g. "
+            "jax_flashmla was built without its CUDA bridge (jax_flashmla._flashmla): reinstall "
+            "it where a CUDA build of torch and the CUDA toolkit are present, e.g. "
             "`pip install --no-build-isolation -e .`") from e
     _set_up_torch_cuda()
-    # The targets' traits (command-buffer compatible) are compiled into their handlers, where
-    # XLA reads them when they are registered.
-    for name, capsule in _cuda.registrations().items():
-        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+    _register(_flashmla)
+    register_cuda_targets()
     return ops
 
 
@@ -186,4 +206,4 @@ def flashmla_available():
         return False
     library = find_kernel_library()
     return (library is not None and importlib.util.find_spec("torch") is not None
-            and importlib.util.find_spec("jax_flashmla._cuda") is not None)
+            and importlib.util.find_spec("jax_flashmla._flashmla") is not None)

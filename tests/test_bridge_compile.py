@@ -17,7 +17,8 @@ from build_env import find_cuda_include, find_nvcc, find_torch, xla_ffi_include 
 FFI_DIR = ROOT / "ffi"
 TESTS_CPP = Path(__file__).resolve().parent / "cpp"
 # torch_bridge.cc is compiled, with the same flags, into test_torch_bridge_host_side's binary.
-CUDA_SOURCES = ["buffer_lending.cc", "cuda_handlers.cc", "cuda_module.cc"]
+CUDA_SOURCES = ["buffer_lending.cc", "cuda_handlers.cc", "cuda_module.cc", "flashmla_handlers.cc",
+                "flashmla_module.cc"]
 
 
 def _missing():

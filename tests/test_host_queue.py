@@ -116,6 +116,29 @@ def test_a_long_pop_ends_on_ctrl_c():
     assert float(run.stdout.split()[-1]) < 1.5, run.stdout
 
 
+@pytest.mark.parametrize("platform", DEVICES)
+def test_a_queue_needs_neither_torch_nor_flashmlas_kernels(platform):
+    """A process where torch cannot be imported and no kernel library is named pushes and
+    pops as any other."""
+    script = textwrap.dedent("""
+        import sys
+        sys.modules["torch"] = None  # import torch raises ImportError
+        import jax, jax.numpy as jnp
+        from jax_flashmla.serving import HostQueue
+        queue = HostQueue((4,), jnp.int32)
+        step = jax.jit(lambda x: (queue.push(x * 2), x + 1)[1])
+        x = step(jnp.arange(4, dtype=jnp.int32))
+        print(queue.pop().tolist(), jax.devices()[0].platform)
+        """)
+    env = {k: v for k, v in os.environ.items() if k != "JAX_FLASHMLA_KERNEL_LIBRARY"}
+    if platform == "cpu":
+        env["JAX_PLATFORMS"] = "cpu"
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, env=env)
+    expected = "[0, 2, 4, 6] " + ("cpu" if platform == "cpu" else "gpu")
+    assert run.stdout.strip() == expected, (run.stdout, run.stderr[-3000:])
+
+
 def test_bad_arguments_are_named():
     cpu = _device("cpu")
     with pytest.raises(ValueError, match=r"depth must be an int >= 1, got 0"):

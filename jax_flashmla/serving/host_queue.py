@@ -37,9 +37,9 @@ class HostQueue:
     HostQueueOverrunError (the pop after it goes on from the oldest array still held). device:
     the device whose steps push (default: JAX's first); a step that pushes runs on it alone (on
     a GPU a push from another device fails with an XLA error). On a GPU the push is one small
-    kernel, captured with the step into XLA's command buffers, in the CUDA bridge (making the
-    queue registers the CUDA targets as the first CUDA lowering does, and raises RuntimeError
-    naming what is missing); on the CPU a copy. A push
+    kernel, captured with the step into XLA's command buffers (jax_flashmla._cuda, which needs
+    neither torch nor FlashMLA's kernels; making a queue raises RuntimeError where it was not
+    built); on the CPU a copy. A push
     completes after the step's work before it: what the step computes after its push may still
     be running when pop returns.
 
@@ -64,9 +64,7 @@ class HostQueue:
         if platform == "cpu":
             address = _cpu.host_queue_create(self._id, self.slot_bytes, self.depth)
         elif platform == "gpu":
-            kernels.ensure_cuda_targets()
-            from jax_flashmla import _cuda
-            address = _cuda.host_queue_create(self._id, self.slot_bytes, self.depth,
+            address = kernels.register_cuda_targets().host_queue_create(self._id, self.slot_bytes, self.depth,
                                               self.device.local_hardware_id)
         else:
             raise ValueError(f"HostQueue: no host queue for platform {platform!r} "

@@ -1,0 +1,223 @@
+// XLA FFI handlers of FlashMLA's kernels, reached through the torch ops of SGLang's kernel
+// packages, on XLA's stream and buffers.
+#include "flashmla_handlers.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <exception>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "buffer_lending.h"
+#include "cuda_handlers.h"
+#include "fp8_guard.h"
+#include "operands.h"
+#include "torch_bridge.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_flashmla {
+namespace {
+
+
+at::Tensor Wrap(ffi::AnyBuffer buffer, int device) {
+  return WrapBuffer(buffer.untyped_data(), buffer.dimensions(), buffer.element_type(), device);
+}
+
+template <ffi::DataType T>
+at::Tensor Wrap(ffi::Buffer<T> buffer, int device) {
+  return WrapBuffer(buffer.untyped_data(), buffer.dimensions(), T, device);
+}
+
+// Runs `body` with XLA's stream as torch's current stream, turning any exception (a torch
+// check inside the op, a missing op) into an XLA error that JAX raises in Python.
+template <typename Body>
+ffi::Error OnXlaStream(cudaStream_t stream, int32_t device, std::string_view what, Body body) {
+  try {
+    c10::cuda::CUDAStreamGuard guard(
+        c10::cuda::getStreamFromExternal(stream, static_cast<c10::DeviceIndex>(device)));
+    body();
+    return ffi::Error::Success();
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(std::string(what) + " failed: " + e.what());
+  } catch (...) {
+    return ffi::Error::Internal(std::string(what) + " failed with an unknown exception");
+  }
+}
+
+void ThrowOnError(cudaError_t status, std::string_view what) {
+  if (status != cudaSuccess)
+    throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(status));
+}
+
+// The arguments both decode ops take.
+OpArgs DecodeArgs(int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
+                  const at::Tensor& block_table, const at::Tensor& seq_lens,
+                  ffi::Buffer<ffi::S32> tile_scheduler_metadata, ffi::Buffer<ffi::S32> num_splits,
+                  float softmax_scale, bool causal, int64_t head_dim_v) {
+  OpArgs args;
+  Slot(args, OpArg::kQ) = Wrap(q, device);
+  Slot(args, OpArg::kKvCache) = Wrap(kv_cache, device);
+  Slot(args, OpArg::kHeadDimV) = head_dim_v;
+  Slot(args, OpArg::kSeqLens) = seq_lens;
+  Slot(args, OpArg::kBlockTable) = block_table;
+  Slot(args, OpArg::kSoftmaxScale) = static_cast<double>(softmax_scale);
+  Slot(args, OpArg::kCausal) = causal;
+  Slot(args, OpArg::kTileSchedulerMetadata) = Wrap(tile_scheduler_metadata, device);
+  Slot(args, OpArg::kNumSplits) = Wrap(num_splits, device);
+  return args;
+}
+
+// Runs `op` with XLA's buffers `buffers` (tensors in the layouts the lowering declared; the
+// op's results first, then its scratch) lent to its allocations; fails if the op allocated
+// anything else (buffer_lending.h) or returned its results elsewhere than in those buffers.
+void RunInBuffers(std::string_view op, const OpArgs& args, const std::vector<at::Tensor>& buffers,
+                  const std::vector<const char*>& result_names) {
+  std::vector<at::Tensor> results;
+  std::string refusal;
+  {
+    LendBuffers lending(buffers, op);
+    results = CallTorchOp(op, args);
+    refusal = lending.Refusal();
+  }
+  if (!refusal.empty()) throw std::runtime_error(refusal);
+  if (results.size() < result_names.size())
+    throw std::runtime_error(std::string(op) + " returned " + std::to_string(results.size()) +
+                             " tensors, fewer than jax_flashmla's " +
+                             std::to_string(result_names.size()) + " results");
+  for (size_t i = 0; i < result_names.size(); ++i)
+    if (!IsBuffer(results[i], buffers[i]))
+      throw std::runtime_error(std::string(op) + " returned its " + result_names[i] +
+                               " elsewhere than in XLA's buffer, or in another layout (shape " +
+                               c10::str(results[i].sizes()) + ", strides " +
+                               c10::str(results[i].strides()) + "; XLA's buffer: shape " +
+                               c10::str(buffers[i].sizes()) + ", strides " +
+                               c10::str(buffers[i].strides()) + ")");
+}
+
+ffi::Error MlaMetadataCudaImpl(cudaStream_t stream, int32_t device,
+                               ffi::Buffer<ffi::S32> seq_lens, std::string_view op,
+                               int64_t num_q_tokens_per_head_k, int64_t num_heads_k,
+                               int64_t num_heads_q, int64_t written_fields,
+                               ffi::ResultBuffer<ffi::S32> tile_scheduler_metadata,
+                               ffi::ResultBuffer<ffi::S32> num_splits) {
+  return OnXlaStream(stream, device, op, [&] {
+    OpArgs args;
+    Slot(args, OpArg::kSeqLens) = Wrap(seq_lens, device);
+    Slot(args, OpArg::kQTokensPerHeadK) = num_q_tokens_per_head_k;
+    Slot(args, OpArg::kNumHeadsK) = num_heads_k;
+    Slot(args, OpArg::kNumHeadsQ) = num_heads_q;
+    Slot(args, OpArg::kIsFp8) = false;
+    RunInBuffers(op, args, {Wrap(*tile_scheduler_metadata, device), Wrap(*num_splits, device)},
+                 {"tile_scheduler_metadata", "num_splits"});
+    // The scheduler leaves the rows' last fields unwritten (uninitialised memory); zeroing
+    // them keeps XLA's buffer deterministic.
+    const auto dims = tile_scheduler_metadata->dimensions();
+    const size_t row_bytes = dims[1] * sizeof(int32_t);
+    const size_t written_bytes = written_fields * sizeof(int32_t);
+    if (dims[0] > 0 && written_bytes < row_bytes)
+      ThrowOnError(cudaMemset2DAsync(reinterpret_cast<char*>(tile_scheduler_metadata->untyped_data()) +
+                                         written_bytes,
+                                     row_bytes, 0, row_bytes - written_bytes, dims[0], stream),
+                   "zeroing the scheduler rows' unused fields");
+  });
+}
+
+// What the decode ops write, as the lowering lays it out: out; lse (b, h_q, s_q) as FlashMLA's
+// (b, s_q, h_q) memory, which the op returns as a transposed view for s_q > 1
+// (custom_calls._decode_layouts); then the split-KV accumulators, which FlashMLA allocates after
+// its results.
+std::vector<at::Tensor> DecodeBuffers(int32_t device, ffi::Result<ffi::AnyBuffer> out,
+                                      ffi::ResultBuffer<ffi::F32> lse,
+                                      ffi::ResultBuffer<ffi::F32> out_accum,
+                                      ffi::ResultBuffer<ffi::F32> lse_accum) {
+  const at::Tensor lse_buffer = Wrap(*lse, device);
+  const int64_t batch = lse_buffer.size(0), h_q = lse_buffer.size(1), s_q = lse_buffer.size(2);
+  return {Wrap(*out, device),
+          s_q == 1 ? lse_buffer : lse_buffer.view({batch, s_q, h_q}).transpose(1, 2),
+          Wrap(*out_accum, device), Wrap(*lse_accum, device)};
+}
+
+ffi::Error MlaDecodeCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
+                             ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> block_table,
+                             ffi::Buffer<ffi::S32> seq_lens,
+                             ffi::Buffer<ffi::S32> tile_scheduler_metadata,
+                             ffi::Buffer<ffi::S32> num_splits, float softmax_scale, bool causal,
+                             std::string_view op, ffi::Result<ffi::AnyBuffer> out,
+                             ffi::ResultBuffer<ffi::F32> lse,
+                             ffi::ResultBuffer<ffi::F32> out_accum,
+                             ffi::ResultBuffer<ffi::F32> lse_accum) {
+  return OnXlaStream(stream, device, op, [&] {
+    OpArgs args = DecodeArgs(device, q, kv_cache, Wrap(block_table, device),
+                             Wrap(seq_lens, device), tile_scheduler_metadata, num_splits,
+                             softmax_scale, causal, out->dimensions().back());
+    Slot(args, OpArg::kIsFp8) = false;
+    RunInBuffers(op, args, DecodeBuffers(device, out, lse, out_accum, lse_accum),
+                 {"out", "lse"});
+  });
+}
+
+// FlashMLA's dense FP8 decode (fwd_kvcache_mla_fp8): q and the cache in e4m3fn, the per-tensor
+// scales as (1,) float32 buffers on the device, out bfloat16. The kernel reads the guard's
+// copies of block_table and seq_lens; requests whose seq_lens are 0 then get out 0, lse +inf
+// (fp8_guard.h).
+ffi::Error MlaDecodeFp8CudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
+                                ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> kernel_block_table,
+                                ffi::Buffer<ffi::S32> kernel_seq_lens,
+                                ffi::Buffer<ffi::S32> seq_lens,
+                                ffi::Buffer<ffi::S32> tile_scheduler_metadata,
+                                ffi::Buffer<ffi::S32> num_splits, ffi::Buffer<ffi::F32> descale_q,
+                                ffi::Buffer<ffi::F32> descale_k, float softmax_scale, bool causal,
+                                std::string_view op, ffi::Result<ffi::AnyBuffer> out,
+                                ffi::ResultBuffer<ffi::F32> lse,
+                                ffi::ResultBuffer<ffi::F32> out_accum,
+                                ffi::ResultBuffer<ffi::F32> lse_accum) {
+  return OnXlaStream(stream, device, op, [&] {
+    OpArgs args = DecodeArgs(device, q, kv_cache, Wrap(kernel_block_table, device),
+                             Wrap(kernel_seq_lens, device), tile_scheduler_metadata, num_splits,
+                             softmax_scale, causal, out->dimensions().back());
+    Slot(args, OpArg::kDescaleQ) = Wrap(descale_q, device);
+    Slot(args, OpArg::kDescaleK) = Wrap(descale_k, device);
+    RunInBuffers(op, args, DecodeBuffers(device, out, lse, out_accum, lse_accum),
+                 {"out", "lse"});
+    const int64_t batch = seq_lens.element_count();
+    if (batch > 0)
+      ThrowOnError(LaunchClearEmptyRequests(seq_lens.typed_data(), batch, out->untyped_data(),
+                                            out->element_count() / batch, lse->typed_data(),
+                                            lse->element_count() / batch, stream),
+                   "setting the results of requests of length 0");
+  });
+}
+
+auto CudaContext() {
+  return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaMetadataCuda, MlaMetadataCudaImpl,
+                              BindMetadataResults(BindMetadataOperands(CudaContext())
+                                                      .Attr<std::string_view>("op")
+                                                      .Attr<int64_t>("num_q_tokens_per_head_k")
+                                                      .Attr<int64_t>("num_heads_k")
+                                                      .Attr<int64_t>("num_heads_q")
+                                                      .Attr<int64_t>("written_fields")),
+                              {kCudaTargetTraits});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaDecodeCuda, MlaDecodeCudaImpl,
+    BindDecodeResults(BindDecodeOperands(CudaContext()).Attr<std::string_view>("op")),
+    {kCudaTargetTraits});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaDecodeFp8Cuda, MlaDecodeFp8CudaImpl,
+    BindDecodeResults(BindDecodeFp8Operands(CudaContext()).Attr<std::string_view>("op")),
+    {kCudaTargetTraits});
+
+}  // namespace jax_flashmla

@@ -1,0 +1,16 @@
+// XLA FFI handlers of FlashMLA's kernels: the decode, the FP8 decode and the scheduler, reached
+// through the torch ops of SGLang's kernel packages on XLA's stream and buffers.
+#ifndef JAX_FLASHMLA_FFI_FLASHMLA_HANDLERS_H_
+#define JAX_FLASHMLA_FFI_FLASHMLA_HANDLERS_H_
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_flashmla {
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaDecodeCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaDecodeFp8Cuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaMetadataCuda);
+
+}  // namespace jax_flashmla
+
+#endif  // JAX_FLASHMLA_FFI_FLASHMLA_HANDLERS_H_

@@ -1,0 +1,16 @@
+// The custom-call targets' names, for every module that registers a handler under them
+// (jax_flashmla/custom_calls.py names each once and checks it against registrations()).
+#ifndef JAX_FLASHMLA_FFI_TARGETS_H_
+#define JAX_FLASHMLA_FFI_TARGETS_H_
+
+namespace jax_flashmla {
+
+inline constexpr char kMlaDecodeTarget[] = "jax_flashmla_mla_decode";
+inline constexpr char kMlaDecodeFp8Target[] = "jax_flashmla_mla_decode_fp8";
+inline constexpr char kMlaMetadataTarget[] = "jax_flashmla_mla_metadata";
+inline constexpr char kFp8GuardTarget[] = "jax_flashmla_fp8_guard";
+inline constexpr char kHostQueuePushTarget[] = "jax_flashmla_host_queue_push";
+
+}  // namespace jax_flashmla
+
+#endif  // JAX_FLASHMLA_FFI_TARGETS_H_
