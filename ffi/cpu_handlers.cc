@@ -7,7 +7,6 @@
 #include "host_queue.h"
 #include "operands.h"
 #include "reference_mla.h"
-#include "targets.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -165,15 +164,10 @@ ffi::Error MlaDecodeFp8CpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
 }
 
 ffi::Error HostQueuePushCpuImpl(ffi::AnyBuffer payload, uint64_t queue_id) {
-  const HostQueue* queue = FindHostQueue(queue_id);
-  if (queue == nullptr || queue->device != -1)
-    return ffi::Error::InvalidArgument(std::string(kHostQueuePushTarget) + ": no CPU HostQueue " +
-                                       std::to_string(queue_id) + " in this process");
   const int64_t bytes = static_cast<int64_t>(payload.size_bytes());
-  if (bytes > queue->slot_bytes - kHostQueueHeaderBytes)
-    return ffi::Error::InvalidArgument(std::string(kHostQueuePushTarget) + ": the array has " +
-                                       std::to_string(bytes) + " bytes, the queue's slots " +
-                                       std::to_string(queue->slot_bytes - kHostQueueHeaderBytes));
+  std::string error;
+  const HostQueue* queue = QueueForPush(queue_id, -1, bytes, error);
+  if (queue == nullptr) return ffi::Error::InvalidArgument(error);
   const uint64_t sequence = __atomic_add_fetch(queue->pushes, 1, __ATOMIC_ACQ_REL);
   uint8_t* slot = queue->slots + ((sequence - 1) % queue->depth) * queue->slot_bytes;
   auto* slot_sequence = reinterpret_cast<uint64_t*>(slot);

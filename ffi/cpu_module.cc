@@ -17,13 +17,11 @@ namespace {
 
 NB_MODULE(_cpu, m) {
   m.def("registrations", []() {
-    nb::dict targets;
-    targets[kMlaDecodeTarget] = EncapsulateFfiHandler(kMlaDecodeCpu);
-    targets[kMlaDecodeFp8Target] = EncapsulateFfiHandler(kMlaDecodeFp8Cpu);
-    targets[kMlaMetadataTarget] = EncapsulateFfiHandler(kMlaMetadataCpu);
-    targets[kFp8GuardTarget] = EncapsulateFfiHandler(kFp8GuardCpu);
-    targets[kHostQueuePushTarget] = EncapsulateFfiHandler(kHostQueuePushCpu);
-    return targets;
+    return Registrations({{kMlaDecodeTarget, kMlaDecodeCpu},
+                          {kMlaDecodeFp8Target, kMlaDecodeFp8Cpu},
+                          {kMlaMetadataTarget, kMlaMetadataCpu},
+                          {kFp8GuardTarget, kFp8GuardCpu},
+                          {kHostQueuePushTarget, kHostQueuePushCpu}});
   });
   // A CPU host queue (host_queue.h) registered as `id`; returns the address of its slots.
   m.def("host_queue_create", [](uint64_t id, int64_t slot_bytes, int64_t depth) {

@@ -52,16 +52,10 @@ ffi::Error Fp8GuardCudaImpl(cudaStream_t stream, int32_t device,
 // host_queue.h's push: a kernel on XLA's stream, so that XLA captures it with the step.
 ffi::Error HostQueuePushCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer payload,
                                  uint64_t queue_id) {
-  const HostQueue* queue = FindHostQueue(queue_id);
-  if (queue == nullptr || queue->device != device)
-    return ffi::Error::InvalidArgument(std::string(kHostQueuePushTarget) + ": no HostQueue " +
-                                       std::to_string(queue_id) + " of CUDA device " +
-                                       std::to_string(device) + " in this process");
   const int64_t bytes = static_cast<int64_t>(payload.size_bytes());
-  if (bytes > queue->slot_bytes - kHostQueueHeaderBytes)
-    return ffi::Error::InvalidArgument(std::string(kHostQueuePushTarget) + ": the array has " +
-                                       std::to_string(bytes) + " bytes, the queue's slots " +
-                                       std::to_string(queue->slot_bytes - kHostQueueHeaderBytes));
+  std::string error;
+  const HostQueue* queue = QueueForPush(queue_id, device, bytes, error);
+  if (queue == nullptr) return ffi::Error::InvalidArgument(error);
   if (ffi::Error err = OnDevice(device, kHostQueuePushTarget); err.failure()) return err;
   if (cudaError_t status = LaunchHostQueuePush(payload.untyped_data(), bytes, *queue, stream);
       status != cudaSuccess)

@@ -12,8 +12,6 @@
 #include "nb_capsule.h"
 #include "targets.h"
 
-namespace nb = nanobind;
-
 namespace jax_flashmla {
 namespace {
 
@@ -48,10 +46,8 @@ uintptr_t CreateHostQueue(uint64_t id, int64_t slot_bytes, int64_t depth, int32_
 
 NB_MODULE(_cuda, m) {
   m.def("registrations", []() {
-    nb::dict targets;
-    targets[kFp8GuardTarget] = EncapsulateFfiHandler(kFp8GuardCuda);
-    targets[kHostQueuePushTarget] = EncapsulateFfiHandler(kHostQueuePushCuda);
-    return targets;
+    return Registrations({{kFp8GuardTarget, kFp8GuardCuda},
+                          {kHostQueuePushTarget, kHostQueuePushCuda}});
   });
   m.def("host_queue_create", &CreateHostQueue);
 }

@@ -6,18 +6,14 @@
 #include "nb_capsule.h"
 #include "targets.h"
 
-namespace nb = nanobind;
-
 namespace jax_flashmla {
 namespace {
 
 NB_MODULE(_flashmla, m) {
   m.def("registrations", []() {
-    nb::dict targets;
-    targets[kMlaDecodeTarget] = EncapsulateFfiHandler(kMlaDecodeCuda);
-    targets[kMlaDecodeFp8Target] = EncapsulateFfiHandler(kMlaDecodeFp8Cuda);
-    targets[kMlaMetadataTarget] = EncapsulateFfiHandler(kMlaMetadataCuda);
-    return targets;
+    return Registrations({{kMlaDecodeTarget, kMlaDecodeCuda},
+                          {kMlaDecodeFp8Target, kMlaDecodeFp8Cuda},
+                          {kMlaMetadataTarget, kMlaMetadataCuda}});
   });
 }
 

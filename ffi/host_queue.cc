@@ -4,6 +4,9 @@
 #include <chrono>
 #include <map>
 #include <mutex>
+#include <string>
+
+#include "targets.h"
 
 namespace jax_flashmla {
 namespace {
@@ -33,6 +36,23 @@ const HostQueue* FindHostQueue(uint64_t id) {
 void AddHostQueue(uint64_t id, const HostQueue& queue) {
   std::lock_guard<std::mutex> lock(registry_mutex);
   Registry()[id] = queue;
+}
+
+const HostQueue* QueueForPush(uint64_t id, int32_t device, int64_t bytes, std::string& error) {
+  const std::string where = std::string(kHostQueuePushTarget) + ": ";
+  const HostQueue* queue = FindHostQueue(id);
+  if (queue == nullptr || queue->device != device) {
+    error = where + "no HostQueue " + std::to_string(id) + " of " +
+            (device < 0 ? std::string("the CPU") : "CUDA device " + std::to_string(device)) +
+            " in this process";
+    return nullptr;
+  }
+  if (bytes > queue->slot_bytes - kHostQueueHeaderBytes) {
+    error = where + "the array has " + std::to_string(bytes) + " bytes, the queue's slots " +
+            std::to_string(queue->slot_bytes - kHostQueueHeaderBytes);
+    return nullptr;
+  }
+  return queue;
 }
 
 uint64_t HostQueueWait(const uint64_t* sequence, uint64_t expected, double timeout_s) {

@@ -12,6 +12,7 @@
 #define JAX_FLASHMLA_FFI_HOST_QUEUE_H_
 
 #include <cstdint>
+#include <string>
 
 namespace jax_flashmla {
 
@@ -29,6 +30,10 @@ struct HostQueue {
 // The queue named `id` in this module's registry, or nullptr.
 const HostQueue* FindHostQueue(uint64_t id);
 void AddHostQueue(uint64_t id, const HostQueue& queue);
+
+// The queue `id` of `device` (-1: the CPU) that a push of `bytes` may write, or nullptr with
+// `error` saying why not.
+const HostQueue* QueueForPush(uint64_t id, int32_t device, int64_t bytes, std::string& error);
 
 // Spins until the sequence number at `sequence` is `expected` (returns it) or beyond
 // expected's push (returns what it saw: the reader fell behind), or until timeout_s has passed
