@@ -3,6 +3,7 @@
 #ifndef JAX_FLASHMLA_FFI_CPU_HANDLERS_H_
 #define JAX_FLASHMLA_FFI_CPU_HANDLERS_H_
 
+#include "targets.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_flashmla {
@@ -12,6 +13,11 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaDecodeFp8Cpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kFp8GuardCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaMetadataCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kHostQueuePushCpu);
+
+inline constexpr Target kCpuTargets[] = {
+    {kMlaDecodeTarget, kMlaDecodeCpu},   {kMlaDecodeFp8Target, kMlaDecodeFp8Cpu},
+    {kMlaMetadataTarget, kMlaMetadataCpu}, {kFp8GuardTarget, kFp8GuardCpu},
+    {kHostQueuePushTarget, kHostQueuePushCpu}};
 
 }  // namespace jax_flashmla
 

@@ -8,7 +8,6 @@
 #include "cpu_handlers.h"
 #include "host_queue.h"
 #include "nb_capsule.h"
-#include "targets.h"
 
 namespace nb = nanobind;
 
@@ -16,13 +15,7 @@ namespace jax_flashmla {
 namespace {
 
 NB_MODULE(_cpu, m) {
-  m.def("registrations", []() {
-    return Registrations({{kMlaDecodeTarget, kMlaDecodeCpu},
-                          {kMlaDecodeFp8Target, kMlaDecodeFp8Cpu},
-                          {kMlaMetadataTarget, kMlaMetadataCpu},
-                          {kFp8GuardTarget, kFp8GuardCpu},
-                          {kHostQueuePushTarget, kHostQueuePushCpu}});
-  });
+  m.def("registrations", []() { return Registrations(kCpuTargets); });
   // A CPU host queue (host_queue.h) registered as `id`; returns the address of its slots.
   m.def("host_queue_create", [](uint64_t id, int64_t slot_bytes, int64_t depth) {
     const size_t bytes = static_cast<size_t>(slot_bytes * depth);

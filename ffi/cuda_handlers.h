@@ -4,6 +4,7 @@
 #ifndef JAX_FLASHMLA_FFI_CUDA_HANDLERS_H_
 #define JAX_FLASHMLA_FFI_CUDA_HANDLERS_H_
 
+#include "targets.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_flashmla {
@@ -16,6 +17,9 @@ inline constexpr xla::ffi::Traits kCudaTargetTraits = xla::ffi::Traits::kCmdBuff
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kFp8GuardCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kHostQueuePushCuda);
+
+inline constexpr Target kCudaTargets[] = {{kFp8GuardTarget, kFp8GuardCuda},
+                                          {kHostQueuePushTarget, kHostQueuePushCuda}};
 
 }  // namespace jax_flashmla
 

@@ -10,7 +10,6 @@
 #include "cuda_handlers.h"
 #include "host_queue.h"
 #include "nb_capsule.h"
-#include "targets.h"
 
 namespace jax_flashmla {
 namespace {
@@ -45,10 +44,7 @@ uintptr_t CreateHostQueue(uint64_t id, int64_t slot_bytes, int64_t depth, int32_
 }
 
 NB_MODULE(_cuda, m) {
-  m.def("registrations", []() {
-    return Registrations({{kFp8GuardTarget, kFp8GuardCuda},
-                          {kHostQueuePushTarget, kHostQueuePushCuda}});
-  });
+  m.def("registrations", []() { return Registrations(kCudaTargets); });
   m.def("host_queue_create", &CreateHostQueue);
 }
 

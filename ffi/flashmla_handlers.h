@@ -3,6 +3,7 @@
 #ifndef JAX_FLASHMLA_FFI_FLASHMLA_HANDLERS_H_
 #define JAX_FLASHMLA_FFI_FLASHMLA_HANDLERS_H_
 
+#include "targets.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_flashmla {
@@ -10,6 +11,10 @@ namespace jax_flashmla {
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaDecodeCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaDecodeFp8Cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaMetadataCuda);
+
+inline constexpr Target kFlashMlaTargets[] = {{kMlaDecodeTarget, kMlaDecodeCuda},
+                                              {kMlaDecodeFp8Target, kMlaDecodeFp8Cuda},
+                                              {kMlaMetadataTarget, kMlaMetadataCuda}};
 
 }  // namespace jax_flashmla
 

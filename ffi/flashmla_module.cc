@@ -4,17 +4,12 @@
 
 #include "flashmla_handlers.h"
 #include "nb_capsule.h"
-#include "targets.h"
 
 namespace jax_flashmla {
 namespace {
 
 NB_MODULE(_flashmla, m) {
-  m.def("registrations", []() {
-    return Registrations({{kMlaDecodeTarget, kMlaDecodeCuda},
-                          {kMlaDecodeFp8Target, kMlaDecodeFp8Cuda},
-                          {kMlaMetadataTarget, kMlaMetadataCuda}});
-  });
+  m.def("registrations", []() { return Registrations(kFlashMlaTargets); });
 }
 
 }  // namespace

@@ -5,19 +5,18 @@
 
 #include <nanobind/nanobind.h>
 
-#include <initializer_list>
-#include <utility>
+#include <cstddef>
 
-#include "xla/ffi/api/c_api.h"
+#include "targets.h"
 
 namespace jax_flashmla {
 
-// {target name: handler capsule}.
-inline nanobind::dict Registrations(
-    std::initializer_list<std::pair<const char*, XLA_FFI_Handler*>> targets) {
+// A module's registrations(): {target name: handler capsule}.
+template <size_t N>
+nanobind::dict Registrations(const Target (&targets)[N]) {
   nanobind::dict dict;
-  for (const auto& [name, handler] : targets)
-    dict[name] = nanobind::capsule(reinterpret_cast<void*>(handler));
+  for (const Target& target : targets)
+    dict[target.name] = nanobind::capsule(reinterpret_cast<void*>(target.handler));
   return dict;
 }
 

@@ -3,7 +3,15 @@
 #ifndef JAX_FLASHMLA_FFI_TARGETS_H_
 #define JAX_FLASHMLA_FFI_TARGETS_H_
 
+#include "xla/ffi/api/c_api.h"
+
 namespace jax_flashmla {
+
+// A handler and the target it is registered under.
+struct Target {
+  const char* name;
+  XLA_FFI_Handler* handler;
+};
 
 inline constexpr char kMlaDecodeTarget[] = "jax_flashmla_mla_decode";
 inline constexpr char kMlaDecodeFp8Target[] = "jax_flashmla_mla_decode_fp8";
