@@ -3,11 +3,11 @@ prefill and extend over the paged cache (mla_prefill), and the paged KV cache ar
 
 Namespaces: serving (pages, block tables, chunked prefill, decode loops, and the XLA step
 helpers AlternatingStep and HostQueue), speculative (target verify, multi-step drafts),
-context_parallel (the KV cache split over devices), flax (the DeepSeek attention layer; needs
-flax, imported on first use)."""
+context_parallel (the KV cache split over devices), sparse (DeepSeek-V3.2's sparse attention
+and its FP8 cache), flax (the DeepSeek attention layer; needs flax, imported on first use)."""
 import importlib
 
-from jax_flashmla import context_parallel, serving, speculative
+from jax_flashmla import context_parallel, serving, sparse, speculative
 from jax_flashmla.cache import PagedKVCache, token_slots, write_kv
 from jax_flashmla.checks import value_checks
 from jax_flashmla.context_parallel import merge_attention_states
@@ -16,7 +16,7 @@ from jax_flashmla.prefill import mla_prefill
 
 __all__ = [
     "MLAMetadata", "PagedKVCache", "context_parallel", "flax", "get_mla_metadata",
-    "merge_attention_states", "mla_decode", "mla_prefill", "serving", "speculative",
+    "merge_attention_states", "mla_decode", "mla_prefill", "serving", "sparse", "speculative",
     "token_slots", "value_checks", "write_kv",
 ]
 

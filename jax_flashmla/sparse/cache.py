@@ -1,0 +1,144 @@
+"""DeepSeek-V3.2's FP8 cache for sparse attention: FlashMLA's 656-byte token format.
+
+Each token of a (num_pages, 64, 1, 656) uint8 cache holds, in this order:
+  - bytes 0-511: the 512-d latent (also V) as float8_e4m3fn, in four tiles of 128 columns;
+  - bytes 512-527: the four tiles' float32 scales (latent = e4m3 value * its tile's scale);
+  - bytes 528-655: the 64-d rope key as bfloat16.
+A tile's scale is amax / 448 rounded up to a power of two, as DeepSeek quantizes it: the e4m3
+values then never saturate, and multiplying by the scale is exact. An all-zero tile gets the
+smallest normal float32 scale, 2**-126 (its values are 0 whatever the scale). Slots, their writes and
+their invalid values follow jax_flashmla.cache: slot = page * 64 + offset.
+"""
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_flashmla import validation
+from jax_flashmla.validation import HEAD_DIM, HEAD_DIM_V, PAGE_SIZE
+
+TILE = 128
+TILES = HEAD_DIM_V // TILE
+ROPE_DIM = HEAD_DIM - HEAD_DIM_V
+SCALES_AT = HEAD_DIM_V  # byte offsets of the scales and of the rope key
+ROPE_AT = SCALES_AT + 4 * TILES
+TOKEN_BYTES = ROPE_AT + 2 * ROPE_DIM  # 656
+FP8_MAX = 448.0
+MIN_EXPONENT = -126  # the smallest normal float32, 2**-126: an all-zero tile's scale
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["data"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class SparseKVCache:
+    """One layer's V3.2 sparse-attention cache: data (num_pages, 64, 1, 656) uint8 (module doc).
+
+    A pytree, so it passes through jit, scan and donation like its array."""
+
+    data: jax.Array
+
+    @classmethod
+    def create(cls, num_pages):
+        """A cache of num_pages pages of 64 tokens, every token 0."""
+        if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) \
+                or num_pages < 1:
+            raise ValueError(f"SparseKVCache.create: num_pages must be a positive int; "
+                             f"got {num_pages!r}")
+        return cls(quantize_tokens(jnp.zeros((int(num_pages), PAGE_SIZE, 1, HEAD_DIM))))
+
+    @property
+    def num_pages(self):
+        return self.data.shape[0]
+
+    @property
+    def num_tokens(self):
+        return self.num_pages * PAGE_SIZE
+
+
+def _bytes(x):
+    """x's bytes along a new last axis, flattened into x's last axis."""
+    raw = jax.lax.bitcast_convert_type(x, jnp.uint8)
+    return raw.reshape(*x.shape[:-1], -1) if raw.ndim > x.ndim else raw
+
+
+def _from_bytes(raw, dtype):
+    width = np.dtype(dtype).itemsize
+    if width == 1:
+        return jax.lax.bitcast_convert_type(raw, dtype)
+    return jax.lax.bitcast_convert_type(raw.reshape(*raw.shape[:-1], -1, width), dtype)
+
+
+def tile_scales(latent):
+    """(..., 4) float32: each 128-column tile's amax / 448, rounded up to a power of two
+    (exactly: from the exponent of amax / 448, not through a rounded log2)."""
+    tiles = latent.astype(jnp.float32).reshape(*latent.shape[:-1], TILES, TILE)
+    ratio = jnp.max(jnp.abs(tiles), axis=-1) / FP8_MAX
+    mantissa, exponent = jnp.frexp(ratio)  # ratio = mantissa * 2**exponent, mantissa in [0.5, 1)
+    exponent = jnp.where(mantissa == 0.5, exponent - 1, exponent)
+    exponent = jnp.where(ratio > 0, exponent, MIN_EXPONENT)
+    return jnp.ldexp(jnp.ones_like(ratio), jnp.maximum(exponent, MIN_EXPONENT))
+
+
+def quantize_tokens(rows):
+    """(..., 576) rows (any float dtype) -> (..., 656) uint8 tokens of the sparse cache."""
+    if rows.shape[-1] != HEAD_DIM:
+        raise ValueError(f"quantize_tokens: rows must have a last dimension of {HEAD_DIM}; "
+                         f"got shape {tuple(rows.shape)}")
+    latent = rows[..., :HEAD_DIM_V].astype(jnp.float32)
+    scales = tile_scales(latent)
+    tiles = latent.reshape(*latent.shape[:-1], TILES, TILE) / scales[..., None]
+    values = tiles.reshape(latent.shape).astype(jnp.float8_e4m3fn)
+    rope = rows[..., HEAD_DIM_V:].astype(jnp.bfloat16)
+    return jnp.concatenate([_bytes(values), _bytes(scales), _bytes(rope)], axis=-1)
+
+
+def dequantize_tokens(tokens):
+    """(..., 656) uint8 tokens -> (..., 576) float32 rows: latent * its tile's scale, rope."""
+    if tokens.shape[-1] != TOKEN_BYTES or tokens.dtype != jnp.uint8:
+        raise ValueError(f"dequantize_tokens: tokens must be uint8 with a last dimension of "
+                         f"{TOKEN_BYTES}; got {tokens.dtype} {tuple(tokens.shape)}")
+    values = _from_bytes(tokens[..., :SCALES_AT], jnp.float8_e4m3fn).astype(jnp.float32)
+    scales = _from_bytes(tokens[..., SCALES_AT:ROPE_AT], jnp.float32)
+    latent = values.reshape(*values.shape[:-1], TILES, TILE) * scales[..., None]
+    rope = _from_bytes(tokens[..., ROPE_AT:], jnp.bfloat16).astype(jnp.float32)
+    return jnp.concatenate([latent.reshape(values.shape), rope], axis=-1)
+
+
+def sparse_cache_array(kv_cache, where):
+    """The (num_pages, 64, 1, 656) uint8 array of a SparseKVCache or of an array, checked."""
+    data = kv_cache.data if isinstance(kv_cache, SparseKVCache) else kv_cache
+    if data.ndim != 4 or data.shape[1:] != (PAGE_SIZE, 1, TOKEN_BYTES) or data.dtype != jnp.uint8:
+        raise ValueError(f"{where}: kv_cache must be a SparseKVCache or a (num_pages, "
+                         f"{PAGE_SIZE}, 1, {TOKEN_BYTES}) uint8 array; got {data.dtype} "
+                         f"{tuple(data.shape)}")
+    return data
+
+
+def write_sparse_kv(kv_cache, slots, kv):
+    """Stores new tokens' rows, quantized, at their slots.
+
+    Args:
+      kv_cache: SparseKVCache or its (num_pages, 64, 1, 656) uint8 array.
+      slots: int32 of any shape S, slot = page * 64 + offset. Slots < 0 or >= num_pages * 64
+        are dropped. Two equal valid slots in one call store one of their rows (unspecified).
+      kv: S + (576,) rows (the 512-d latent, then the 64-d rope key), any float dtype.
+
+    Returns:
+      The updated cache, of kv_cache's kind. Under jax.jit(..., donate_argnums=<the cache>)
+      the write is in place.
+    """
+    data = sparse_cache_array(kv_cache, "write_sparse_kv")
+    slots = jnp.asarray(slots)
+    validation.check_int32("write_sparse_kv", "slots", slots)
+    expected = tuple(slots.shape) + (HEAD_DIM,)
+    if tuple(kv.shape) != expected or not jnp.issubdtype(kv.dtype, jnp.floating):
+        raise ValueError(f"write_sparse_kv: kv must be floating with shape {expected} (slots' "
+                         f"shape + ({HEAD_DIM},)); got {kv.dtype} {tuple(kv.shape)}")
+    tokens = quantize_tokens(kv.reshape(-1, HEAD_DIM))
+    capacity = data.shape[0] * PAGE_SIZE
+    flat = slots.reshape(-1)
+    # A negative index would wrap before mode="drop" applies: send it past the end instead.
+    flat = jnp.where((flat >= 0) & (flat < capacity), flat, capacity)
+    new = data.at[flat // PAGE_SIZE, flat % PAGE_SIZE].set(tokens[:, None, :], mode="drop")
+    return SparseKVCache(new) if isinstance(kv_cache, SparseKVCache) else new

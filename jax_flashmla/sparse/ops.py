@@ -1,0 +1,92 @@
+"""sparse_mla_decode and sparse_mla_prefill: DeepSeek-V3.2's sparse attention over MLA rows.
+
+Both run the pure-JAX reference (jax_flashmla/sparse/reference.py states the semantics)."""
+import jax.numpy as jnp
+
+from jax_flashmla import validation
+from jax_flashmla.sparse import reference
+from jax_flashmla.sparse.cache import sparse_cache_array
+from jax_flashmla.validation import HEAD_DIM
+
+
+def _fail(exc, where, message):
+    raise exc(f"{where}: {message}")
+
+
+def _check_common(where, q, indices, rows, topk_length, attn_sink, softmax_scale):
+    """q's heads and the index rows' count `rows`; returns the softmax scale."""
+    if q.shape[-1] != HEAD_DIM or q.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        _fail(ValueError, where, f"q must be bfloat16, float16 or float32 with a last dimension "
+                                 f"of {HEAD_DIM} (512 latent + 64 rope); got {q.dtype} "
+                                 f"{tuple(q.shape)}")
+    validation.check_int32(where, "indices", indices)
+    if tuple(indices.shape[:-1]) != rows or indices.shape[-1] < 1:
+        _fail(ValueError, where, f"indices must have shape {rows + ('topk >= 1',)} for q of shape "
+                                 f"{tuple(q.shape)}; got {tuple(indices.shape)}")
+    if topk_length is not None:
+        validation.check_int32(where, "topk_length", topk_length)
+        if tuple(topk_length.shape) != rows[:1]:
+            _fail(ValueError, where, f"topk_length must have shape {rows[:1]}; got "
+                                     f"{tuple(topk_length.shape)}")
+    h_q = q.shape[-2]
+    if attn_sink is not None and (tuple(attn_sink.shape) != (h_q,)
+                                  or attn_sink.dtype != jnp.float32):
+        _fail(ValueError, where, f"attn_sink must be float32 of shape ({h_q},), one logit per "
+                                 f"head; got {attn_sink.dtype} {tuple(attn_sink.shape)}")
+    if softmax_scale is None:
+        return HEAD_DIM ** -0.5
+    validation.check_softmax_scale(where, softmax_scale)
+    return float(softmax_scale)
+
+
+def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale=None, topk_length=None,
+                      attn_sink=None):
+    """Sparse MLA decode over DeepSeek-V3.2's FP8 cache (FlashMLA's sparse_decode_fwd).
+
+    Args:
+      q: (batch, s_q, h_q, 576) bfloat16 (float16, float32): 512 latent + 64 rope columns.
+      kv_cache: SparseKVCache or its (num_pages, 64, 1, 656) uint8 array.
+      indices: (batch, s_q, topk) int32 slots (page * 64 + offset) each query attends to;
+        outside [0, num_pages * 64) (e.g. -1) an index is invalid and never read.
+      softmax_scale: a Python float; defaults to 576 ** -0.5.
+      topk_length: (batch,) int32 or None: a request's entries from topk_length on are
+        invalid.
+      attn_sink: (h_q,) float32 or None: a logit per head added to each softmax's denominator.
+
+    Returns:
+      out (batch, s_q, h_q, 512) bfloat16; lse (batch, h_q, s_q) float32, natural log over the
+      valid keys; a query with no valid index gets out 0 and lse +inf.
+    """
+    where = "sparse_mla_decode"
+    validation.check_rank(where, "q", q, 4, "(batch, s_q, h_q, 576)")
+    data = sparse_cache_array(kv_cache, where)
+    scale = _check_common(where, q, indices, tuple(q.shape[:2]), topk_length, attn_sink,
+                          softmax_scale)
+    return reference.sparse_decode_reference(q, data, indices, softmax_scale=scale,
+                                             topk_length=topk_length, attn_sink=attn_sink)
+
+
+def sparse_mla_prefill(q, kv, indices, *, softmax_scale=None, topk_length=None,
+                       attn_sink=None):
+    """Sparse MLA prefill over bf16 rows (FlashMLA's sparse_prefill_fwd).
+
+    Args:
+      q: (tokens, h_q, 576) bfloat16 (float16, float32).
+      kv: (keys, 576) rows of q's dtype family (the 512-d latent, also V, then the rope key).
+      indices: (tokens, topk) int32 rows of kv each query attends to; outside [0, keys) an
+        index is invalid and never read.
+      softmax_scale, attn_sink: as in sparse_mla_decode; topk_length: (tokens,) int32 or None.
+
+    Returns:
+      out (tokens, h_q, 512) in q's dtype; lse (h_q, tokens) float32, natural log.
+    """
+    where = "sparse_mla_prefill"
+    validation.check_rank(where, "q", q, 3, "(tokens, h_q, 576)")
+    validation.check_rank(where, "kv", kv, 2, "(keys, 576)")
+    if kv.shape[-1] != HEAD_DIM or not jnp.issubdtype(kv.dtype, jnp.floating):
+        _fail(ValueError, where, f"kv must be floating with a last dimension of {HEAD_DIM}; got "
+                                 f"{kv.dtype} {tuple(kv.shape)}")
+    scale = _check_common(where, q, indices, tuple(q.shape[:1]), topk_length, attn_sink,
+                          softmax_scale)
+    return reference.sparse_prefill_reference(q, kv, indices, softmax_scale=scale,
+                                              topk_length=topk_length, attn_sink=attn_sink)

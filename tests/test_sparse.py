@@ -1,0 +1,178 @@
+"""DeepSeek-V3.2's sparse attention on CPU: the 656-byte FP8 cache (its quantization, writes and
+round trip) and the pure-JAX sparse decode and prefill against a float64 oracle over the rows
+as stored, with FlashMLA-style inputs (invalid indices, NaN in rows never read)."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_flashmla.sparse import (SparseKVCache, dequantize_tokens, quantize_tokens,
+                                 sparse_mla_decode, sparse_mla_prefill, write_sparse_kv)
+from jax_flashmla.sparse.cache import TOKEN_BYTES, tile_scales
+
+# out in bf16 from float32 arithmetic: a few bf16 ulps of the largest value; lse in float32.
+OUT_TOL = dict(rtol=2e-2, atol=2e-2)
+LSE_TOL = dict(rtol=1e-5, atol=1e-4)
+
+
+def _rows(rng, shape, spread=1.0):
+    """Rows whose 128-column tiles have different magnitudes, as a model's latents do."""
+    rows = rng.normal(0, 1, shape + (576,)) * spread
+    rows[..., :512] *= np.repeat(rng.uniform(0.01, 8, shape + (4,)), 128, axis=-1)
+    return rows.astype(np.float32)
+
+
+def test_scales_are_powers_of_two_just_above_amax_over_448():
+    rows = _rows(np.random.default_rng(0), (7, 3))
+    rows[0, 0, 128:256] = 0.0  # an all-zero tile
+    rows[1, 1, :128] = 0.0
+    rows[1, 1, 5] = -448.0 / 4  # amax / 448 exactly a power of two
+    scales = np.asarray(tile_scales(jnp.asarray(rows[..., :512])))
+    amax = np.abs(rows[..., :512].reshape(7, 3, 4, 128)).max(-1) / 448
+    exponents = np.log2(scales)
+    np.testing.assert_array_equal(exponents, np.round(exponents))
+    nonzero = amax > 0
+    assert np.all(scales[nonzero] >= amax[nonzero]) and np.all(scales[nonzero] < 2 * amax[nonzero])
+    assert scales[0, 0, 1] == 2.0 ** -126 and scales[1, 1, 0] == 0.25
+
+
+def test_tokens_hold_the_documented_bytes():
+    rows = _rows(np.random.default_rng(1), (5, 4))
+    tokens = np.asarray(quantize_tokens(jnp.asarray(rows)))
+    assert tokens.shape == (5, 4, TOKEN_BYTES) and tokens.dtype == np.uint8
+    scales = tokens[..., 512:528].copy().view(np.float32)
+    np.testing.assert_array_equal(scales, np.asarray(tile_scales(jnp.asarray(rows[..., :512]))))
+    rope = tokens[..., 528:].copy().view(jnp.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(rope, rows[..., 512:].astype(jnp.bfloat16).astype(np.float32))
+    latent = tokens[..., :512].copy().view(jnp.float8_e4m3fn).astype(np.float32)
+    expected = latent * np.repeat(scales, 128, axis=-1)
+    back = np.asarray(dequantize_tokens(jnp.asarray(tokens)))
+    np.testing.assert_array_equal(back[..., :512], expected)
+    # e4m3 keeps 3 mantissa bits: within half a step (1/16 relative) of what was stored.
+    np.testing.assert_allclose(back[..., :512], rows[..., :512], rtol=1 / 16,
+                               atol=np.repeat(scales, 128, axis=-1).max() * 2 ** -9)
+
+
+def test_writes_land_at_their_slots_in_place_and_drop_invalid_slots():
+    rng = np.random.default_rng(2)
+    cache = SparseKVCache.create(3)
+    slots = jnp.asarray([[5, 130], [-1, 192 + 7]], jnp.int32)  # 199 is past 3 pages
+    kv = jnp.asarray(_rows(rng, (2, 2)))
+    write = jax.jit(write_sparse_kv, donate_argnums=0)
+    hlo = write.lower(cache, slots, kv).as_text()
+    assert "tf.aliasing_output" in hlo or "jax.buffer_donor" in hlo
+    new = write(cache, slots, kv)
+    tokens = np.asarray(new.data).reshape(-1, TOKEN_BYTES)
+    expected = np.asarray(quantize_tokens(kv))
+    np.testing.assert_array_equal(tokens[5], expected[0, 0])
+    np.testing.assert_array_equal(tokens[130], expected[0, 1])
+    untouched = np.delete(np.arange(tokens.shape[0]), [5, 130])
+    zero = np.asarray(quantize_tokens(jnp.zeros((576,))))
+    np.testing.assert_array_equal(tokens[untouched], np.broadcast_to(zero, (untouched.size, 656)))
+
+
+def _oracle(q, rows, valid, scale, sink):
+    """float64 attention of each query (n, h, 576) over its rows (n, topk, 576)."""
+    n, h, _ = q.shape
+    out, lse = np.zeros((n, h, 512)), np.full((n, h), np.inf)
+    for i in range(n):
+        keys = rows[i][valid[i]].astype(np.float64)
+        if len(keys) == 0:
+            continue
+        s = q[i].astype(np.float64) @ keys.T * scale
+        m = s.max(-1, keepdims=True)
+        p = np.exp(s - m)
+        denominator = p.sum(-1) + (0 if sink is None else np.exp(sink - m[:, 0]))
+        out[i] = p @ keys[:, :512] / denominator[:, None]
+        lse[i] = m[:, 0] + np.log(p.sum(-1))
+    return out, lse
+
+
+def _decode_problem(seed, batch=3, s_q=2, h_q=16, pages=6, topk=40):
+    rng = np.random.default_rng(seed)
+    cache = quantize_tokens(jnp.asarray(_rows(rng, (pages, 64, 1), spread=0.3)))
+    slots = pages * 64
+    indices = rng.integers(0, slots, (batch, s_q, topk)).astype(np.int32)
+    indices[0, 0, ::3] = -1
+    indices[1, :, 5] = slots + 3  # past the cache
+    indices[1, 1, 7] = indices[1, 1, 8]  # a duplicate counts twice
+    indices[2, 1, :] = -1  # a query with no valid index
+    q = jnp.asarray(rng.normal(0, 1, (batch, s_q, h_q, 576)), jnp.bfloat16)
+    return q, cache, jnp.asarray(indices)
+
+
+@pytest.mark.parametrize("with_length,with_sink", [(False, False), (True, False), (False, True),
+                                                   (True, True)])
+def test_sparse_decode_matches_the_float64_oracle(with_length, with_sink):
+    q, cache, indices = _decode_problem(3)
+    batch, s_q, h_q, _ = q.shape
+    topk_length = jnp.asarray([40, 17, 0], jnp.int32) if with_length else None
+    sink = jnp.asarray(np.random.default_rng(4).normal(0, 2, h_q), jnp.float32) if with_sink \
+        else None
+    decode = jax.jit(functools.partial(sparse_mla_decode, softmax_scale=0.1))
+    out, lse = decode(q, cache, indices, topk_length=topk_length, attn_sink=sink)
+    assert out.shape == (batch, s_q, h_q, 512) and out.dtype == jnp.bfloat16
+    assert lse.shape == (batch, h_q, s_q)
+    rows = np.asarray(dequantize_tokens(cache)).reshape(-1, 576)
+    idx = np.asarray(indices)
+    valid = (idx >= 0) & (idx < rows.shape[0])
+    if with_length:
+        valid &= np.arange(idx.shape[-1]) < np.asarray(topk_length)[:, None, None]
+    expected_out, expected_lse = _oracle(
+        np.asarray(q, np.float32).reshape(batch * s_q, h_q, 576),
+        rows[np.where(valid, idx, 0)].reshape(batch * s_q, -1, 576),
+        valid.reshape(batch * s_q, -1), 0.1, None if sink is None else np.asarray(sink))
+    np.testing.assert_allclose(np.asarray(out, np.float32).reshape(batch * s_q, h_q, 512),
+                               expected_out, **OUT_TOL)
+    np.testing.assert_allclose(np.asarray(lse).transpose(0, 2, 1).reshape(-1, h_q),
+                               expected_lse, **LSE_TOL)
+    assert np.all(np.asarray(out[2, 1]) == 0) and np.all(np.isposinf(np.asarray(lse[2, :, 1])))
+
+
+def test_rows_no_query_reads_change_nothing():
+    q, cache, indices = _decode_problem(5)
+    read = set(np.asarray(indices).ravel().tolist())
+    tokens = np.asarray(cache).reshape(-1, TOKEN_BYTES).copy()
+    unread = [s for s in range(tokens.shape[0]) if s not in read]
+    tokens[unread] = 0xFF  # NaN latent and scales in every row no index names
+    poisoned = jnp.asarray(tokens.reshape(np.asarray(cache).shape))
+    decode = jax.jit(sparse_mla_decode)
+    for a, b in zip(decode(q, cache, indices), decode(q, poisoned, indices)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_sparse_prefill_matches_the_float64_oracle():
+    rng = np.random.default_rng(6)
+    tokens, keys, h_q, topk = 9, 300, 16, 64
+    q = jnp.asarray(rng.normal(0, 1, (tokens, h_q, 576)), jnp.bfloat16)
+    kv = jnp.asarray(_rows(rng, (keys,), spread=0.2), jnp.bfloat16)
+    indices = rng.integers(-5, keys + 5, (tokens, topk)).astype(np.int32)
+    indices[4] = -1
+    out, lse = jax.jit(sparse_mla_prefill)(q, kv, jnp.asarray(indices))
+    assert out.shape == (tokens, h_q, 512) and out.dtype == jnp.bfloat16
+    assert lse.shape == (h_q, tokens)
+    valid = (indices >= 0) & (indices < keys)
+    rows = np.asarray(kv, np.float32)[np.where(valid, indices, 0)]
+    expected_out, expected_lse = _oracle(np.asarray(q, np.float32), rows, valid, 576 ** -0.5, None)
+    np.testing.assert_allclose(np.asarray(out, np.float32), expected_out, **OUT_TOL)
+    np.testing.assert_allclose(np.asarray(lse).T, expected_lse, **LSE_TOL)
+
+
+@pytest.mark.parametrize("change,exc,pattern", [
+    (dict(q=jnp.zeros((2, 1, 16, 512), jnp.bfloat16)), ValueError, r"q must be .* last dimension of 576"),
+    (dict(q=jnp.zeros((2, 16, 576), jnp.bfloat16)), ValueError, r"q must have rank 4"),
+    (dict(kv_cache=jnp.zeros((2, 64, 1, 576), jnp.uint8)), ValueError, r"kv_cache must be a SparseKVCache or a \(num_pages, 64, 1, 656\) uint8"),
+    (dict(indices=np.zeros((2, 1, 8), np.int64)), TypeError, r"indices must be int32"),
+    (dict(indices=jnp.zeros((3, 1, 8), jnp.int32)), ValueError, r"indices must have shape \(2, 1, 'topk >= 1'\)"),
+    (dict(topk_length=jnp.zeros((3,), jnp.int32)), ValueError, r"topk_length must have shape \(2,\)"),
+    (dict(attn_sink=jnp.zeros((16,), jnp.bfloat16)), ValueError, r"attn_sink must be float32 of shape \(16,\)"),
+    (dict(softmax_scale=float("nan")), ValueError, r"softmax_scale must be finite"),
+])
+def test_bad_arguments_are_named(change, exc, pattern):
+    args = dict(q=jnp.zeros((2, 1, 16, 576), jnp.bfloat16), kv_cache=SparseKVCache.create(1),
+                indices=jnp.zeros((2, 1, 8), jnp.int32))
+    args.update(change)
+    with pytest.raises(exc, match="sparse_mla_decode: " + pattern):
+        sparse_mla_decode(args.pop("q"), args.pop("kv_cache"), args.pop("indices"), **args)
