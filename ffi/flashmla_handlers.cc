@@ -135,15 +135,18 @@ ffi::Error MlaMetadataCudaImpl(cudaStream_t stream, int32_t device,
 // (b, s_q, h_q) memory, which the op returns as a transposed view for s_q > 1
 // (custom_calls._decode_layouts); then the split-KV accumulators, which FlashMLA allocates after
 // its results.
+at::Tensor LseBuffer(ffi::ResultBuffer<ffi::F32> lse, int32_t device) {
+  const at::Tensor buffer = Wrap(*lse, device);
+  const int64_t batch = buffer.size(0), h_q = buffer.size(1), s_q = buffer.size(2);
+  return s_q == 1 ? buffer : buffer.view({batch, s_q, h_q}).transpose(1, 2);
+}
+
 std::vector<at::Tensor> DecodeBuffers(int32_t device, ffi::Result<ffi::AnyBuffer> out,
                                       ffi::ResultBuffer<ffi::F32> lse,
                                       ffi::ResultBuffer<ffi::F32> out_accum,
                                       ffi::ResultBuffer<ffi::F32> lse_accum) {
-  const at::Tensor lse_buffer = Wrap(*lse, device);
-  const int64_t batch = lse_buffer.size(0), h_q = lse_buffer.size(1), s_q = lse_buffer.size(2);
-  return {Wrap(*out, device),
-          s_q == 1 ? lse_buffer : lse_buffer.view({batch, s_q, h_q}).transpose(1, 2),
-          Wrap(*out_accum, device), Wrap(*lse_accum, device)};
+  return {Wrap(*out, device), LseBuffer(lse, device), Wrap(*out_accum, device),
+          Wrap(*lse_accum, device)};
 }
 
 ffi::Error MlaDecodeCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
@@ -197,6 +200,36 @@ ffi::Error MlaDecodeFp8CudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuf
   });
 }
 
+// DeepSeek-V3.2's sparse decode (sparse_decode_fwd) over the 656-byte token cache, viewed as
+// the float8_e4m3fn bytes the op takes. It makes its own schedule, in XLA's buffers like its
+// results and accumulators (listed in the order it allocates them).
+ffi::Error MlaSparseDecodeCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
+                                   ffi::Buffer<ffi::U8> kv_cache, ffi::Buffer<ffi::S32> indices,
+                                   ffi::Buffer<ffi::F32> attn_sink, float softmax_scale,
+                                   bool with_sink, std::string_view op,
+                                   ffi::Result<ffi::AnyBuffer> out,
+                                   ffi::ResultBuffer<ffi::F32> lse,
+                                   ffi::ResultBuffer<ffi::S32> tile_scheduler_metadata,
+                                   ffi::ResultBuffer<ffi::S32> num_splits,
+                                   ffi::ResultBuffer<ffi::F32> out_accum,
+                                   ffi::ResultBuffer<ffi::F32> lse_accum) {
+  return OnXlaStream(stream, device, op, [&] {
+    OpArgs args;
+    Slot(args, OpArg::kQ) = Wrap(q, device);
+    Slot(args, OpArg::kKvCache) = WrapBuffer(kv_cache.untyped_data(), kv_cache.dimensions(),
+                                             ffi::DataType::F8E4M3FN, device);
+    Slot(args, OpArg::kIndices) = Wrap(indices, device);
+    if (with_sink) Slot(args, OpArg::kAttnSink) = Wrap(attn_sink, device);
+    Slot(args, OpArg::kHeadDimV) = out->dimensions().back();
+    Slot(args, OpArg::kSoftmaxScale) = static_cast<double>(softmax_scale);
+    RunInBuffers(op, args,
+                 {Wrap(*out, device), LseBuffer(lse, device),
+                  Wrap(*tile_scheduler_metadata, device), Wrap(*num_splits, device),
+                  Wrap(*lse_accum, device), Wrap(*out_accum, device)},
+                 {"out", "lse", "tile_scheduler_metadata", "num_splits"});
+  });
+}
+
 auto CudaContext() {
   return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>();
 }
@@ -214,6 +247,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaMetadataCuda, MlaMetadataCudaImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaDecodeCuda, MlaDecodeCudaImpl,
     BindDecodeResults(BindDecodeOperands(CudaContext()).Attr<std::string_view>("op")),
+    {kCudaTargetTraits});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaSparseDecodeCuda, MlaSparseDecodeCudaImpl,
+    BindSparseDecodeResults(BindSparseDecodeOperands(CudaContext()).Attr<std::string_view>("op")),
     {kCudaTargetTraits});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaDecodeFp8Cuda, MlaDecodeFp8CudaImpl,

@@ -11,10 +11,12 @@ namespace jax_flashmla {
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaDecodeCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaDecodeFp8Cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaMetadataCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaSparseDecodeCuda);
 
 inline constexpr Target kFlashMlaTargets[] = {{kMlaDecodeTarget, kMlaDecodeCuda},
                                               {kMlaDecodeFp8Target, kMlaDecodeFp8Cuda},
-                                              {kMlaMetadataTarget, kMlaMetadataCuda}};
+                                              {kMlaMetadataTarget, kMlaMetadataCuda},
+                                              {kMlaSparseDecodeTarget, kMlaSparseDecodeCuda}};
 
 }  // namespace jax_flashmla
 

@@ -65,6 +65,30 @@ auto BindDecodeResults(Binding binding) {
       .template Ret<ffi::Buffer<ffi::F32>>();            // lse_accum
 }
 
+// DeepSeek-V3.2's sparse decode: q, the (num_pages, 64, 1, 656) byte cache, the slots each
+// query reads, the per-head sink logits (read only with with_sink).
+template <typename Binding>
+auto BindSparseDecodeOperands(Binding binding) {
+  return std::move(binding).template Arg<ffi::AnyBuffer>()          // q
+      .template Arg<ffi::Buffer<ffi::U8>>()              // kv_cache
+      .template Arg<ffi::Buffer<ffi::S32>>()             // indices
+      .template Arg<ffi::Buffer<ffi::F32>>()             // attn_sink
+      .template Attr<float>("softmax_scale")
+      .template Attr<bool>("with_sink");
+}
+
+// out, lse, the schedule the op makes for itself (tile_scheduler_metadata, num_splits), then
+// the split-KV accumulators: in the order the op allocates them.
+template <typename Binding>
+auto BindSparseDecodeResults(Binding binding) {
+  return std::move(binding).template Ret<ffi::AnyBuffer>()          // out
+      .template Ret<ffi::Buffer<ffi::F32>>()             // lse
+      .template Ret<ffi::Buffer<ffi::S32>>()             // tile_scheduler_metadata
+      .template Ret<ffi::Buffer<ffi::S32>>()             // num_splits
+      .template Ret<ffi::Buffer<ffi::F32>>()             // out_accum
+      .template Ret<ffi::Buffer<ffi::F32>>();            // lse_accum
+}
+
 template <typename Binding>
 auto BindFp8GuardOperands(Binding binding) {
   return std::move(binding).template Arg<ffi::Buffer<ffi::S32>>()   // block_table

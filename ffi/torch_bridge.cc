@@ -22,14 +22,17 @@ OpArg ArgForName(std::string_view name, bool* known) {
   static const std::unordered_map<std::string_view, OpArg> kNames = {
       {"q", OpArg::kQ},
       {"kv_cache", OpArg::kKvCache},
+      {"kv", OpArg::kKvCache},
       {"kcache", OpArg::kKvCache},
       {"k_cache", OpArg::kKvCache},
       {"head_size_v", OpArg::kHeadDimV},
       {"head_dim_v", OpArg::kHeadDimV},
+      {"d_v", OpArg::kHeadDimV},
       {"seqlens_k", OpArg::kSeqLens},
       {"cache_seqlens", OpArg::kSeqLens},
       {"block_table", OpArg::kBlockTable},
       {"softmax_scale", OpArg::kSoftmaxScale},
+      {"sm_scale", OpArg::kSoftmaxScale},
       {"is_causal", OpArg::kCausal},
       {"causal", OpArg::kCausal},
       {"tile_scheduler_metadata", OpArg::kTileSchedulerMetadata},
@@ -44,6 +47,8 @@ OpArg ArgForName(std::string_view name, bool* known) {
       {"num_heads_q", OpArg::kNumHeadsQ},
       {"descale_q", OpArg::kDescaleQ},
       {"descale_k", OpArg::kDescaleK},
+      {"indices", OpArg::kIndices},
+      {"attn_sink", OpArg::kAttnSink},
   };
   auto it = kNames.find(name);
   *known = it != kNames.end();

@@ -34,6 +34,8 @@ enum class OpArg {
   kNumHeadsQ,
   kDescaleQ,  // the FP8 decode's per-tensor scales of q and the cache
   kDescaleK,
+  kIndices,  // the sparse decode's slots, and its sink logits
+  kAttnSink,
   kCount,
 };
 

@@ -78,15 +78,16 @@ class CustomCall:
     their layouts (None: row-major)."""
 
     def __init__(self, target, operands, results, result_types, attributes,
-                 result_layouts=lambda avals_out: None, has_side_effect=False):
-        if target not in CPU_TARGETS:
+                 result_layouts=lambda avals_out: None, has_side_effect=False,
+                 platforms=("cpu", "cuda")):
+        if "cpu" in platforms and target not in CPU_TARGETS:
             raise AssertionError(f"{target} is not among the C++ module's targets")
         self.target, self.operands, self.results = target, operands, results
         self._attributes, self._result_layouts = attributes, result_layouts
         self._has_side_effect = has_side_effect
         self.primitive = make_primitive(target, self._abstract_eval)
         self._result_types = result_types
-        for platform in ("cpu", "cuda"):
+        for platform in platforms:
             mlir.register_lowering(self.primitive, functools.partial(self._lower, platform),
                                    platform=platform)
 
@@ -201,6 +202,37 @@ DECODE_FP8 = CustomCall(
      "tile_scheduler_metadata", "num_splits", "descale_q", "descale_k"),
     _DECODE_RESULTS, functools.partial(_decode_types, fp8=True),
     functools.partial(_decode_attributes, True), _decode_layouts)
+
+def _sparse_decode_types(q, kv_cache, indices, attn_sink, *, num_sm_parts, **_):
+    batch, s_q, h_q, _ = q.shape
+    splits = batch + num_sm_parts
+    v = validation.HEAD_DIM_V
+    return (jax.core.ShapedArray((batch, s_q, h_q, v), jnp.bfloat16), _f32(batch, h_q, s_q),
+            _i32(num_sm_parts, validation.METADATA_FIELDS), _i32(batch + 1),
+            _f32(splits, h_q, s_q, v), _f32(splits, h_q, s_q))
+
+
+def _sparse_decode_attributes(platform, *, softmax_scale, with_sink, num_sm_parts):
+    # num_sm_parts sizes the schedule's buffers: the op plans for the GPU's SM count, which
+    # the sparse ops trace with (a mismatch fails the call, naming the sizes it asked for).
+    ops = kernels.ensure_cuda_targets()
+    if ops.sparse_decode is None:
+        raise RuntimeError(f"the FlashMLA kernels in {ops.library.path} have no sparse decode "
+                           "(sparse_decode_fwd)")
+    return dict(softmax_scale=np.float32(softmax_scale), with_sink=bool(with_sink),
+                op=ops.sparse_decode)
+
+
+# DeepSeek-V3.2's sparse decode over the 656-byte token cache (jax_flashmla.sparse): CUDA only
+# (off the GPU, jax_flashmla.sparse runs its pure-JAX reference). The op makes its own schedule;
+# the results after out and lse are that schedule and the split-KV accumulators, scratch.
+SPARSE_DECODE = CustomCall(
+    "jax_flashmla_mla_sparse_decode", ("q", "kv_cache", "indices", "attn_sink"),
+    ("out", "lse", "tile_scheduler_metadata", "num_splits", "out_accum", "lse_accum"),
+    _sparse_decode_types, _sparse_decode_attributes,
+    lambda avals_out: (None if avals_out[1].shape[2] == 1
+                       else [None, lse_minor_to_major(avals_out[1].shape[2])] + [None] * 4),
+    platforms=("cuda",))
 
 # The host queue's push (serving/host_queue.py): no results, kept by its DCE rule in jaxprs
 # and by has_side_effect in XLA. It declares no JAX effect: an executable with effects is run

@@ -160,6 +160,13 @@ def test_sparse_prefill_matches_the_float64_oracle():
     np.testing.assert_allclose(np.asarray(lse).T, expected_lse, **LSE_TOL)
 
 
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the error off the GPU")
+def test_the_custom_call_off_the_gpu_is_refused():
+    q, cache, indices = _decode_problem(7, h_q=64)
+    with pytest.raises(RuntimeError, match="sparse_mla_decode: .* needs a Hopper GPU"):
+        sparse_mla_decode(q, cache, indices, implementation="custom_call")
+
+
 @pytest.mark.parametrize("change,exc,pattern", [
     (dict(q=jnp.zeros((2, 1, 16, 512), jnp.bfloat16)), ValueError, r"q must be .* last dimension of 576"),
     (dict(q=jnp.zeros((2, 16, 576), jnp.bfloat16)), ValueError, r"q must have rank 4"),

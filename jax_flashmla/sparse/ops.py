@@ -1,12 +1,21 @@
 """sparse_mla_decode and sparse_mla_prefill: DeepSeek-V3.2's sparse attention over MLA rows.
 
-Both run the pure-JAX reference (jax_flashmla/sparse/reference.py states the semantics)."""
+jax_flashmla/sparse/reference.py states the semantics. The decode runs FlashMLA's
+sparse_decode_fwd as the custom call jax_flashmla_mla_sparse_decode on a Hopper GPU (its
+indices past the cache or past topk_length made -1 first, the kernel reading every index that
+is not -1), the pure-JAX reference elsewhere; the prefill runs the reference."""
+import jax
 import jax.numpy as jnp
 
-from jax_flashmla import validation
+from jax_flashmla import custom_calls, kernels, validation
+from jax_flashmla.ops import default_num_sms
 from jax_flashmla.sparse import reference
 from jax_flashmla.sparse.cache import sparse_cache_array
-from jax_flashmla.validation import HEAD_DIM
+from jax_flashmla.validation import HEAD_DIM, PAGE_SIZE
+
+IMPLEMENTATIONS = ("custom_call", "reference")
+KERNEL_HEADS = (64, 128)  # what FlashMLA's sparse decode takes
+KERNEL_QUERY_TOKENS = (1, 2)
 
 
 def _fail(exc, where, message):
@@ -39,8 +48,39 @@ def _check_common(where, q, indices, rows, topk_length, attn_sink, softmax_scale
     return float(softmax_scale)
 
 
+def _implementation(implementation, q):
+    if implementation is None:
+        return "custom_call" if kernels.flashmla_available() else "reference"
+    if implementation not in IMPLEMENTATIONS:
+        _fail(ValueError, "sparse_mla_decode", f"implementation must be None or one of "
+                                               f"{IMPLEMENTATIONS}; got {implementation!r}")
+    if implementation == "custom_call" and jax.default_backend() != "gpu":
+        _fail(RuntimeError, "sparse_mla_decode", "the custom call is FlashMLA's kernel, which "
+              f"needs a Hopper GPU; JAX's default backend is {jax.default_backend()} (pass "
+              "implementation='reference')")
+    return implementation
+
+
+def _kernel_decode(q, data, indices, attn_sink, softmax_scale):
+    batch, s_q, h_q, _ = q.shape
+    where = "sparse_mla_decode"
+    if h_q not in KERNEL_HEADS or s_q not in KERNEL_QUERY_TOKENS:
+        _fail(ValueError, where, f"FlashMLA's sparse decode takes h_q in {KERNEL_HEADS} and s_q "
+                                 f"in {KERNEL_QUERY_TOKENS}; got h_q={h_q}, s_q={s_q} (pass "
+                                 "implementation='reference', or pad q's heads)")
+    if q.dtype != jnp.bfloat16:
+        _fail(TypeError, where, f"FlashMLA's sparse decode takes a bfloat16 q; got {q.dtype}")
+    with_sink = attn_sink is not None
+    sink = attn_sink if with_sink else jnp.zeros((h_q,), jnp.float32)
+    out, lse, *_ = custom_calls.SPARSE_DECODE(
+        q=q, kv_cache=data, indices=indices, attn_sink=sink, softmax_scale=softmax_scale,
+        with_sink=with_sink, num_sm_parts=validation.num_sm_parts(default_num_sms(), h_q, s_q,
+                                                                  where=where))
+    return out, lse
+
+
 def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale=None, topk_length=None,
-                      attn_sink=None):
+                      attn_sink=None, implementation=None):
     """Sparse MLA decode over DeepSeek-V3.2's FP8 cache (FlashMLA's sparse_decode_fwd).
 
     Args:
@@ -52,6 +92,9 @@ def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale=None, topk_length=N
       topk_length: (batch,) int32 or None: a request's entries from topk_length on are
         invalid.
       attn_sink: (h_q,) float32 or None: a logit per head added to each softmax's denominator.
+      implementation: None picks "custom_call" on a Hopper GPU whose FlashMLA kernels and CUDA
+        bridge are available, else "reference". "custom_call" is FlashMLA's sparse_decode_fwd
+        (CUDA only; bfloat16 q, h_q 64 or 128, s_q 1 or 2); "reference" is pure JAX.
 
     Returns:
       out (batch, s_q, h_q, 512) bfloat16; lse (batch, h_q, s_q) float32, natural log over the
@@ -62,8 +105,13 @@ def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale=None, topk_length=N
     data = sparse_cache_array(kv_cache, where)
     scale = _check_common(where, q, indices, tuple(q.shape[:2]), topk_length, attn_sink,
                           softmax_scale)
-    return reference.sparse_decode_reference(q, data, indices, softmax_scale=scale,
-                                             topk_length=topk_length, attn_sink=attn_sink)
+    if _implementation(implementation, q) == "reference":
+        return reference.sparse_decode_reference(q, data, indices, softmax_scale=scale,
+                                                 topk_length=topk_length, attn_sink=attn_sink)
+    # The kernel skips -1 alone: it would read an index past the cache, and it takes no
+    # topk_length with this cache format.
+    valid = reference.valid_indices(indices, data.shape[0] * PAGE_SIZE, topk_length)
+    return _kernel_decode(q, data, jnp.where(valid, indices, -1), attn_sink, scale)
 
 
 def sparse_mla_prefill(q, kv, indices, *, softmax_scale=None, topk_length=None,
