@@ -1,9 +1,12 @@
 """sparse_mla_decode and sparse_mla_prefill: DeepSeek-V3.2's sparse attention over MLA rows.
 
-jax_flashmla/sparse/reference.py states the semantics. The decode runs FlashMLA's
-sparse_decode_fwd as the custom call jax_flashmla_mla_sparse_decode on a Hopper GPU (its
-indices past the cache or past topk_length made -1 first, the kernel reading every index that
-is not -1), the pure-JAX reference elsewhere; the prefill runs the reference."""
+jax_flashmla/sparse/reference.py states the semantics. On a Hopper GPU both run FlashMLA's
+kernels as custom calls (jax_flashmla_mla_sparse_decode, jax_flashmla_mla_sparse_prefill):
+indices past the keys or past topk_length are made -1 first (the kernels read any other), and
+q's heads are padded with zeros to the kernels' 64 or 128 (the padding heads' results are
+dropped; they cost what real heads cost). Elsewhere they run the pure-JAX reference."""
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -14,8 +17,8 @@ from jax_flashmla.sparse.cache import sparse_cache_array
 from jax_flashmla.validation import HEAD_DIM, PAGE_SIZE
 
 IMPLEMENTATIONS = ("custom_call", "reference")
-KERNEL_HEADS = (64, 128)  # what FlashMLA's sparse decode takes
-KERNEL_QUERY_TOKENS = (1, 2)
+KERNEL_HEADS = (64, 128)  # what FlashMLA's sparse kernels take
+KERNEL_QUERY_TOKENS = (1, 2)  # the sparse decode's
 
 
 def _fail(exc, where, message):
@@ -48,35 +51,55 @@ def _check_common(where, q, indices, rows, topk_length, attn_sink, softmax_scale
     return float(softmax_scale)
 
 
-def _implementation(implementation, q):
+def _implementation(where, implementation):
     if implementation is None:
         return "custom_call" if kernels.flashmla_available() else "reference"
     if implementation not in IMPLEMENTATIONS:
-        _fail(ValueError, "sparse_mla_decode", f"implementation must be None or one of "
-                                               f"{IMPLEMENTATIONS}; got {implementation!r}")
+        _fail(ValueError, where, f"implementation must be None or one of {IMPLEMENTATIONS}; got "
+                                 f"{implementation!r}")
     if implementation == "custom_call" and jax.default_backend() != "gpu":
-        _fail(RuntimeError, "sparse_mla_decode", "the custom call is FlashMLA's kernel, which "
-              f"needs a Hopper GPU; JAX's default backend is {jax.default_backend()} (pass "
-              "implementation='reference')")
+        _fail(RuntimeError, where, "the custom call is FlashMLA's kernel, which needs a Hopper "
+                                   f"GPU; JAX's default backend is {jax.default_backend()} (pass "
+                                   "implementation='reference')")
     return implementation
 
 
-def _kernel_decode(q, data, indices, attn_sink, softmax_scale):
-    batch, s_q, h_q, _ = q.shape
-    where = "sparse_mla_decode"
-    if h_q not in KERNEL_HEADS or s_q not in KERNEL_QUERY_TOKENS:
-        _fail(ValueError, where, f"FlashMLA's sparse decode takes h_q in {KERNEL_HEADS} and s_q "
-                                 f"in {KERNEL_QUERY_TOKENS}; got h_q={h_q}, s_q={s_q} (pass "
-                                 "implementation='reference', or pad q's heads)")
+def _kernel_heads(where, q, attn_sink):
+    """q (..., h_q, 576) bf16 and the sink (h_q,) padded with zeros to the kernels' heads,
+    and whether a sink was given."""
+    h_q = q.shape[-2]
     if q.dtype != jnp.bfloat16:
-        _fail(TypeError, where, f"FlashMLA's sparse decode takes a bfloat16 q; got {q.dtype}")
-    with_sink = attn_sink is not None
-    sink = attn_sink if with_sink else jnp.zeros((h_q,), jnp.float32)
+        _fail(TypeError, where, f"FlashMLA's sparse kernels take a bfloat16 q; got {q.dtype}")
+    if h_q > KERNEL_HEADS[-1]:
+        _fail(ValueError, where, f"FlashMLA's sparse kernels take at most {KERNEL_HEADS[-1]} "
+                                 f"heads; got h_q={h_q} (split the heads)")
+    heads = next(h for h in KERNEL_HEADS if h >= h_q)
+    pad = [(0, 0)] * (q.ndim - 2) + [(0, heads - h_q), (0, 0)]
+    sink = jnp.zeros((h_q,), jnp.float32) if attn_sink is None else attn_sink
+    return jnp.pad(q, pad), jnp.pad(sink, (0, heads - h_q)), attn_sink is not None
+
+
+def _kernel_decode(q, data, indices, attn_sink, softmax_scale):
+    where = "sparse_mla_decode"
+    _, s_q, h_q, _ = q.shape
+    if s_q not in KERNEL_QUERY_TOKENS:
+        _fail(ValueError, where, f"FlashMLA's sparse decode takes s_q in {KERNEL_QUERY_TOKENS}; "
+                                 f"got {s_q} (pass implementation='reference')")
+    q, sink, with_sink = _kernel_heads(where, q, attn_sink)
+    parts = validation.num_sm_parts(default_num_sms(), q.shape[2], s_q, where=where)
     out, lse, *_ = custom_calls.SPARSE_DECODE(
         q=q, kv_cache=data, indices=indices, attn_sink=sink, softmax_scale=softmax_scale,
-        with_sink=with_sink, num_sm_parts=validation.num_sm_parts(default_num_sms(), h_q, s_q,
-                                                                  where=where))
-    return out, lse
+        with_sink=with_sink, num_sm_parts=parts)
+    return out[:, :, :h_q], lse[:, :h_q]
+
+
+def _kernel_prefill(q, kv, indices, attn_sink, softmax_scale):
+    tokens, h_q, _ = q.shape
+    q, sink, with_sink = _kernel_heads("sparse_mla_prefill", q, attn_sink)
+    out, _, lse_base2 = custom_calls.SPARSE_PREFILL(
+        q=q, kv=kv.astype(jnp.bfloat16)[:, None, :], indices=indices[:, None, :],
+        attn_sink=sink, softmax_scale=softmax_scale, with_sink=with_sink)
+    return out[:, :h_q], (lse_base2[:, :h_q] * math.log(2)).T
 
 
 def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale=None, topk_length=None,
@@ -94,7 +117,7 @@ def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale=None, topk_length=N
       attn_sink: (h_q,) float32 or None: a logit per head added to each softmax's denominator.
       implementation: None picks "custom_call" on a Hopper GPU whose FlashMLA kernels and CUDA
         bridge are available, else "reference". "custom_call" is FlashMLA's sparse_decode_fwd
-        (CUDA only; bfloat16 q, h_q 64 or 128, s_q 1 or 2); "reference" is pure JAX.
+        (CUDA only; bfloat16 q, at most 128 heads, s_q 1 or 2); "reference" is pure JAX.
 
     Returns:
       out (batch, s_q, h_q, 512) bfloat16; lse (batch, h_q, s_q) float32, natural log over the
@@ -105,7 +128,7 @@ def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale=None, topk_length=N
     data = sparse_cache_array(kv_cache, where)
     scale = _check_common(where, q, indices, tuple(q.shape[:2]), topk_length, attn_sink,
                           softmax_scale)
-    if _implementation(implementation, q) == "reference":
+    if _implementation(where, implementation) == "reference":
         return reference.sparse_decode_reference(q, data, indices, softmax_scale=scale,
                                                  topk_length=topk_length, attn_sink=attn_sink)
     # The kernel skips -1 alone: it would read an index past the cache, and it takes no
@@ -115,7 +138,7 @@ def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale=None, topk_length=N
 
 
 def sparse_mla_prefill(q, kv, indices, *, softmax_scale=None, topk_length=None,
-                       attn_sink=None):
+                       attn_sink=None, implementation=None):
     """Sparse MLA prefill over bf16 rows (FlashMLA's sparse_prefill_fwd).
 
     Args:
@@ -124,6 +147,8 @@ def sparse_mla_prefill(q, kv, indices, *, softmax_scale=None, topk_length=None,
       indices: (tokens, topk) int32 rows of kv each query attends to; outside [0, keys) an
         index is invalid and never read.
       softmax_scale, attn_sink: as in sparse_mla_decode; topk_length: (tokens,) int32 or None.
+      implementation: as in sparse_mla_decode; "custom_call" is FlashMLA's sparse_prefill_fwd
+        (CUDA only; bfloat16 q, at most 128 heads, kv cast to bfloat16).
 
     Returns:
       out (tokens, h_q, 512) in q's dtype; lse (h_q, tokens) float32, natural log.
@@ -136,5 +161,8 @@ def sparse_mla_prefill(q, kv, indices, *, softmax_scale=None, topk_length=None,
                                  f"{kv.dtype} {tuple(kv.shape)}")
     scale = _check_common(where, q, indices, tuple(q.shape[:1]), topk_length, attn_sink,
                           softmax_scale)
-    return reference.sparse_prefill_reference(q, kv, indices, softmax_scale=scale,
-                                              topk_length=topk_length, attn_sink=attn_sink)
+    if _implementation(where, implementation) == "reference":
+        return reference.sparse_prefill_reference(q, kv, indices, softmax_scale=scale,
+                                                  topk_length=topk_length, attn_sink=attn_sink)
+    valid = reference.valid_indices(indices, kv.shape[0], topk_length)
+    return _kernel_prefill(q, kv, jnp.where(valid, indices, -1), attn_sink, scale)
