@@ -230,29 +230,6 @@ ffi::Error MlaSparseDecodeCudaImpl(cudaStream_t stream, int32_t device, ffi::Any
   });
 }
 
-// DeepSeek-V3.2's sparse prefill (sparse_prefill_fwd) on bf16 rows; it allocates its results
-// alone, no scratch.
-ffi::Error MlaSparsePrefillCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
-                                    ffi::AnyBuffer kv, ffi::Buffer<ffi::S32> indices,
-                                    ffi::Buffer<ffi::F32> attn_sink, float softmax_scale,
-                                    bool with_sink, std::string_view op,
-                                    ffi::Result<ffi::AnyBuffer> out,
-                                    ffi::ResultBuffer<ffi::F32> max_logits,
-                                    ffi::ResultBuffer<ffi::F32> lse_base2) {
-  return OnXlaStream(stream, device, op, [&] {
-    OpArgs args;
-    Slot(args, OpArg::kQ) = Wrap(q, device);
-    Slot(args, OpArg::kKvCache) = Wrap(kv, device);
-    Slot(args, OpArg::kIndices) = Wrap(indices, device);
-    if (with_sink) Slot(args, OpArg::kAttnSink) = Wrap(attn_sink, device);
-    Slot(args, OpArg::kHeadDimV) = out->dimensions().back();
-    Slot(args, OpArg::kSoftmaxScale) = static_cast<double>(softmax_scale);
-    RunInBuffers(op, args,
-                 {Wrap(*out, device), Wrap(*max_logits, device), Wrap(*lse_base2, device)},
-                 {"out", "max_logits", "lse"});
-  });
-}
-
 auto CudaContext() {
   return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>();
 }
@@ -274,11 +251,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaDecodeCuda, MlaDecodeCudaImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaSparseDecodeCuda, MlaSparseDecodeCudaImpl,
     BindSparseDecodeResults(BindSparseDecodeOperands(CudaContext()).Attr<std::string_view>("op")),
-    {kCudaTargetTraits});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaSparsePrefillCuda, MlaSparsePrefillCudaImpl,
-    BindSparsePrefillResults(
-        BindSparsePrefillOperands(CudaContext()).Attr<std::string_view>("op")),
     {kCudaTargetTraits});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaDecodeFp8Cuda, MlaDecodeFp8CudaImpl,

@@ -12,13 +12,11 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaDecodeCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaDecodeFp8Cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaMetadataCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaSparseDecodeCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaSparsePrefillCuda);
 
 inline constexpr Target kFlashMlaTargets[] = {{kMlaDecodeTarget, kMlaDecodeCuda},
                                               {kMlaDecodeFp8Target, kMlaDecodeFp8Cuda},
                                               {kMlaMetadataTarget, kMlaMetadataCuda},
-                                              {kMlaSparseDecodeTarget, kMlaSparseDecodeCuda},
-                                              {kMlaSparsePrefillTarget, kMlaSparsePrefillCuda}};
+                                              {kMlaSparseDecodeTarget, kMlaSparseDecodeCuda}};
 
 }  // namespace jax_flashmla
 

@@ -89,26 +89,6 @@ auto BindSparseDecodeResults(Binding binding) {
       .template Ret<ffi::Buffer<ffi::F32>>();            // lse_accum
 }
 
-// DeepSeek-V3.2's sparse prefill: q (tokens, h_q, 576), kv (keys, 1, 576), indices (tokens,
-// 1, topk), the per-head sink logits (read only with with_sink); out, the queries' largest
-// logits and their base-2 lse, in the order the op allocates them.
-template <typename Binding>
-auto BindSparsePrefillOperands(Binding binding) {
-  return std::move(binding).template Arg<ffi::AnyBuffer>()          // q
-      .template Arg<ffi::AnyBuffer>()                    // kv
-      .template Arg<ffi::Buffer<ffi::S32>>()             // indices
-      .template Arg<ffi::Buffer<ffi::F32>>()             // attn_sink
-      .template Attr<float>("softmax_scale")
-      .template Attr<bool>("with_sink");
-}
-
-template <typename Binding>
-auto BindSparsePrefillResults(Binding binding) {
-  return std::move(binding).template Ret<ffi::AnyBuffer>()          // out
-      .template Ret<ffi::Buffer<ffi::F32>>()             // max_logits
-      .template Ret<ffi::Buffer<ffi::F32>>();            // lse_base2
-}
-
 template <typename Binding>
 auto BindFp8GuardOperands(Binding binding) {
   return std::move(binding).template Arg<ffi::Buffer<ffi::S32>>()   // block_table

@@ -212,34 +212,26 @@ def _sparse_decode_types(q, kv_cache, indices, attn_sink, *, num_sm_parts, **_):
             _f32(splits, h_q, s_q, v), _f32(splits, h_q, s_q))
 
 
-def _sparse_attributes(role, platform, *, softmax_scale, with_sink, **_):
+def _sparse_decode_attributes(platform, *, softmax_scale, with_sink, num_sm_parts):
     ops = kernels.ensure_cuda_targets()
-    if getattr(ops, role) is None:
-        raise RuntimeError(f"the FlashMLA kernels in {ops.library.path} have no {role} op")
+    if ops.sparse_decode is None:
+        raise RuntimeError(f"the FlashMLA kernels in {ops.library.path} have no sparse decode "
+                           "(sparse_decode_fwd)")
     return dict(softmax_scale=np.float32(softmax_scale), with_sink=bool(with_sink),
-                op=getattr(ops, role))
+                op=ops.sparse_decode)
 
 
 # DeepSeek-V3.2's sparse decode over the 656-byte token cache (jax_flashmla.sparse): CUDA only
-# (off the GPU, jax_flashmla.sparse runs its pure-JAX reference). The op makes its own schedule;
-# the results after out and lse are that schedule and the split-KV accumulators, scratch.
+# (off the GPU, jax_flashmla.sparse runs its pure-JAX reference). The op makes its own schedule
+# for the GPU's SM count, which num_sm_parts (traced with it) sizes; the results after out and
+# lse are that schedule and the split-KV accumulators, scratch.
 SPARSE_DECODE = CustomCall(
     "jax_flashmla_mla_sparse_decode", ("q", "kv_cache", "indices", "attn_sink"),
     ("out", "lse", "tile_scheduler_metadata", "num_splits", "out_accum", "lse_accum"),
-    _sparse_decode_types, functools.partial(_sparse_attributes, "sparse_decode"),
+    _sparse_decode_types, _sparse_decode_attributes,
     lambda avals_out: (None if avals_out[1].shape[2] == 1
                        else [None, lse_minor_to_major(avals_out[1].shape[2])] + [None] * 4),
     platforms=("cuda",))
-
-# Its sparse prefill on bf16 rows: q (tokens, h_q, 576), kv (keys, 1, 576), indices (tokens,
-# 1, topk). The op's lse is base 2 and (tokens, h_q); its max_logits are scratch.
-SPARSE_PREFILL = CustomCall(
-    "jax_flashmla_mla_sparse_prefill", ("q", "kv", "indices", "attn_sink"),
-    ("out", "max_logits", "lse_base2"),
-    lambda q, kv, indices, attn_sink, **_: (
-        jax.core.ShapedArray(q.shape[:2] + (validation.HEAD_DIM_V,), q.dtype),
-        _f32(*q.shape[:2]), _f32(*q.shape[:2])),
-    functools.partial(_sparse_attributes, "sparse_prefill"), platforms=("cuda",))
 
 # The host queue's push (serving/host_queue.py): no results, kept by its DCE rule in jaxprs
 # and by has_side_effect in XLA. It declares no JAX effect: an executable with effects is run

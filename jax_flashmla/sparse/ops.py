@@ -1,12 +1,10 @@
 """sparse_mla_decode and sparse_mla_prefill: DeepSeek-V3.2's sparse attention over MLA rows.
 
-jax_flashmla/sparse/reference.py states the semantics. On a Hopper GPU both run FlashMLA's
-kernels as custom calls (jax_flashmla_mla_sparse_decode, jax_flashmla_mla_sparse_prefill):
-indices past the keys or past topk_length are made -1 first (the kernels read any other), and
-q's heads are padded with zeros to the kernels' 64 or 128 (the padding heads' results are
-dropped; they cost what real heads cost). Elsewhere they run the pure-JAX reference."""
-import math
-
+jax_flashmla/sparse/reference.py states the semantics. On a Hopper GPU the decode runs
+FlashMLA's kernel as the custom call jax_flashmla_mla_sparse_decode: indices past the cache or
+past topk_length are made -1 first (the kernel reads any other), and q's heads are padded with
+zeros to the kernel's 64 or 128 (the padding heads' results are dropped; they cost what real
+heads cost). Elsewhere, and for the prefill, the pure-JAX reference runs."""
 import jax
 import jax.numpy as jnp
 
@@ -17,8 +15,8 @@ from jax_flashmla.sparse.cache import sparse_cache_array
 from jax_flashmla.validation import HEAD_DIM, PAGE_SIZE
 
 IMPLEMENTATIONS = ("custom_call", "reference")
-KERNEL_HEADS = (64, 128)  # what FlashMLA's sparse kernels take
-KERNEL_QUERY_TOKENS = (1, 2)  # the sparse decode's
+KERNEL_HEADS = (64, 128)  # what FlashMLA's sparse decode takes
+KERNEL_QUERY_TOKENS = (1, 2)
 
 
 def _fail(exc, where, message):
@@ -65,13 +63,13 @@ def _implementation(where, implementation):
 
 
 def _kernel_heads(where, q, attn_sink):
-    """q (..., h_q, 576) bf16 and the sink (h_q,) padded with zeros to the kernels' heads,
+    """q (..., h_q, 576) bf16 and the sink (h_q,) padded with zeros to the kernel's heads,
     and whether a sink was given."""
     h_q = q.shape[-2]
     if q.dtype != jnp.bfloat16:
-        _fail(TypeError, where, f"FlashMLA's sparse kernels take a bfloat16 q; got {q.dtype}")
+        _fail(TypeError, where, f"FlashMLA's sparse decode takes a bfloat16 q; got {q.dtype}")
     if h_q > KERNEL_HEADS[-1]:
-        _fail(ValueError, where, f"FlashMLA's sparse kernels take at most {KERNEL_HEADS[-1]} "
+        _fail(ValueError, where, f"FlashMLA's sparse decode takes at most {KERNEL_HEADS[-1]} "
                                  f"heads; got h_q={h_q} (split the heads)")
     heads = next(h for h in KERNEL_HEADS if h >= h_q)
     pad = [(0, 0)] * (q.ndim - 2) + [(0, heads - h_q), (0, 0)]
@@ -91,15 +89,6 @@ def _kernel_decode(q, data, indices, attn_sink, softmax_scale):
         q=q, kv_cache=data, indices=indices, attn_sink=sink, softmax_scale=softmax_scale,
         with_sink=with_sink, num_sm_parts=parts)
     return out[:, :, :h_q], lse[:, :h_q]
-
-
-def _kernel_prefill(q, kv, indices, attn_sink, softmax_scale):
-    tokens, h_q, _ = q.shape
-    q, sink, with_sink = _kernel_heads("sparse_mla_prefill", q, attn_sink)
-    out, _, lse_base2 = custom_calls.SPARSE_PREFILL(
-        q=q, kv=kv.astype(jnp.bfloat16)[:, None, :], indices=indices[:, None, :],
-        attn_sink=sink, softmax_scale=softmax_scale, with_sink=with_sink)
-    return out[:, :h_q], (lse_base2[:, :h_q] * math.log(2)).T
 
 
 def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale=None, topk_length=None,
@@ -138,8 +127,9 @@ def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale=None, topk_length=N
 
 
 def sparse_mla_prefill(q, kv, indices, *, softmax_scale=None, topk_length=None,
-                       attn_sink=None, implementation=None):
-    """Sparse MLA prefill over bf16 rows (FlashMLA's sparse_prefill_fwd).
+                       attn_sink=None):
+    """Sparse MLA prefill over rows of any float dtype (pure JAX; FlashMLA's sparse_prefill_fwd
+    computes the same).
 
     Args:
       q: (tokens, h_q, 576) bfloat16 (float16, float32).
@@ -147,8 +137,6 @@ def sparse_mla_prefill(q, kv, indices, *, softmax_scale=None, topk_length=None,
       indices: (tokens, topk) int32 rows of kv each query attends to; outside [0, keys) an
         index is invalid and never read.
       softmax_scale, attn_sink: as in sparse_mla_decode; topk_length: (tokens,) int32 or None.
-      implementation: as in sparse_mla_decode; "custom_call" is FlashMLA's sparse_prefill_fwd
-        (CUDA only; bfloat16 q, at most 128 heads, kv cast to bfloat16).
 
     Returns:
       out (tokens, h_q, 512) in q's dtype; lse (h_q, tokens) float32, natural log.
@@ -161,8 +149,5 @@ def sparse_mla_prefill(q, kv, indices, *, softmax_scale=None, topk_length=None,
                                  f"{kv.dtype} {tuple(kv.shape)}")
     scale = _check_common(where, q, indices, tuple(q.shape[:1]), topk_length, attn_sink,
                           softmax_scale)
-    if _implementation(where, implementation) == "reference":
-        return reference.sparse_prefill_reference(q, kv, indices, softmax_scale=scale,
-                                                  topk_length=topk_length, attn_sink=attn_sink)
-    valid = reference.valid_indices(indices, kv.shape[0], topk_length)
-    return _kernel_prefill(q, kv, jnp.where(valid, indices, -1), attn_sink, scale)
+    return reference.sparse_prefill_reference(q, kv, indices, softmax_scale=scale,
+                                              topk_length=topk_length, attn_sink=attn_sink)
