@@ -23,6 +23,7 @@ from jax_flashmla.validation import HEAD_DIM, HEAD_DIM_V, PAGE_SIZE
 
 ROPE_DIM = HEAD_DIM - HEAD_DIM_V  # 64-d decoupled rope key after the 512-d latent
 INVALID_SLOT = -1
+MAX_SLOT_PAGE = (np.iinfo(np.int32).max - PAGE_SIZE + 1) // PAGE_SIZE  # its last slot fits int32
 CACHE_DTYPES = validation.SUPPORTED_DTYPES + (validation.FP8_DTYPE,)
 
 
@@ -195,7 +196,7 @@ def token_slots(block_table, positions):
     Returns:
       int32 of positions' shape: block_table[i, p // 64] * 64 + p % 64 for position p of
       request i; INVALID_SLOT (-1, which write_kv drops) where p < 0, p >= max_pages * 64 or
-      the page entry is negative.
+      the page entry is negative or so large that its slots overflow int32 (>= 2**25).
     """
     validation.check_rank("token_slots", "block_table", block_table, 2, "(batch, max_pages)")
     validation.check_int32("token_slots", "block_table", block_table)
@@ -209,6 +210,8 @@ def token_slots(block_table, positions):
     page_index = flat // PAGE_SIZE
     in_table = (flat >= 0) & (page_index < max_pages)
     pages = jnp.take_along_axis(block_table, jnp.clip(page_index, 0, max_pages - 1), axis=1)
-    valid = in_table & (pages >= 0)
+    # A page past MAX_SLOT_PAGE would wrap page * 64 around int32, possibly onto another
+    # request's token: no cache holds that many pages, so it places nothing.
+    valid = in_table & (pages >= 0) & (pages <= MAX_SLOT_PAGE)
     slots = jnp.where(valid, pages * PAGE_SIZE + flat % PAGE_SIZE, INVALID_SLOT)
     return slots.reshape(positions.shape)

@@ -118,6 +118,15 @@ def test_token_slots_matches_numpy():
     np.testing.assert_array_equal(np.asarray(got), _slots_oracle(block_table, positions))
 
 
+def test_a_page_whose_slots_overflow_int32_places_nothing():
+    """page * 64 of a page >= 2**25 wraps around int32, onto another request's slots (2**26 + 3
+    would land on page 3): such a page holds no slot."""
+    block_table = jnp.asarray([[2**26 + 3, 2**25 - 1], [2**25, 5]], jnp.int32)
+    positions = jnp.asarray([[0, 64], [7, 70]], jnp.int32)
+    got = np.asarray(jax.jit(token_slots)(block_table, positions))
+    np.testing.assert_array_equal(got, [[-1, (2**25 - 1) * 64], [-1, 5 * 64 + 6]])
+
+
 def test_input_errors_name_the_argument():
     cache = PagedKVCache.create(1)
     slots = jnp.zeros((2,), jnp.int32)
