@@ -49,7 +49,8 @@ class Sizes:
 
 
 # float16 on CPU: XLA:CPU writes a bfloat16 cache row by row, a pass over the cache each.
-TINY = Sizes(pages=48, batch=8, heads=16, max_pages=4, max_prompt=96, dtype="float16",
+# Few pages, so that requests also run out of them; short lives, so that 10,000 steps stay cheap.
+TINY = Sizes(pages=5, batch=4, heads=16, max_pages=2, max_prompt=16, dtype="float16",
              num_sms=8)
 REAL = Sizes(pages=32768, batch=128, heads=128, max_pages=64, max_prompt=2048, dtype="bfloat16",
              num_sms=None)
@@ -130,7 +131,7 @@ class Soak:
 
     def _admit(self):
         sizes = self.sizes
-        if len(self.allocator.requests) >= sizes.batch - 2 or self.rng.random() > self.p_admit:
+        if len(self.allocator.requests) >= sizes.batch - 1 or self.rng.random() > self.p_admit:
             return
         request, prompt = self.next_id, int(self.rng.integers(1, sizes.max_prompt + 1))
         try:
