@@ -107,8 +107,17 @@ def _rows(slots_shape, latent, rope, kv):
     return parts
 
 
-def _write_rows_scatter(data, slots, rows):
-    """One scatter of rows (n, 576) into tokens slots (n,); slots >= capacity are dropped."""
+def droppable_slots(slots, num_pages):
+    """slots flattened to (n,), each outside [0, num_pages * 64) sent to num_pages * 64, past
+    the end, where scatter_rows drops it: jnp indexing would wrap a negative one first."""
+    capacity = num_pages * PAGE_SIZE
+    flat = slots.reshape(-1)
+    return jnp.where((flat >= 0) & (flat < capacity), flat, capacity)
+
+
+def scatter_rows(data, slots, rows):
+    """One scatter of rows (n, width) into token slots (n,) of a (num_pages, 64, 1, width)
+    cache; slots >= capacity are dropped."""
     return data.at[slots // PAGE_SIZE, slots % PAGE_SIZE].set(rows[:, None, :], mode="drop")
 
 
@@ -164,24 +173,20 @@ def write_kv(kv_cache, slots, *, latent=None, rope=None, kv=None, scale=None):
     parts = _rows(slots.shape, latent, rope, kv)
     rows = jnp.concatenate([x.reshape(-1, width) for _, x, width in parts], axis=-1)
     rows = _to_cache_dtype(rows, data.dtype, scale)
-    capacity = data.shape[0] * PAGE_SIZE
-    flat_slots = slots.reshape(-1)
-    # jnp indexing wraps negative indices before mode="drop" applies, so -1 would land on the
-    # last token: send every invalid slot to `capacity`, past the end, where writes drop.
-    flat_slots = jnp.where((flat_slots >= 0) & (flat_slots < capacity), flat_slots, capacity)
+    flat_slots = droppable_slots(slots, data.shape[0])
     if np.dtype(data.dtype) == validation.FP8_DTYPE:
         # XLA:CPU would scatter float8 in float16 on a converted copy of the whole cache; the
         # same bytes as uint8 scatter natively (in place) everywhere.
         as_bytes = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint8)
         new = jax.lax.bitcast_convert_type(
-            _write_rows_scatter(as_bytes(data), flat_slots, as_bytes(rows)), data.dtype)
+            scatter_rows(as_bytes(data), flat_slots, as_bytes(rows)), data.dtype)
     elif data.dtype == jnp.bfloat16:
         # XLA:CPU runs a bfloat16 scatter in float32, converting (so copying) the whole cache;
         # there a loop of dynamic_update_slice is the in-place write. GPUs scatter bf16 natively.
         new = jax.lax.platform_dependent(data, flat_slots, rows, cpu=_write_rows_loop,
-                                         default=_write_rows_scatter)
+                                         default=scatter_rows)
     else:
-        new = _write_rows_scatter(data, flat_slots, rows)
+        new = scatter_rows(data, flat_slots, rows)
     return PagedKVCache(new) if isinstance(kv_cache, PagedKVCache) else new
 
 

@@ -96,7 +96,9 @@ class CustomCall:
         return self.primitive.bind(*values, **named)
 
     def _abstract_eval(self, *avals, **params):
-        return self._result_types(**dict(zip(self.operands, avals)), **params)
+        types = self._result_types(**dict(zip(self.operands, avals)), **params)
+        assert len(types) == len(self.results), (self.target, self.results, types)
+        return types
 
     def _lower(self, platform, ctx, *values, **params):
         if platform == "cuda":
@@ -115,11 +117,14 @@ def _f32(*shape):
     return jax.core.ShapedArray(shape, jnp.float32)
 
 
-def _kernel_op(ops, name):
+FP8_OPS = "dense FP8 decode (fwd_kvcache_mla_fp8, get_mla_decoding_metadata_dense_fp8)"
+
+
+def _kernel_op(ops, name, what=FP8_OPS):
+    """The op `name` of KernelOps, or RuntimeError saying the library lacks `what`."""
     op = getattr(ops, name)
     if op is None:
-        raise RuntimeError(f"the FlashMLA kernels in {ops.library.path} have no dense FP8 decode "
-                           "(fwd_kvcache_mla_fp8, get_mla_decoding_metadata_dense_fp8)")
+        raise RuntimeError(f"the FlashMLA kernels in {ops.library.path} have no {what}")
     return op
 
 
@@ -178,7 +183,7 @@ def _decode_layouts(avals_out):
     """out and the accumulators row-major; lse in FlashMLA's layout, so that FlashMLA writes it
     in place and XLA transposes it only where it is read (nowhere, when a model drops it)."""
     lse_layout = lse_minor_to_major(avals_out[1].shape[2])
-    return None if lse_layout is None else [None, lse_layout, None, None]
+    return None if lse_layout is None else [None, lse_layout] + [None] * (len(avals_out) - 2)
 
 
 def _decode_attributes(fp8, platform, *, softmax_scale, causal):
@@ -203,6 +208,7 @@ DECODE_FP8 = CustomCall(
     _DECODE_RESULTS, functools.partial(_decode_types, fp8=True),
     functools.partial(_decode_attributes, True), _decode_layouts)
 
+
 def _sparse_decode_types(q, kv_cache, indices, attn_sink, *, num_sm_parts, **_):
     batch, s_q, h_q, _ = q.shape
     splits = batch + num_sm_parts
@@ -213,12 +219,9 @@ def _sparse_decode_types(q, kv_cache, indices, attn_sink, *, num_sm_parts, **_):
 
 
 def _sparse_decode_attributes(platform, *, softmax_scale, with_sink, num_sm_parts):
-    ops = kernels.ensure_cuda_targets()
-    if ops.sparse_decode is None:
-        raise RuntimeError(f"the FlashMLA kernels in {ops.library.path} have no sparse decode "
-                           "(sparse_decode_fwd)")
     return dict(softmax_scale=np.float32(softmax_scale), with_sink=bool(with_sink),
-                op=ops.sparse_decode)
+                op=_kernel_op(kernels.ensure_cuda_targets(), "sparse_decode",
+                              "sparse decode (sparse_decode_fwd)"))
 
 
 # DeepSeek-V3.2's sparse decode over the 656-byte token cache (jax_flashmla.sparse): CUDA only
@@ -228,10 +231,7 @@ def _sparse_decode_attributes(platform, *, softmax_scale, with_sink, num_sm_part
 SPARSE_DECODE = CustomCall(
     "jax_flashmla_mla_sparse_decode", ("q", "kv_cache", "indices", "attn_sink"),
     ("out", "lse", "tile_scheduler_metadata", "num_splits", "out_accum", "lse_accum"),
-    _sparse_decode_types, _sparse_decode_attributes,
-    lambda avals_out: (None if avals_out[1].shape[2] == 1
-                       else [None, lse_minor_to_major(avals_out[1].shape[2])] + [None] * 4),
-    platforms=("cuda",))
+    _sparse_decode_types, _sparse_decode_attributes, _decode_layouts, platforms=("cuda",))
 
 # The host queue's push (serving/host_queue.py): no results, kept by its DCE rule in jaxprs
 # and by has_side_effect in XLA. It declares no JAX effect: an executable with effects is run

@@ -208,18 +208,17 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, metadata=None, softmax_sca
     if metadata is not None and metadata.seq_lens is not None:
         seq_lens = metadata.seq_lens
     operands = dict(q=q, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens)
-    if metadata is not None and implementation == "custom_call":
-        operands.update(tile_scheduler_metadata=metadata.tile_scheduler_metadata,
-                        num_splits=metadata.num_splits)
     if fp8:
         scale = jnp.asarray(k_scale).reshape(1)
         if q.dtype != fp8_quant.FP8_DTYPE:
             operands["q"] = fp8_quant.quantize(q, scale)
         operands.update(descale_q=scale, descale_k=scale)
-    if (metadata is not None and metadata.kernel_block_table is not None
-            and implementation == "custom_call"):
-        operands.update(kernel_block_table=metadata.kernel_block_table,
-                        kernel_seq_lens=metadata.kernel_seq_lens)
+    if metadata is not None and implementation == "custom_call":
+        operands.update(tile_scheduler_metadata=metadata.tile_scheduler_metadata,
+                        num_splits=metadata.num_splits)
+        if metadata.kernel_block_table is not None:
+            operands.update(kernel_block_table=metadata.kernel_block_table,
+                            kernel_seq_lens=metadata.kernel_seq_lens)
     return decode_primitive.mla_decode(operands, softmax_scale=float(softmax_scale),
                                        causal=bool(causal), num_sms=num_sms,
                                        implementation=implementation)

@@ -64,8 +64,9 @@ class HostQueue:
         if platform == "cpu":
             address = _cpu.host_queue_create(self._id, self.slot_bytes, self.depth)
         elif platform == "gpu":
-            address = kernels.register_cuda_targets().host_queue_create(self._id, self.slot_bytes, self.depth,
-                                              self.device.local_hardware_id)
+            cuda = kernels.register_cuda_targets()
+            address = cuda.host_queue_create(self._id, self.slot_bytes, self.depth,
+                                             self.device.local_hardware_id)
         else:
             raise ValueError(f"HostQueue: no host queue for platform {platform!r} "
                              f"(device {self.device}); cpu and gpu have one")

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_flashmla import validation
+from jax_flashmla.cache import droppable_slots, scatter_rows
 from jax_flashmla.validation import HEAD_DIM, HEAD_DIM_V, PAGE_SIZE
 
 TILE = 128
@@ -136,9 +137,5 @@ def write_sparse_kv(kv_cache, slots, kv):
         raise ValueError(f"write_sparse_kv: kv must be floating with shape {expected} (slots' "
                          f"shape + ({HEAD_DIM},)); got {kv.dtype} {tuple(kv.shape)}")
     tokens = quantize_tokens(kv.reshape(-1, HEAD_DIM))
-    capacity = data.shape[0] * PAGE_SIZE
-    flat = slots.reshape(-1)
-    # A negative index would wrap before mode="drop" applies: send it past the end instead.
-    flat = jnp.where((flat >= 0) & (flat < capacity), flat, capacity)
-    new = data.at[flat // PAGE_SIZE, flat % PAGE_SIZE].set(tokens[:, None, :], mode="drop")
+    new = scatter_rows(data, droppable_slots(slots, data.shape[0]), tokens)
     return SparseKVCache(new) if isinstance(kv_cache, SparseKVCache) else new

@@ -12,15 +12,11 @@ from jax_flashmla import custom_calls, kernels, validation
 from jax_flashmla.ops import default_num_sms
 from jax_flashmla.sparse import reference
 from jax_flashmla.sparse.cache import sparse_cache_array
-from jax_flashmla.validation import HEAD_DIM, PAGE_SIZE
+from jax_flashmla.validation import HEAD_DIM, PAGE_SIZE, _fail
 
 IMPLEMENTATIONS = ("custom_call", "reference")
 KERNEL_HEADS = (64, 128)  # what FlashMLA's sparse decode takes
 KERNEL_QUERY_TOKENS = (1, 2)
-
-
-def _fail(exc, where, message):
-    raise exc(f"{where}: {message}")
 
 
 def _check_common(where, q, indices, rows, topk_length, attn_sink, softmax_scale):
