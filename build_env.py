@@ -1,6 +1,6 @@
 """What the FFI extension builds against, found in the Python environment: jaxlib's XLA FFI
-headers, torch's C++ headers and libraries, the CUDA toolkit's headers, nvcc and runtime. The one
-place these are looked for: CMakeLists.txt runs it, bazel/configure.py and the tests import it.
+headers, torch's C++ headers and libraries, the CUDA toolkit's headers, nvcc and runtime (and
+CUPTI, for the GPU tests' driver-call counter). The one place these are looked for: CMakeLists.txt runs it, bazel/configure.py and the tests import it.
 
     python build_env.py torch-cmake   # CMake's list: torch's include dirs joined by '|', its
                                       # library dir, _GLIBCXX_USE_CXX11_ABI; exits non-zero
@@ -65,6 +65,24 @@ def find_cudart():
             if os.path.isfile(path):
                 return path
     return None
+
+
+def find_cupti():
+    """(CUPTI's include dir, its shared library): the toolkit's, else the nvidia wheels' that
+    jax's CUDA plugin installs; None for either one not found."""
+    import glob
+    import site
+    roots = _cuda_roots()
+    headers = [os.path.join(root, sub) for root in roots
+               for sub in ("include", os.path.join("extras", "CUPTI", "include"))]
+    libraries = [os.path.join(root, sub, "libcupti.so") for root in roots
+                 for sub in ("lib64", os.path.join("extras", "CUPTI", "lib64"))]
+    for packages in site.getsitepackages():
+        headers += sorted(glob.glob(f"{packages}/nvidia/**/include", recursive=True))
+        libraries += sorted(glob.glob(f"{packages}/nvidia/**/libcupti.so*", recursive=True))
+    include = next((h for h in headers if os.path.isfile(os.path.join(h, "cupti.h"))), None)
+    library = next((lib for lib in libraries if os.path.isfile(lib)), None)
+    return include, library
 
 
 def _torch_cmake():

@@ -1,12 +1,11 @@
-"""Run by tests/test_gpu_capture.py in a process of its own (XLA's log settings must be set
-before JAX starts, and a failure must not take the test session down):
+"""Run by tests/test_gpu_capture.py in a process of its own (the driver-call counter must
+subscribe before JAX starts, and a failure must not take the test session down):
   python tests/gpu_probe.py capture bf16|fp8   a 6-layer step, run three times
-  python tests/gpu_probe.py loop scan               a 6-layer step under lax.scan with
+  python tests/gpu_probe.py loop scan           a 6-layer step under lax.scan with
                                                 LOOP_STEP_COMPILER_OPTIONS, run three times
   python tests/gpu_probe.py rerecord single|alternating
                                                 a donated 6-layer step called 8 times, as one
-                                                executable or through AlternatingStep; "call k"
-                                                on stderr before call k
+                                                executable or through AlternatingStep
   python tests/gpu_probe.py queue alternating|single
                                                 a donated 6-layer step that pushes a slice
                                                 of its out to a HostQueue, called 8 times
@@ -15,8 +14,17 @@ before JAX starts, and a failure must not take the test session down):
   python tests/gpu_probe.py refuse decode|metadata
                                                 a custom call whose scratch or result buffer
                                                 is one element short of what FlashMLA allocates
+The step modes print, per call, a line `driver_calls {json}`: the CUDA driver's graph work
+during that call (tests/cpp/driver_call_counter.c), and after compiling, `command_buffer_targets
+{json}`: the custom-call targets XLA put inside command buffers in the compiled HLO.
 Prints what it found, last line "done"."""
+import ctypes
+import json
+import re
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -27,9 +35,63 @@ from jax_flashmla import custom_calls, kernels
 
 # Enough layers for XLA to make a command buffer of the step (>= 5 commands by default).
 LAYERS = 6
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def capture(dtype):
+class DriverCalls:
+    """tests/cpp/driver_call_counter.c, compiled here and subscribed to the driver's calls."""
+
+    def __init__(self):
+        sys.path.insert(0, str(ROOT))  # build_env.py, where the builds find CUDA too
+        from build_env import find_cuda_include, find_cupti
+        include, library = find_cupti()
+        if include is None or library is None:
+            raise RuntimeError(f"CUPTI is missing: header dir {include}, library {library}")
+        built = Path(tempfile.mkdtemp()) / "driver_call_counter.so"
+        subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-Wall", "-Werror", "-I", include,
+                        "-I", find_cuda_include(), str(ROOT / "tests/cpp/driver_call_counter.c"),
+                        "-o", str(built)], check=True)
+        ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL)
+        self._lib = ctypes.CDLL(str(built))
+        self._lib.driver_call_counter_name.restype = ctypes.c_char_p
+        if status := self._lib.driver_call_counter_start():
+            raise RuntimeError(f"CUPTI refused the subscription (status {status})")
+        self._counts = (ctypes.c_int64 * 4096)()
+
+    def report(self, call):
+        """Prints the graph and stream-capture calls since the last report, as call `call`'s."""
+        self._lib.driver_call_counter_take(self._counts, len(self._counts))
+        names = {self._lib.driver_call_counter_name(i): n for i, n in enumerate(self._counts)
+                 if n}
+        graph_work = {name.decode(): n for name, n in names.items()
+                      if name and name.startswith((b"cuGraph", b"cuStreamBeginCapture"))}
+        print("driver_calls", json.dumps({"call": call, "counts": graph_work}), flush=True)
+
+
+def report_command_buffer_targets(compiled):
+    """Prints the custom-call targets that the compiled HLO runs inside command buffers: those
+    of XLA's command_buffer computations and of the computations they call (a loop's body)."""
+    bodies, name = {}, None
+    for line in compiled.as_text().splitlines():
+        if line and not line[0].isspace() and line != "}":
+            name = re.match(r"(?:ENTRY )?%?([\w.\-]+)", line).group(1)
+            bodies[name] = []
+        elif name is not None:
+            bodies[name].append(line)
+    seen, todo = set(), [n for n in bodies if n.startswith("command_buffer")]
+    while todo:
+        current = todo.pop()
+        if current in seen or current not in bodies:
+            continue
+        seen.add(current)
+        for line in bodies[current]:
+            todo += re.findall(r"(?:to_apply|body|condition|calls)=%?([\w.\-]+)", line)
+    targets = sorted(t for n in seen for line in bodies[n]
+                     for t in re.findall(r'custom_call_target="([^"]+)"', line))
+    print("command_buffer_targets", json.dumps(targets), flush=True)
+
+
+def capture(dtype, driver_calls):
     fp8 = dtype == "fp8"
     rng = np.random.default_rng(0)
     sl = jnp.asarray(rng.integers(1, 500, 4), jnp.int32)
@@ -40,7 +102,6 @@ def capture(dtype):
         cache = jf.fp8.quantize(cache, scale)
     qs = jnp.asarray(rng.normal(0, 0.1, (LAYERS, 4, 1, 16, 576)), jnp.bfloat16)
 
-    @jax.jit
     def step(qs, cache, bt, sl):
         md = jf.get_mla_metadata(sl, num_heads_q=16, fp8=fp8, block_table=bt,
                                  num_pages=cache.shape[0])
@@ -48,11 +109,14 @@ def capture(dtype):
         return [jf.mla_decode(qs[i], cache, bt, sl, metadata=md, **extra)[0]
                 for i in range(LAYERS)]
 
-    for _ in range(3):
-        jax.block_until_ready(step(qs, cache, bt, sl))
+    run = jax.jit(step).lower(qs, cache, bt, sl).compile()
+    report_command_buffer_targets(run)
+    for k in range(3):
+        jax.block_until_ready(run(qs, cache, bt, sl))
+        driver_calls.report(k)
 
 
-def loop(kind):
+def loop(kind, driver_calls):
     assert kind == "scan", kind
     rng = np.random.default_rng(3)
     sl = jnp.asarray(rng.integers(1, 500, 4), jnp.int32)
@@ -68,9 +132,12 @@ def loop(kind):
             return jnp.concatenate([out.astype(q.dtype), q[..., 512:]], axis=-1), None
         return jax.lax.scan(body, q, None, length=LAYERS)[0]
 
-    run = jax.jit(step, compiler_options=jf.serving.LOOP_STEP_COMPILER_OPTIONS)
-    for _ in range(3):
+    run = jax.jit(step, compiler_options=jf.serving.LOOP_STEP_COMPILER_OPTIONS).lower(
+        q, cache, bt, sl).compile()
+    report_command_buffer_targets(run)
+    for k in range(3):
         jax.block_until_ready(run(q, cache, bt, sl))
+        driver_calls.report(k)
 
 
 def _donated_step(seed, how, push=None):
@@ -95,19 +162,20 @@ def _donated_step(seed, how, push=None):
         return cache, q
 
     compiled = jax.jit(step, donate_argnums=0).lower(cache, q, bt, sl, slots).compile()
+    report_command_buffer_targets(compiled)
     run = jf.serving.AlternatingStep(compiled) if how == "alternating" else compiled
     return run, (cache, q, bt, sl, slots)
 
 
-def rerecord(how):
+def rerecord(how, driver_calls):
     run, (cache, *args) = _donated_step(2, how)
     for k in range(8):
-        print(f"call {k}", file=sys.stderr, flush=True)
         cache, out = run(cache, *args)
         jax.block_until_ready(out)
+        driver_calls.report(k)
 
 
-def queue(how):
+def queue(how, driver_calls):
     results = jf.serving.HostQueue((4, 8), jnp.bfloat16, depth=2)
     run, (cache, q, *args) = _donated_step(4, how, lambda q: results.push(q[:, 0, 0, :8]))
     same = []
@@ -115,6 +183,7 @@ def queue(how):
         cache, out = run(cache, q, *args)
         popped = results.pop(timeout_s=30)
         same.append(np.array_equal(popped, np.asarray(out)[:, 0, 0, :8]))
+        driver_calls.report(k)
         q = out * 0.5  # new values every step
     print("pops equal outs:", all(same), same)
 
@@ -156,6 +225,10 @@ def refuse(target):
 
 
 if __name__ == "__main__":
-    {"capture": capture, "loop": loop, "rerecord": rerecord,
-     "queue": queue, "refuse": refuse}[sys.argv[1]](sys.argv[2])
+    mode, variant = sys.argv[1:]
+    if mode == "refuse":
+        refuse(variant)
+    else:  # the counter subscribes before JAX starts CUDA
+        {"capture": capture, "loop": loop, "rerecord": rerecord,
+         "queue": queue}[mode](variant, DriverCalls())
     print("done")

@@ -12,7 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repository's build_env.py, which the builds use too
-from build_env import find_cuda_include, find_nvcc, find_torch, xla_ffi_include  # noqa: E402
+from build_env import (find_cuda_include, find_cupti, find_nvcc, find_torch,  # noqa: E402
+                       xla_ffi_include)
 
 FFI_DIR = ROOT / "ffi"
 TESTS_CPP = Path(__file__).resolve().parent / "cpp"
@@ -90,3 +91,18 @@ def test_bridge_kernels_compile(tmp_path, kernel):
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-4000:]
     assert (tmp_path / f"{kernel}.o").stat().st_size > 0
+
+
+def test_driver_call_counter_compiles(tmp_path):
+    """tests/cpp/driver_call_counter.c, which the GPU capture tests build on the GPU machine,
+    compiles against CUPTI's headers."""
+    include, cuda_include = find_cupti()[0], find_cuda_include()
+    if include is None or cuda_include is None or shutil.which("gcc") is None:
+        missing = f"CUPTI's header ({include}), CUDA's ({cuda_include}) or gcc"
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must compile the driver-call counter, but one of {missing} is missing")
+        pytest.skip(f"one of {missing} is missing")
+    result = subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-Wall", "-Werror", "-I", include,
+                             "-I", cuda_include, str(TESTS_CPP / "driver_call_counter.c"),
+                             "-o", str(tmp_path / "counter.so")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-4000:]

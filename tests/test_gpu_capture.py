@@ -4,6 +4,7 @@ XLA captures each command-buffer-compatible custom call by running its handler u
 capture, and replays the captured graph while the call's buffer addresses stay the same. So a
 replay must equal FlashMLA called from torch with whatever values the buffers then hold, and a
 step whose buffers moved must be captured anew."""
+import json
 import os
 import subprocess
 import sys
@@ -15,34 +16,55 @@ import numpy as np
 import pytest
 
 import jax_flashmla as jf
-from jax_flashmla import fp8, kernels
+from jax_flashmla import custom_calls, fp8
 from helpers import K_SCALE, make_decode_inputs, torch_decode
 
 pytestmark = pytest.mark.gpu
 
 LAYERS = 3
 PROBE = Path(__file__).resolve().parent / "gpu_probe.py"
-# XLA's log of what it records into command buffers: each custom call it traces (captures)
-# into one logs this line (traced_command_buffer.cc, VLOG 1 and up).
-TRACE_LOG = dict(TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="traced_command_buffer=6")
 PROBE_LAYERS = 6
-TRACED_CUSTOM_CALL = "trace cache create new item for command kCustomCall"
-# Each time XLA records (creates or updates) a command buffer it logs this line
-# (command_buffer_thunk.cc, VLOG 3).
-RECORD_LOG = dict(TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="command_buffer_thunk=3")
-RECORDED = "by recoding command buffer cmd sequence"
 SCALE = 576 ** -0.5
 
 
-def _probe(*args, env=None):
-    """tests/gpu_probe.py's stdout and stderr, run in a process of its own."""
+def _probe(*args):
+    """tests/gpu_probe.py's stdout, run in a process of its own."""
     # This process holds part of the GPU already: the probe's JAX takes memory as it goes.
-    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", **(env or {})}
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     run = subprocess.run([sys.executable, str(PROBE), *args], capture_output=True, text=True,
                          timeout=300, env=env)
     assert run.returncode == 0 and run.stdout.splitlines()[-1:] == ["done"], (
         run.returncode, run.stdout[-2000:], run.stderr[-3000:])
-    return run.stdout, run.stderr
+    return run.stdout
+
+
+def _probe_lines(out, key):
+    return [json.loads(line[len(key) + 1:]) for line in out.splitlines()
+            if line.startswith(key + " ")]
+
+
+def command_buffer_targets(out):
+    """The custom-call targets the probe's compiled HLO runs inside command buffers."""
+    (targets,) = _probe_lines(out, "command_buffer_targets")
+    return targets
+
+
+def driver_calls(out):
+    """Per call of the probe's step, the driver's graph calls: {function: count}."""
+    calls = _probe_lines(out, "driver_calls")
+    assert [c["call"] for c in calls] == list(range(len(calls))), out[-2000:]
+    return [c["counts"] for c in calls]
+
+
+def captures(counts):
+    """How many stream captures a call made: XLA traces each custom call of a command buffer
+    it records by running the call's handler under one."""
+    return sum(n for name, n in counts.items() if name.startswith("cuStreamBeginCapture"))
+
+
+def records(counts):
+    """Whether a call built or changed a CUDA graph (a replay only launches one)."""
+    return captures(counts) > 0 or any(not name.startswith("cuGraphLaunch") for name in counts)
 
 
 def _step_inputs(seed, *, batch, s_q, h_q, fp8_cache=False):
@@ -85,35 +107,29 @@ def _assert_bit_identical(results, expected):
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_the_custom_calls_are_captured_in_a_command_buffer(dtype):
-    """A 6-layer step's metadata and decodes (and the FP8 guard) are traced into XLA's command
-    buffer: each is captured when the step is first recorded (after XLA's warm-up run)."""
-    _, log = _probe("capture", dtype, env=TRACE_LOG)
-    captures = log.count(TRACED_CUSTOM_CALL)
-    assert captures >= PROBE_LAYERS + (2 if dtype == "fp8" else 1), log[-3000:]
-
-
-def _recordings_per_call(log):
-    """How many times XLA recorded a command buffer during each of the probe's calls."""
-    counts, call = {}, None
-    for line in log.splitlines():
-        if line.startswith("call "):
-            call = int(line.split()[1])
-            counts[call] = 0
-        elif call is not None and RECORDED in line:
-            counts[call] += 1
-    return counts
+    """A 6-layer step's metadata and decodes (and the FP8 guard) are inside XLA's command
+    buffer in the compiled HLO, and each is captured (its handler run under stream capture)
+    when the step is first recorded, after XLA's warm-up run."""
+    out = _probe("capture", dtype)
+    decode, guarded = ((custom_calls.DECODE_FP8, [custom_calls.FP8_GUARD.target])
+                       if dtype == "fp8" else (custom_calls.DECODE, []))
+    assert command_buffer_targets(out) == sorted(
+        [decode.target] * PROBE_LAYERS + [custom_calls.METADATA.target] + guarded), out
+    calls = driver_calls(out)
+    assert sum(map(captures, calls)) >= PROBE_LAYERS + 1 + len(guarded), calls
 
 
 def test_an_alternating_step_replays_without_recording_again():
     """Called as one executable, a donated step is recorded again at every call: its
     temporaries come back at another address. Through AlternatingStep each copy records at
     its second call (the first is XLA's warm-up) and only replays afterwards."""
-    single = _recordings_per_call(_probe("rerecord", "single", env=RECORD_LOG)[1])
-    alternating = _recordings_per_call(_probe("rerecord", "alternating", env=RECORD_LOG)[1])
-    assert sorted(single) == sorted(alternating) == list(range(8)), (single, alternating)
-    assert all(single[k] for k in range(3, 8)), single
-    assert alternating[2] and alternating[3], alternating
-    assert not any(alternating[k] for k in range(4, 8)), alternating
+    single = driver_calls(_probe("rerecord", "single"))
+    alternating = driver_calls(_probe("rerecord", "alternating"))
+    assert len(single) == len(alternating) == 8, (single, alternating)
+    assert all(records(single[k]) for k in range(3, 8)), single
+    assert records(alternating[2]) and records(alternating[3]), alternating
+    assert not any(records(alternating[k]) for k in range(4, 8)), alternating
+    assert all(alternating[k].get("cuGraphLaunch") for k in range(4, 8)), alternating
 
 
 @pytest.mark.parametrize("fp8_cache", [False, True], ids=["bf16", "fp8"])
@@ -133,10 +149,12 @@ def test_replays_with_new_values_and_addresses_equal_torch(fp8_cache, s_q, h_q):
 
 
 def test_a_loop_step_is_captured_under_the_loop_step_options():
-    """A scanned step jitted with LOOP_STEP_COMPILER_OPTIONS: its metadata and its decodes are
-    traced into XLA's command buffer."""
-    _, log = _probe("loop", "scan", env=TRACE_LOG)
-    assert log.count(TRACED_CUSTOM_CALL) >= 2, log[-3000:]
+    """A scanned step jitted with LOOP_STEP_COMPILER_OPTIONS: its metadata and its decodes
+    (in the loop's body) are inside XLA's command buffer, and captured."""
+    out = _probe("loop", "scan")
+    assert command_buffer_targets(out) == sorted(
+        [custom_calls.DECODE.target, custom_calls.METADATA.target]), out
+    assert sum(map(captures, driver_calls(out))) >= 2, out
 
 
 @pytest.mark.parametrize("options", [None, jf.serving.LOOP_STEP_COMPILER_OPTIONS],
@@ -195,7 +213,7 @@ def test_an_allocation_outside_xla_buffers_is_refused(target):
     """A custom call given a buffer one element short of what FlashMLA's op allocates (a
     split-KV accumulator, num_splits): the op's allocation matches no buffer XLA gave it, and
     the call fails naming the size instead of taking memory from torch; the process goes on."""
-    out, _ = _probe("refuse", target)
+    out = _probe("refuse", target)
     assert "refused:" in out and "asked torch's CUDA allocator for" in out, out
     assert "after: True" in out, out
 
