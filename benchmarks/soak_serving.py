@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import sys
 import time
 
 import jax
@@ -221,8 +222,15 @@ class Soak:
 
 
 def _device_bytes():
+    """Device memory in use: XLA's, and torch's where the CUDA bridge brought torch in (its
+    caching allocator must stay empty: FlashMLA's op allocates only in XLA's buffers)."""
     stats = jax.devices()[0].memory_stats()
-    return None if not stats else int(stats.get("bytes_in_use", 0))
+    torch = sys.modules.get("torch")
+    on_torch = (torch is not None and jax.default_backend() == "gpu"
+                and torch.cuda.is_initialized())
+    return dict(xla=None if not stats else int(stats.get("bytes_in_use", 0)),
+                torch_allocated=int(torch.cuda.memory_allocated()) if on_torch else None,
+                torch_reserved=int(torch.cuda.memory_reserved()) if on_torch else None)
 
 
 def run(steps, sizes, seed=0, p_admit=0.5, p_finish=0.05, p_bad=0.3, cache_check_every=500):
@@ -239,7 +247,8 @@ def run(steps, sizes, seed=0, p_admit=0.5, p_finish=0.05, p_bad=0.3, cache_check
     return dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                 sizes=dataclasses.asdict(sizes), seed=seed, p_admit=p_admit,
                 p_finish=p_finish, p_bad=p_bad, seconds=round(time.perf_counter() - start, 1),
-                device_bytes_in_use=memory, **soak.counts)
+                device_bytes_in_use=memory,
+                memory_flat=memory["at_end"] == memory["after_100_steps"], **soak.counts)
 
 
 def report_markdown(result):
@@ -252,7 +261,8 @@ def report_markdown(result):
         lines.append(f"| {key} | {result[key]} |")
     lines += ["", "Every step: good rows bit-identical to the clean run, bad rows empty, the "
               "allocator's invariants; the caches equal at every cache check. Device memory in "
-              f"use (bytes): {result['device_bytes_in_use']}.", ""]
+              f"use (bytes): {result['device_bytes_in_use']}; the same at the end as after "
+              f"100 steps: {result['memory_flat']}.", ""]
     return "\n".join(lines)
 
 

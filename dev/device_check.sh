@@ -31,6 +31,9 @@
 #     modules  dev/probe_graph_modules.py with dev/graph_inspect.c: a graph's launch against
 #              how many modules its kernels come from; MODULES_ARGS
 #     nan      dev/probe_nan.py for FlashMLA and for the reference on the GPU
+#     sparse-probe  dev/probe_sparse.py: the sparse kernels' conventions and schedules
+#     soak     benchmarks/soak_serving.py at its GPU sizes; SOAK_ARGS (default --steps 10000),
+#              SOAK_NAME (soak_h200)
 #     xla-flags  the command-buffer flags the installed XLA plugin knows
 #     set:NAME=VALUE  exports NAME=VALUE for the modes after it
 set -uo pipefail
@@ -136,6 +139,13 @@ for mode in "${modes[@]}"; do
         > "$out/nan_$impl.txt" 2>&1 || tail -20 "$out/nan_$impl.txt"
     done
     grep -v "same=True" "$out/nan_custom_call.txt" | cut -c1-200 | head -70 ;;
+  sparse-probe)
+    timeout 300 python3 dev/probe_sparse.py --out "$out/probe_sparse.json" > "$out/probe_sparse.txt" 2>&1
+    echo "exit $?"; grep -v "^[IW][0-9]" "$out/probe_sparse.txt" | cut -c1-1200 | tail -30 ;;
+  soak)
+    timeout 540 python3 benchmarks/soak_serving.py ${SOAK_ARGS:---steps 10000} \
+      --out "$out/${SOAK_NAME:-soak_h200}" > "$out/soak.txt" 2>&1
+    echo "exit $?"; grep -v "^[IW][0-9]" "$out/soak.txt" | cut -c1-2000 | tail -12 ;;
   xla-flags)
     python3 - <<'PY' | tee "$out/xla_flags.txt"
 import glob, os, re, jax_plugins

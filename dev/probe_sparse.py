@@ -6,7 +6,10 @@ from torch on this GPU, against jax_flashmla's pure-JAX sparse reference:
     rows;
   - what the ops return beyond out and lse, and every allocation each makes (size and order),
     from torch's memory history: what a custom call must hand them as XLA buffers;
-  - sparse prefill's lse base.
+  - sparse prefill's lse base;
+  - the decode's schedule: what sparse_decode_fwd makes for itself against
+    get_mla_decoding_metadata with topk (over any lengths) and against the dense schedule of
+    requests of topk keys, and the decode given each of them.
 
   python dev/probe_sparse.py --out probe_sparse.json
 """
@@ -65,7 +68,7 @@ def compare(name, got, want):
 
 def decode_case(rng, b, s_q, h_q, topk, pages, *, length=False, sink=False, nan=None):
     rows = rng.normal(0, 0.3, (pages, 64, 1, 576)).astype(np.float32)
-    tokens = np.asarray(quantize_tokens(jnp.asarray(rows)))
+    tokens = np.array(quantize_tokens(jnp.asarray(rows)))  # writable: the NaN cases poke it
     indices = rng.integers(0, pages * 64, (b, s_q, topk)).astype(np.int32)
     indices[0, 0, ::5] = -1
     indices[-1, -1, 3] = pages * 64 + 10
@@ -103,6 +106,47 @@ def decode_case(rng, b, s_q, h_q, topk, pages, *, length=False, sink=False, nan=
         # The other convention: the sink inside the log-sum-exp.
         alt = np.logaddexp(np.asarray(ref_lse), attn_sink[None, :, None])
         record["lse_with_sink_inside"] = compare("lse", lse.cpu().numpy(), alt)
+    return record
+
+
+def schedule_case(rng, b, s_q, h_q, topk, pages=64):
+    """Whether the schedules that could be shared equal the one the op makes for itself."""
+    tokens = np.array(quantize_tokens(jnp.asarray(
+        rng.normal(0, 0.3, (pages, 64, 1, 576)).astype(np.float32))))
+    indices = t(rng.integers(-1, pages * 64, (b, s_q, topk)).astype(np.int32))
+    q = t(rng.normal(0, 1, (b, s_q, h_q, 576)).astype(np.float32)).to(torch.bfloat16)
+    kv = t(tokens).view(torch.float8_e4m3fn)
+
+    def decode(md):
+        md = md or (None, None)
+        return op("sparse_decode_fwd")(q, kv, indices, None, None, md[0], md[1], None, None,
+                                       None, 512, SCALE)
+
+    own = decode(None)
+    lengths = t(rng.integers(0, 100000, (b,)).astype(np.int32))
+    candidates = {
+        "topk_random_lengths": lambda: op("get_mla_decoding_metadata")(
+            lengths, s_q * h_q, 1, h_q, True, topk),
+        "topk_zero_lengths": lambda: op("get_mla_decoding_metadata")(
+            torch.zeros_like(lengths), s_q * h_q, 1, h_q, True, topk),
+        "dense_lengths_topk": lambda: op("get_mla_decoding_metadata")(
+            torch.full_like(lengths, topk), s_q * h_q, 1, h_q, False, None),
+    }
+    record = {"b": b, "s_q": s_q, "h_q": h_q, "topk": topk,
+              "own": [list(own[2].shape), own[2][:2].tolist(), own[3].tolist()[:8]]}
+    for name, make in candidates.items():
+        try:
+            md = make()
+            out, lse = decode(md)[:2]
+            record[name] = {
+                "shape": list(md[0].shape),
+                "metadata_equal_first_5": bool(torch.equal(md[0][:, :5], own[2][:, :5])),
+                "metadata_equal": bool(torch.equal(md[0], own[2])),
+                "num_splits_equal": bool(torch.equal(md[1], own[3])),
+                "out_equal": bool(torch.equal(out, own[0])),
+                "lse_equal": bool(torch.equal(lse, own[1]))}
+        except Exception as e:  # noqa: BLE001 - a refusal is what is probed
+            record[name] = {"error": str(e)[:300]}
     return record
 
 
@@ -144,7 +188,7 @@ def main():
     args = parser.parse_args()
     kernels.load_kernels()
     rng = np.random.default_rng(0)
-    report = {"decode": [], "prefill": [], "schemas": {
+    report = {"decode": [], "prefill": [], "schedule": [], "schemas": {
         name: str(op(name).default._schema) for name in ("sparse_decode_fwd",
                                                           "sparse_prefill_fwd")}}
     def attempt(kind, fn, **kwargs):
@@ -160,9 +204,12 @@ def main():
     attempt("decode", decode_case, b=128, s_q=1, h_q=128, topk=2048, pages=2048)
     for kwargs in [dict(), dict(length=True), dict(sink=True)]:
         attempt("prefill", prefill_case, s_q=70, h_q=64, topk=128, keys=500, **kwargs)
+    for b, s_q, h_q, topk in [(1, 1, 64, 2048), (7, 2, 128, 512), (128, 1, 128, 2048),
+                              (33, 2, 64, 128)]:
+        attempt("schedule", schedule_case, b=b, s_q=s_q, h_q=h_q, topk=topk)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
-    for kind in ("decode", "prefill"):
+    for kind in ("decode", "prefill", "schedule"):
         for r in report[kind]:
             shown = {k: v for k, v in r.items() if k != "allocations"}
             print(kind, json.dumps(shown), "allocations:", r["allocations"][:12])
