@@ -14,7 +14,7 @@ import pytest
 import jax_flashmla as jf
 from jax_flashmla.serving import HostQueue, HostQueueOverrunError
 from jax_flashmla import custom_calls
-from test_gpu_capture import _probe, captures, command_buffer_targets, driver_calls
+from test_gpu_capture import _probe, captures, custom_call_targets, driver_calls
 
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("gpu", id="gpu", marks=pytest.mark.gpu)]
 
@@ -190,5 +190,6 @@ def test_a_step_pushes_from_its_command_buffer(how):
     the decodes and the metadata, and each of 8 calls' pop equals that call's out."""
     out = _probe("queue", how)
     assert "pops equal outs: True" in out, out
-    assert custom_calls.HOST_QUEUE_PUSH.target in command_buffer_targets(out), out
-    assert sum(map(captures, driver_calls(out))) >= 6 + 1 + 1, out
+    targets = custom_call_targets(out)
+    assert custom_calls.HOST_QUEUE_PUSH.target in targets and len(targets) == 6 + 1 + 1, out
+    assert sum(map(captures, driver_calls(out))) >= len(targets), out
