@@ -6,12 +6,15 @@
 #include <mutex>
 #include <string>
 #include <string_view>
+#include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+#include <torch/version.h>
 
 namespace jax_flashmla {
 namespace {
@@ -34,11 +37,11 @@ std::string LentSizes(const Loans& loans) {
 }
 
 // torch's CUDA allocator, wrapped: allocate() hands out a lent buffer, or records a refusal,
-// on a lending thread; everything else is the wrapped allocator's. CUDAPluggableAllocator is the
-// base only because it implements the whole allocator interface, whose pure virtual methods
-// change between torch releases; the methods an op calls (allocating, freeing, recordStream,
-// initialisation) are forwarded here. The rest are the plugin's, and only for as long as an
-// op runs under the wrapper.
+// on a lending thread; everything else is the wrapped allocator's, for torch code on any other
+// thread (its statistics, caches, pools, graphs, IPC). CUDAPluggableAllocator is the base only
+// because it implements the whole allocator interface, whose virtual methods change between
+// torch releases: each method of the releases named below is forwarded, and one a later
+// release adds is the plugin's while an op runs.
 class LendingAllocator final : public CUDAPluggableAllocator {
  public:
   explicit LendingAllocator(cca::CUDAAllocator* wrapped)
@@ -65,7 +68,6 @@ class LendingAllocator final : public CUDAPluggableAllocator {
     thread_loans->refused.push_back(bytes);
     return wrapped_->allocate(bytes);
   }
-  c10::DeleterFnPtr raw_deleter() const override { return wrapped_->raw_deleter(); }
   void* raw_alloc(size_t bytes) override {
     if (thread_loans != nullptr) thread_loans->refused.push_back(bytes);
     return wrapped_->raw_alloc(bytes);
@@ -74,14 +76,135 @@ class LendingAllocator final : public CUDAPluggableAllocator {
     if (thread_loans != nullptr) thread_loans->refused.push_back(bytes);
     return wrapped_->raw_alloc_with_stream(bytes, stream);
   }
-  void raw_delete(void* data) override { wrapped_->raw_delete(data); }
-  void init(int device_count) override { wrapped_->init(device_count); }
-  bool initialized() override { return wrapped_->initialized(); }
   void recordStream(const c10::DataPtr& data, c10::cuda::CUDAStream stream) override {
     if (data.get_deleter() != &KeepXlaBuffer && data.get() != nullptr)
       wrapped_->recordStream(data, stream);
   }
+
+  // The rest of the interface of torch 2.11 to 2.13, forwarded.
+  c10::DeleterFnPtr raw_deleter() const override { return wrapped_->raw_deleter(); }
+  bool is_simple_data_ptr(const c10::DataPtr& data) const override {
+    return wrapped_->is_simple_data_ptr(data);
+  }
+  bool initialized() override { return wrapped_->initialized(); }
+  void emptyCache(c10::MempoolId_t pool) override { wrapped_->emptyCache(pool); }
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+    return wrapped_->getDeviceStats(device);
+  }
+  void resetAccumulatedStats(c10::DeviceIndex device) override {
+    wrapped_->resetAccumulatedStats(device);
+  }
+  void resetPeakStats(c10::DeviceIndex device) override { wrapped_->resetPeakStats(device); }
+  std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex device) override {
+    return wrapped_->getMemoryInfo(device);
+  }
+  void raw_delete(void* data) override { wrapped_->raw_delete(data); }
+  void init(int device_count) override { wrapped_->init(device_count); }
+  double getMemoryFraction(c10::DeviceIndex device) override {
+    return wrapped_->getMemoryFraction(device);
+  }
+  void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
+    wrapped_->setMemoryFraction(fraction, device);
+  }
+  std::vector<cca::StreamSegmentSize> getExpandableSegmentSizes(
+      c10::DeviceIndex device) override {
+    return wrapped_->getExpandableSegmentSizes(device);
+  }
+  void enable(bool value) override { wrapped_->enable(value); }
+  bool isEnabled() const override { return wrapped_->isEnabled(); }
+  void cacheInfo(c10::DeviceIndex device, size_t* largest_block) override {
+    wrapped_->cacheInfo(device, largest_block);
+  }
+  void* getBaseAllocation(void* data, size_t* size) override {
+    return wrapped_->getBaseAllocation(data, size);
+  }
+  cca::SnapshotInfo snapshot(c10::MempoolId_t pool, bool include_traces) override {
+    return wrapped_->snapshot(pool, include_traces);
+  }
+  void beginAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t pool,
+                           std::function<bool(cudaStream_t)> filter) override {
+    wrapped_->beginAllocateToPool(device, pool, std::move(filter));
+  }
+  void endAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t pool) override {
+    wrapped_->endAllocateToPool(device, pool);
+  }
+  void releasePool(c10::DeviceIndex device, c10::MempoolId_t pool) override {
+    wrapped_->releasePool(device, pool);
+  }
+  int getPoolUseCount(c10::DeviceIndex device, c10::MempoolId_t pool) override {
+    return wrapped_->getPoolUseCount(device, pool);
+  }
+  void createOrIncrefPool(c10::DeviceIndex device, c10::MempoolId_t pool,
+                          std::shared_ptr<cca::CUDAAllocator> allocator) override {
+    wrapped_->createOrIncrefPool(device, pool, std::move(allocator));
+  }
+  void setUseOnOOM(c10::DeviceIndex device, c10::MempoolId_t pool, bool use_on_oom) override {
+    wrapped_->setUseOnOOM(device, pool, use_on_oom);
+  }
+  void setNoSplit(c10::DeviceIndex device, c10::MempoolId_t pool) override {
+    wrapped_->setNoSplit(device, pool);
+  }
+  bool checkPoolLiveAllocations(c10::DeviceIndex device, c10::MempoolId_t pool,
+                                const std::unordered_set<void*>& live) override {
+    return wrapped_->checkPoolLiveAllocations(device, pool, live);
+  }
+  cca::ShareableHandle shareIpcHandle(void* data) override {
+    return wrapped_->shareIpcHandle(data);
+  }
+  std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
+    return wrapped_->getIpcDevPtr(std::move(handle));
+  }
+  bool isHistoryEnabled() override { return wrapped_->isHistoryEnabled(); }
+  void recordHistory(bool enabled, cca::CreateContextFn context_recorder,
+                     size_t alloc_trace_max_entries, cca::RecordContext when, bool clear_history,
+                     const std::vector<std::string>& skip_actions) override {
+    wrapped_->recordHistory(enabled, context_recorder, alloc_trace_max_entries, when,
+                            clear_history, skip_actions);
+  }
+  void recordAnnotation(const std::vector<std::pair<std::string, std::string>>& md) override {
+    wrapped_->recordAnnotation(md);
+  }
+  void pushCompileContext(std::string& md) override { wrapped_->pushCompileContext(md); }
+  void popCompileContext() override { wrapped_->popCompileContext(); }
+  void setUserMetadata(const std::string& metadata) override {
+    wrapped_->setUserMetadata(metadata);
+  }
+  std::string getUserMetadata() override { return wrapped_->getUserMetadata(); }
+  void attachOutOfMemoryObserver(cca::OutOfMemoryObserver observer) override {
+    wrapped_->attachOutOfMemoryObserver(std::move(observer));
+  }
+  void attachAllocatorTraceTracker(cca::AllocatorTraceTracker tracker) override {
+    wrapped_->attachAllocatorTraceTracker(std::move(tracker));
+  }
+  void enablePeerAccess(c10::DeviceIndex device, c10::DeviceIndex device_to_access) override {
+    wrapped_->enablePeerAccess(device, device_to_access);
+  }
+  cudaError_t memcpyAsync(void* dst, int dst_device, const void* src, int src_device,
+                          size_t count, cudaStream_t stream, bool p2p_enabled) override {
+    return wrapped_->memcpyAsync(dst, dst_device, src, src_device, count, stream, p2p_enabled);
+  }
+  std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex device,
+                                                          c10::MempoolId_t id) override {
+    return wrapped_->getCheckpointState(device, id);
+  }
+  cca::CheckpointDelta setCheckpointPoolState(
+      c10::DeviceIndex device, std::shared_ptr<cca::AllocatorState> state) override {
+    return wrapped_->setCheckpointPoolState(device, std::move(state));
+  }
   std::string name() override { return wrapped_->name(); }
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
+  void markCaptureBegin(c10::DeviceIndex device) override { wrapped_->markCaptureBegin(device); }
+  void markCaptureEnd(c10::DeviceIndex device) override { wrapped_->markCaptureEnd(device); }
+  std::shared_ptr<c10::GatheredContext> getContextForPointer(const void* data) override {
+    return wrapped_->getContextForPointer(data);
+  }
+  void attachOomRejectionObserver(cca::OomRejectionObserver observer) override {
+    wrapped_->attachOomRejectionObserver(std::move(observer));
+  }
+  c10::DataPtr allocateWithAddress(size_t size, void* address) override {
+    return wrapped_->allocateWithAddress(size, address);
+  }
+#endif
 
  private:
   cca::CUDAAllocator* const wrapped_;
