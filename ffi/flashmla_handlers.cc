@@ -201,16 +201,16 @@ ffi::Error MlaDecodeFp8CudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuf
 }
 
 // DeepSeek-V3.2's sparse decode (sparse_decode_fwd) over the 656-byte token cache, viewed as
-// the float8_e4m3fn bytes the op takes. It makes its own schedule, in XLA's buffers like its
-// results and accumulators (listed in the order it allocates them).
+// the float8_e4m3fn bytes the op takes, on a schedule made by the metadata call; its results
+// and accumulators in XLA's buffers (listed in the order it allocates them).
 ffi::Error MlaSparseDecodeCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
                                    ffi::Buffer<ffi::U8> kv_cache, ffi::Buffer<ffi::S32> indices,
-                                   ffi::Buffer<ffi::F32> attn_sink, float softmax_scale,
+                                   ffi::Buffer<ffi::F32> attn_sink,
+                                   ffi::Buffer<ffi::S32> tile_scheduler_metadata,
+                                   ffi::Buffer<ffi::S32> num_splits, float softmax_scale,
                                    bool with_sink, std::string_view op,
                                    ffi::Result<ffi::AnyBuffer> out,
                                    ffi::ResultBuffer<ffi::F32> lse,
-                                   ffi::ResultBuffer<ffi::S32> tile_scheduler_metadata,
-                                   ffi::ResultBuffer<ffi::S32> num_splits,
                                    ffi::ResultBuffer<ffi::F32> out_accum,
                                    ffi::ResultBuffer<ffi::F32> lse_accum) {
   return OnXlaStream(stream, device, op, [&] {
@@ -220,13 +220,14 @@ ffi::Error MlaSparseDecodeCudaImpl(cudaStream_t stream, int32_t device, ffi::Any
                                              ffi::DataType::F8E4M3FN, device);
     Slot(args, OpArg::kIndices) = Wrap(indices, device);
     if (with_sink) Slot(args, OpArg::kAttnSink) = Wrap(attn_sink, device);
+    Slot(args, OpArg::kTileSchedulerMetadata) = Wrap(tile_scheduler_metadata, device);
+    Slot(args, OpArg::kNumSplits) = Wrap(num_splits, device);
     Slot(args, OpArg::kHeadDimV) = out->dimensions().back();
     Slot(args, OpArg::kSoftmaxScale) = static_cast<double>(softmax_scale);
     RunInBuffers(op, args,
-                 {Wrap(*out, device), LseBuffer(lse, device),
-                  Wrap(*tile_scheduler_metadata, device), Wrap(*num_splits, device),
-                  Wrap(*lse_accum, device), Wrap(*out_accum, device)},
-                 {"out", "lse", "tile_scheduler_metadata", "num_splits"});
+                 {Wrap(*out, device), LseBuffer(lse, device), Wrap(*lse_accum, device),
+                  Wrap(*out_accum, device)},
+                 {"out", "lse"});
   });
 }
 
@@ -250,7 +251,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaDecodeCuda, MlaDecodeCudaImpl,
     {kCudaTargetTraits});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaSparseDecodeCuda, MlaSparseDecodeCudaImpl,
-    BindSparseDecodeResults(BindSparseDecodeOperands(CudaContext()).Attr<std::string_view>("op")),
+    BindDecodeResults(BindSparseDecodeOperands(CudaContext()).Attr<std::string_view>("op")),
     {kCudaTargetTraits});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaDecodeFp8Cuda, MlaDecodeFp8CudaImpl,

@@ -73,21 +73,15 @@ auto BindSparseDecodeOperands(Binding binding) {
       .template Arg<ffi::Buffer<ffi::U8>>()              // kv_cache
       .template Arg<ffi::Buffer<ffi::S32>>()             // indices
       .template Arg<ffi::Buffer<ffi::F32>>()             // attn_sink
+      .template Arg<ffi::Buffer<ffi::S32>>()             // tile_scheduler_metadata
+      .template Arg<ffi::Buffer<ffi::S32>>()             // num_splits
       .template Attr<float>("softmax_scale")
       .template Attr<bool>("with_sink");
 }
 
 // out, lse, the schedule the op makes for itself (tile_scheduler_metadata, num_splits), then
 // the split-KV accumulators: in the order the op allocates them.
-template <typename Binding>
-auto BindSparseDecodeResults(Binding binding) {
-  return std::move(binding).template Ret<ffi::AnyBuffer>()          // out
-      .template Ret<ffi::Buffer<ffi::F32>>()             // lse
-      .template Ret<ffi::Buffer<ffi::S32>>()             // tile_scheduler_metadata
-      .template Ret<ffi::Buffer<ffi::S32>>()             // num_splits
-      .template Ret<ffi::Buffer<ffi::F32>>()             // out_accum
-      .template Ret<ffi::Buffer<ffi::F32>>();            // lse_accum
-}
+
 
 template <typename Binding>
 auto BindFp8GuardOperands(Binding binding) {

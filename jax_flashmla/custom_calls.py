@@ -209,29 +209,29 @@ DECODE_FP8 = CustomCall(
     functools.partial(_decode_attributes, True), _decode_layouts)
 
 
-def _sparse_decode_types(q, kv_cache, indices, attn_sink, *, num_sm_parts, **_):
+def _sparse_decode_types(q, tile_scheduler_metadata, **_):
     batch, s_q, h_q, _ = q.shape
-    splits = batch + num_sm_parts
+    splits = batch + tile_scheduler_metadata.shape[0]
     v = validation.HEAD_DIM_V
     return (jax.core.ShapedArray((batch, s_q, h_q, v), jnp.bfloat16), _f32(batch, h_q, s_q),
-            _i32(num_sm_parts, validation.METADATA_FIELDS), _i32(batch + 1),
             _f32(splits, h_q, s_q, v), _f32(splits, h_q, s_q))
 
 
-def _sparse_decode_attributes(platform, *, softmax_scale, with_sink, num_sm_parts):
+def _sparse_decode_attributes(platform, *, softmax_scale, with_sink):
     return dict(softmax_scale=np.float32(softmax_scale), with_sink=bool(with_sink),
                 op=_kernel_op(kernels.ensure_cuda_targets(), "sparse_decode",
                               "sparse decode (sparse_decode_fwd)"))
 
 
 # DeepSeek-V3.2's sparse decode over the 656-byte token cache (jax_flashmla.sparse): CUDA only
-# (off the GPU, jax_flashmla.sparse runs its pure-JAX reference). The op makes its own schedule
-# for the GPU's SM count, which num_sm_parts (traced with it) sizes; the results after out and
-# lse are that schedule and the split-KV accumulators, scratch.
+# (off the GPU, jax_flashmla.sparse runs its pure-JAX reference). Its schedule is METADATA's
+# over requests of topk keys (jax_flashmla/sparse/ops.py); the results after out and lse are
+# the split-KV accumulators, scratch.
 SPARSE_DECODE = CustomCall(
-    "jax_flashmla_mla_sparse_decode", ("q", "kv_cache", "indices", "attn_sink"),
-    ("out", "lse", "tile_scheduler_metadata", "num_splits", "out_accum", "lse_accum"),
-    _sparse_decode_types, _sparse_decode_attributes, _decode_layouts, platforms=("cuda",))
+    "jax_flashmla_mla_sparse_decode",
+    ("q", "kv_cache", "indices", "attn_sink", "tile_scheduler_metadata", "num_splits"),
+    _DECODE_RESULTS, _sparse_decode_types, _sparse_decode_attributes, _decode_layouts,
+    platforms=("cuda",))
 
 # The host queue's push (serving/host_queue.py): no results, kept by its DCE rule in jaxprs
 # and by has_side_effect in XLA. It declares no JAX effect: an executable with effects is run

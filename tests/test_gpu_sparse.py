@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jax_flashmla import kernels
-from jax_flashmla.sparse import quantize_tokens, sparse_mla_decode
+from jax_flashmla.sparse import quantize_tokens, sparse_decode_metadata, sparse_mla_decode
 from helpers import torch_view
 
 pytestmark = pytest.mark.gpu
@@ -101,3 +101,31 @@ def test_fewer_heads_are_padded_to_the_kernels():
     t_out, t_lse = _torch_decode(padded, cache, indices, None)
     np.testing.assert_array_equal(np.asarray(out, np.float32), t_out[:, :, :16])
     np.testing.assert_array_equal(np.asarray(lse), t_lse[:, :16])
+
+
+@pytest.mark.parametrize("s_q,h_q", [(1, 128), (2, 32)])
+def test_a_layered_step_sharing_one_schedule_replays_with_new_inputs(s_q, h_q):
+    """Six layers sharing one sparse_decode_metadata, jitted (enough custom calls for XLA's
+    command buffer) and called on new q and indices, and on buffers at new addresses: every
+    layer bit-identical to sparse_decode_fwd from torch making its own schedule."""
+    kernels.ensure_cuda_targets()
+    layers, batch, topk = 6, 5, 256
+
+    @jax.jit
+    def step(qs, cache, indices):
+        md = sparse_decode_metadata(batch, num_heads_q=h_q, topk=topk, num_q_tokens=s_q)
+        return [sparse_mla_decode(qs[i], cache, indices[i], metadata=md, softmax_scale=SCALE,
+                                  implementation="custom_call") for i in range(layers)]
+
+    def inputs(seed):
+        problems = [_problem(seed * 100 + i, batch, s_q, 128, topk) for i in range(layers)]
+        return (jnp.stack([p[0][:, :, :h_q] for p in problems]), problems[0][1],
+                jnp.stack([p[2] for p in problems]))
+
+    pad = ((0, 0), (0, 0), (0, 128 - h_q if h_q > 64 else 64 - h_q), (0, 0))
+    for seed in (1, 2, 1, 3):
+        qs, cache, indices = inputs(seed)
+        for i, (out, lse) in enumerate(step(qs, cache, indices)):
+            t_out, t_lse = _torch_decode(jnp.pad(qs[i], pad), cache, indices[i], None)
+            np.testing.assert_array_equal(np.asarray(out, np.float32), t_out[:, :, :h_q])
+            np.testing.assert_array_equal(np.asarray(lse), t_lse[:, :h_q])

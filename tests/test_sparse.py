@@ -8,8 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jax_flashmla as jf
 from jax_flashmla.sparse import (SparseKVCache, dequantize_tokens, quantize_tokens,
-                                 sparse_mla_decode, sparse_mla_prefill, write_sparse_kv)
+                                 sparse_decode_metadata, sparse_mla_decode, sparse_mla_prefill,
+                                 write_sparse_kv)
 from jax_flashmla.sparse.cache import TOKEN_BYTES, tile_scales
 
 # out in bf16 from float32 arithmetic: a few bf16 ulps of the largest value; lse in float32.
@@ -176,6 +178,10 @@ def test_the_custom_call_off_the_gpu_is_refused():
     (dict(topk_length=jnp.zeros((3,), jnp.int32)), ValueError, r"topk_length must have shape \(2,\)"),
     (dict(attn_sink=jnp.zeros((16,), jnp.bfloat16)), ValueError, r"attn_sink must be float32 of shape \(16,\)"),
     (dict(softmax_scale=float("nan")), ValueError, r"softmax_scale must be finite"),
+    (dict(metadata=(1, 2)), TypeError, r"metadata must be a SparseMetadata .* got tuple"),
+    (dict(metadata=sparse_decode_metadata(2, num_heads_q=16, topk=16)), ValueError,
+     r"metadata was made for .* = \(2, 16, 1, 16\), but q \(2, 1, 16, 576\) and indices "
+     r"\(2, 1, 8\) need \(2, 16, 1, 8\)"),
 ])
 def test_bad_arguments_are_named(change, exc, pattern):
     args = dict(q=jnp.zeros((2, 1, 16, 576), jnp.bfloat16), kv_cache=SparseKVCache.create(1),
@@ -183,3 +189,31 @@ def test_bad_arguments_are_named(change, exc, pattern):
     args.update(change)
     with pytest.raises(exc, match="sparse_mla_decode: " + pattern):
         sparse_mla_decode(args.pop("q"), args.pop("kv_cache"), args.pop("indices"), **args)
+
+
+def test_a_shared_metadata_is_the_schedule_of_requests_of_topk_keys():
+    """sparse_decode_metadata is the dense scheduler's over requests of topk keys for the
+    kernel's heads (h_q 16 is scheduled as 64), and a decode given it computes what one
+    without it does."""
+    q, cache, indices = _decode_problem(8, h_q=16)
+    batch, s_q, _, _ = q.shape
+    topk = indices.shape[-1]
+    md = jax.jit(functools.partial(sparse_decode_metadata, batch, num_heads_q=16, topk=topk,
+                                   num_q_tokens=s_q))()
+    dense = jf.get_mla_metadata(jnp.full((batch,), topk, jnp.int32), num_heads_q=64,
+                                num_q_tokens=s_q, implementation="custom_call")
+    np.testing.assert_array_equal(md.tile_scheduler_metadata, dense.tile_scheduler_metadata)
+    np.testing.assert_array_equal(md.num_splits, dense.num_splits)
+    with_md = sparse_mla_decode(q, cache, indices, metadata=md)
+    for got, want in zip(with_md, sparse_mla_decode(q, cache, indices)):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("name,value", [("batch", 0), ("topk", 2.0), ("num_heads_q", True),
+                                        ("num_q_tokens", -1)])
+def test_bad_metadata_shapes_are_named(name, value):
+    args = dict(batch=2, num_heads_q=16, topk=8, num_q_tokens=1)
+    args[name] = value
+    with pytest.raises(ValueError, match=f"sparse_decode_metadata: {name} must be a positive "
+                                         f"Python int; got {value!r}"):
+        sparse_decode_metadata(args.pop("batch"), **args)

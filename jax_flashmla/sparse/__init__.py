@@ -4,7 +4,15 @@
 """
 from jax_flashmla.sparse.cache import (SparseKVCache, dequantize_tokens, quantize_tokens,
                                        write_sparse_kv)
-from jax_flashmla.sparse.ops import sparse_mla_decode, sparse_mla_prefill
+from jax_flashmla.sparse.index_cache import (IndexKeyCache, dequantize_index_keys,
+                                             quantize_index_keys, write_index_keys)
+from jax_flashmla.sparse.indexer import (IndexerWeights, IndexQuery, index_keys, index_query,
+                                         index_scores, indexer_decode, indexer_prefill)
+from jax_flashmla.sparse.ops import (SparseMetadata, sparse_decode_metadata, sparse_mla_decode,
+                                     sparse_mla_prefill)
 
-__all__ = ["SparseKVCache", "dequantize_tokens", "quantize_tokens", "sparse_mla_decode",
-           "sparse_mla_prefill", "write_sparse_kv"]
+__all__ = ["IndexKeyCache", "IndexQuery", "IndexerWeights", "SparseKVCache", "SparseMetadata",
+           "dequantize_index_keys", "dequantize_tokens", "index_keys", "index_query",
+           "index_scores", "indexer_decode", "indexer_prefill", "quantize_index_keys",
+           "quantize_tokens", "sparse_decode_metadata", "sparse_mla_decode", "sparse_mla_prefill", "write_index_keys",
+           "write_sparse_kv"]

@@ -4,7 +4,12 @@ jax_flashmla/sparse/reference.py states the semantics. On a Hopper GPU the decod
 FlashMLA's kernel as the custom call jax_flashmla_mla_sparse_decode: indices past the cache or
 past topk_length are made -1 first (the kernel reads any other), and q's heads are padded with
 zeros to the kernel's 64 or 128 (the padding heads' results are dropped; they cost what real
-heads cost). Elsewhere, and for the prefill, the pure-JAX reference runs."""
+heads cost). Its split-KV schedule depends on the shapes alone (every request has topk keys to
+the scheduler), so sparse_decode_metadata makes one per step that every layer shares.
+Elsewhere, and for the prefill, the pure-JAX reference runs."""
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -73,22 +78,83 @@ def _kernel_heads(where, q, attn_sink):
     return jnp.pad(q, pad), jnp.pad(sink, (0, heads - h_q)), attn_sink is not None
 
 
-def _kernel_decode(q, data, indices, attn_sink, softmax_scale):
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["tile_scheduler_metadata", "num_splits"],
+                   meta_fields=["batch", "num_heads_q", "num_q_tokens", "topk"])
+@dataclasses.dataclass(frozen=True)
+class SparseMetadata:
+    """FlashMLA's split-KV schedule for the sparse decodes of one step, shared by its layers.
+
+    Attributes:
+      tile_scheduler_metadata: (num_sm_parts, 8) int32, one row of work per SM part.
+      num_splits: (batch + 1,) int32, prefix sums of the number of KV splits per request.
+      batch, num_heads_q, num_q_tokens, topk: the decode shapes it was made for (static).
+    """
+
+    tile_scheduler_metadata: jax.Array
+    num_splits: jax.Array
+    batch: int
+    num_heads_q: int
+    num_q_tokens: int
+    topk: int
+
+
+def sparse_decode_metadata(batch, *, num_heads_q, topk, num_q_tokens=1):
+    """The schedule of sparse_mla_decode for q (batch, num_q_tokens, num_heads_q, 576) and
+    indices (batch, num_q_tokens, topk): make it once per step and pass it to every layer.
+
+    It is FlashMLA's scheduler over requests of topk keys each, for the kernel's heads (64 or
+    128), whatever the requests' lengths: the schedule the kernel makes for itself when given
+    none, made once instead of once per call.
+    """
+    where = "sparse_decode_metadata"
+    for name, value in (("batch", batch), ("num_heads_q", num_heads_q), ("topk", topk),
+                        ("num_q_tokens", num_q_tokens)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            _fail(ValueError, where, f"{name} must be a positive Python int; got {value!r}")
+    return _schedule(batch, num_heads_q, num_q_tokens, topk)
+
+
+def _schedule(batch, h_q, s_q, topk):
+    heads = next((h for h in KERNEL_HEADS if h >= h_q), h_q)
+    parts = validation.num_sm_parts(default_num_sms(), heads, s_q)
+    tile_md, num_splits = custom_calls.schedule(
+        jnp.full((batch,), topk, jnp.int32), num_heads_q=heads, num_q_tokens=s_q,
+        num_sm_parts=parts, fp8=False)
+    return SparseMetadata(tile_md, num_splits, batch, h_q, s_q, topk)
+
+
+def _check_metadata(where, metadata, q, indices):
+    batch, s_q, h_q, _ = q.shape
+    made_for = (batch, h_q, s_q, indices.shape[-1])
+    if not isinstance(metadata, SparseMetadata):
+        _fail(TypeError, where, f"metadata must be a SparseMetadata from sparse_decode_metadata "
+                                f"or None; got {type(metadata).__name__}")
+    if (metadata.batch, metadata.num_heads_q, metadata.num_q_tokens, metadata.topk) != made_for:
+        _fail(ValueError, where, f"metadata was made for (batch, num_heads_q, num_q_tokens, topk) "
+                                 f"= {(metadata.batch, metadata.num_heads_q, metadata.num_q_tokens, metadata.topk)}, "
+                                 f"but q {tuple(q.shape)} and indices {tuple(indices.shape)} "
+                                 f"need {made_for}")
+
+
+def _kernel_decode(q, data, indices, attn_sink, softmax_scale, metadata):
     where = "sparse_mla_decode"
-    _, s_q, h_q, _ = q.shape
+    batch, s_q, h_q, _ = q.shape
     if s_q not in KERNEL_QUERY_TOKENS:
         _fail(ValueError, where, f"FlashMLA's sparse decode takes s_q in {KERNEL_QUERY_TOKENS}; "
                                  f"got {s_q} (pass implementation='reference')")
     q, sink, with_sink = _kernel_heads(where, q, attn_sink)
-    parts = validation.num_sm_parts(default_num_sms(), q.shape[2], s_q, where=where)
+    if metadata is None:
+        metadata = _schedule(batch, h_q, s_q, indices.shape[-1])
     out, lse, *_ = custom_calls.SPARSE_DECODE(
-        q=q, kv_cache=data, indices=indices, attn_sink=sink, softmax_scale=softmax_scale,
-        with_sink=with_sink, num_sm_parts=parts)
+        q=q, kv_cache=data, indices=indices, attn_sink=sink,
+        tile_scheduler_metadata=metadata.tile_scheduler_metadata,
+        num_splits=metadata.num_splits, softmax_scale=softmax_scale, with_sink=with_sink)
     return out[:, :, :h_q], lse[:, :h_q]
 
 
-def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale=None, topk_length=None,
-                      attn_sink=None, implementation=None):
+def sparse_mla_decode(q, kv_cache, indices, *, metadata=None, softmax_scale=None,
+                      topk_length=None, attn_sink=None, implementation=None):
     """Sparse MLA decode over DeepSeek-V3.2's FP8 cache (FlashMLA's sparse_decode_fwd).
 
     Args:
@@ -96,6 +162,8 @@ def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale=None, topk_length=N
       kv_cache: SparseKVCache or its (num_pages, 64, 1, 656) uint8 array.
       indices: (batch, s_q, topk) int32 slots (page * 64 + offset) each query attends to;
         outside [0, num_pages * 64) (e.g. -1) an index is invalid and never read.
+      metadata: a SparseMetadata from sparse_decode_metadata for these shapes, made once per
+        step and shared by its layers; None makes one for this call.
       softmax_scale: a Python float; defaults to 576 ** -0.5.
       topk_length: (batch,) int32 or None: a request's entries from topk_length on are
         invalid.
@@ -113,13 +181,15 @@ def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale=None, topk_length=N
     data = sparse_cache_array(kv_cache, where)
     scale = _check_common(where, q, indices, tuple(q.shape[:2]), topk_length, attn_sink,
                           softmax_scale)
+    if metadata is not None:
+        _check_metadata(where, metadata, q, indices)
     if _implementation(where, implementation) == "reference":
         return reference.sparse_decode_reference(q, data, indices, softmax_scale=scale,
                                                  topk_length=topk_length, attn_sink=attn_sink)
     # The kernel skips -1 alone: it would read an index past the cache, and it takes no
     # topk_length with this cache format.
     valid = reference.valid_indices(indices, data.shape[0] * PAGE_SIZE, topk_length)
-    return _kernel_decode(q, data, jnp.where(valid, indices, -1), attn_sink, scale)
+    return _kernel_decode(q, data, jnp.where(valid, indices, -1), attn_sink, scale, metadata)
 
 
 def sparse_mla_prefill(q, kv, indices, *, softmax_scale=None, topk_length=None,

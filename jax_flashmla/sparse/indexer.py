@@ -1,0 +1,300 @@
+"""DeepSeek-V3.2's lightning indexer in JAX: which tokens each query's sparse attention reads.
+
+As DeepSeek's inference/model.py (Indexer, act_quant, fp8_index) and HF's DeepseekV32Indexer:
+  - q = wq_b(q_lora) as (heads, 128); k = LayerNorm(wk(x)), 128 wide (eps 1e-6);
+  - the first rope_dim columns (2 * len(inv_freq), 64 in V3.2) of q's heads and of k rotated by
+    non-interleaved RoPE, pairs (x_i, x_{i + rope_dim / 2}) (MLA's rope pairs neighbours);
+  - q and k times the Sylvester Hadamard matrix / sqrt(128) (orthonormal: dot products stay,
+    outliers spread), then quantized to e4m3 with a power-of-two scale per 128 columns
+    (index_cache): one per head of q, one per token of k;
+  - head weights w_h = weights_proj(x)_h * heads**-0.5 * q_scale_h * 128**-0.5;
+  - score(m, n) = k_scale(n) * sum_h relu(q_h(m) . k(n)) * w_h(m) over the e4m3 values of
+    q_h(m) and k(n), their products summed in float32;
+  - a query keeps its top min(topk, visible) tokens, visible = those of its request up to and
+    including itself. Of equal scores the earlier token comes first (lax.top_k keeps the lower
+    index first), so for given inputs on a backend the selection is deterministic.
+HF skips the rotation and the quantization: its scores are these but for FP8 rounding. Up to
+the quantization this runs in float32 (DeepSeek's rounds to bfloat16 between steps).
+"""
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_flashmla import validation
+from jax_flashmla.cache import token_slots
+from jax_flashmla.sparse.index_cache import (INDEX_HEAD_DIM, index_cache_array,
+                                             quantize_index_keys, read_index_keys)
+from jax_flashmla.validation import PAGE_SIZE, _fail
+
+INDEX_TOPK = 2048
+LAYER_NORM_EPS = 1e-6
+ROWS_PER_BLOCK = 16  # query rows scored at once: memory grows with rows * context * heads
+HIGHEST = jax.lax.Precision.HIGHEST  # float32 matmuls in float32, not TF32 or bf16 passes
+# Sylvester's order, [[H, H], [H, -H]], as fast_hadamard_transform computes it.
+HADAMARD = functools.reduce(np.kron, [np.array([[1, 1], [1, -1]], np.float32)] * 7)
+HF_NAMES = {"wq_b": "wq_b.weight", "wk": "wk.weight", "k_norm_weight": "k_norm.weight",
+            "k_norm_bias": "k_norm.bias", "weights_proj": "weights_proj.weight"}
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=list(HF_NAMES), meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class IndexerWeights:
+    """One layer's indexer weights in HF's layout (a Linear's weight is (out, in)):
+    wq_b (heads * 128, q_lora_rank), wk (128, hidden), k_norm_weight and k_norm_bias (128,),
+    weights_proj (heads, hidden). HF_NAMES gives each one's name under HF's
+    "model.layers.<i>.self_attn.indexer."."""
+
+    wq_b: jax.Array
+    wk: jax.Array
+    k_norm_weight: jax.Array
+    k_norm_bias: jax.Array
+    weights_proj: jax.Array
+
+    @classmethod
+    def from_state_dict(cls, state_dict, prefix=""):
+        """From arrays (NumPy or JAX) under HF's names, each prefix + HF_NAMES[field]."""
+        return cls(**{field: jnp.asarray(state_dict[prefix + name])
+                      for field, name in HF_NAMES.items()})
+
+    @property
+    def num_heads(self):
+        return self.weights_proj.shape[0]
+
+
+class IndexQuery(NamedTuple):
+    """Queries of the indexer: values (..., heads, 128) float8_e4m3fn, each head quantized with
+    its own scale; weights (..., heads) float32, w_h with that scale folded in (module doc)."""
+
+    values: jax.Array
+    weights: jax.Array
+
+
+def _project(x, weight):
+    """x (..., in) @ weight (out, in).T in float32."""
+    return jnp.einsum("...i,oi->...o", x, weight, precision=HIGHEST,
+                      preferred_element_type=jnp.float32)
+
+
+def _rope_and_rotate(x, positions, inv_freq, attention_factor):
+    """x (..., [heads,] 128) float32: non-interleaved RoPE on the first 2 * len(inv_freq)
+    columns, then the Hadamard rotation. positions has x's leading shape (no heads axis)."""
+    half = np.shape(inv_freq)[0]
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    cos, sin = jnp.cos(angles) * attention_factor, jnp.sin(angles) * attention_factor
+    if x.ndim > angles.ndim:  # a heads axis
+        cos, sin = cos[..., None, :], sin[..., None, :]
+    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    x = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
+    return jnp.matmul(x, HADAMARD, precision=HIGHEST) * INDEX_HEAD_DIM ** -0.5
+
+
+def _check_projection(where, weights, x, positions, inv_freq, q_lora=None):
+    if not isinstance(weights, IndexerWeights):
+        _fail(TypeError, where, f"weights must be IndexerWeights; got {type(weights).__name__}")
+    heads, hidden = weights.weights_proj.shape
+    for field, shape in (("wq_b", (heads * INDEX_HEAD_DIM, weights.wq_b.shape[-1])),
+                         ("wk", (INDEX_HEAD_DIM, hidden)), ("k_norm_weight", (INDEX_HEAD_DIM,)),
+                         ("k_norm_bias", (INDEX_HEAD_DIM,))):
+        if tuple(getattr(weights, field).shape) != shape:
+            _fail(ValueError, where, f"weights.{field} must have shape {shape} for weights_proj "
+                                     f"of shape {(heads, hidden)}; got "
+                                     f"{tuple(getattr(weights, field).shape)}")
+    if x.shape[-1:] != (hidden,):
+        _fail(ValueError, where, f"x must have a last dimension of {hidden} (weights' hidden "
+                                 f"size); got {tuple(x.shape)}")
+    validation.check_int32(where, "positions", positions)
+    if tuple(positions.shape) != tuple(x.shape[:-1]):
+        _fail(ValueError, where, f"positions must have shape {tuple(x.shape[:-1])} (x's leading "
+                                 f"shape); got {tuple(positions.shape)}")
+    if np.ndim(inv_freq) != 1 or not 1 <= 2 * np.shape(inv_freq)[0] <= INDEX_HEAD_DIM:
+        _fail(ValueError, where, f"inv_freq must have shape (rope_dim // 2,), rope_dim <= "
+                                 f"{INDEX_HEAD_DIM}; got {np.shape(inv_freq)}")
+    expected = x.shape[:-1] + weights.wq_b.shape[1:]
+    if q_lora is not None and q_lora.shape != expected:
+        _fail(ValueError, where, f"q_lora must have shape {expected} (x's leading shape + "
+                                 f"wq_b's input size); got {tuple(q_lora.shape)}")
+
+
+def index_query(weights, x, q_lora, positions, inv_freq, *, attention_factor=1.0):
+    """The indexer's queries of tokens.
+
+    Args:
+      weights: IndexerWeights; x: (..., hidden) the layer's input, any float dtype.
+      q_lora: (..., q_lora_rank), MLA's q_a_layernorm(q_a_proj(x)) (HF's q_resid).
+      positions: int32 of x's leading shape, the tokens' positions in their requests.
+      inv_freq: (rope_dim // 2,) RoPE frequencies (HF's rotary embedding's inv_freq, of
+        qk_rope_head_dim); attention_factor scales cos and sin (YaRN's, 1.0 for V3.2).
+
+    Returns:
+      IndexQuery: values (..., heads, 128) float8_e4m3fn, weights (..., heads) float32.
+    """
+    _check_projection("index_query", weights, x, positions, inv_freq, q_lora)
+    q = _project(q_lora, weights.wq_b).reshape(*x.shape[:-1], weights.num_heads, INDEX_HEAD_DIM)
+    values, q_scales = quantize_index_keys(
+        _rope_and_rotate(q, positions, inv_freq, attention_factor))
+    head_weights = _project(x, weights.weights_proj) * weights.num_heads ** -0.5
+    return IndexQuery(values, head_weights * q_scales * INDEX_HEAD_DIM ** -0.5)
+
+
+def index_keys(weights, x, positions, inv_freq, *, attention_factor=1.0):
+    """(..., 128) float32 index keys of tokens x (..., hidden), rotated and ready for
+    write_index_keys (which quantizes them); arguments as index_query's."""
+    _check_projection("index_keys", weights, x, positions, inv_freq)
+    k = _project(x, weights.wk)
+    mean = jnp.mean(k, axis=-1, keepdims=True)
+    variance = jnp.mean(jnp.square(k - mean), axis=-1, keepdims=True)
+    k = (k - mean) * jax.lax.rsqrt(variance + LAYER_NORM_EPS)
+    k = k * weights.k_norm_weight.astype(jnp.float32) + weights.k_norm_bias.astype(jnp.float32)
+    return _rope_and_rotate(k, positions, inv_freq, attention_factor)
+
+
+def _row_scores(values, weights, data, pages, visible):
+    """index_scores of one row: values (heads, 128), weights (heads,), pages (max_pages,) and
+    visible () over data, the cache array."""
+    positions = jnp.arange(pages.shape[0] * PAGE_SIZE, dtype=jnp.int32)
+    slots = token_slots(pages[None], positions[None])[0]
+    readable = (slots >= 0) & (slots < data.shape[0] * PAGE_SIZE)
+    keys, key_scales = read_index_keys(data, jnp.where(readable, slots, 0))
+    logits = jnp.einsum("hd,cd->hc", values, keys, preferred_element_type=jnp.float32)
+    scores = jnp.sum(jax.nn.relu(logits) * weights[:, None], axis=0) * key_scales
+    # Unused pages may hold NaN: where no token is read, no score is taken.
+    return jnp.where(readable & (positions < visible), scores, -jnp.inf)
+
+
+def _scores(query, data, block_table, visible):
+    row = lambda args: _row_scores(args[0], args[1], data, args[2], args[3])
+    return jax.lax.map(row, (*query, block_table, visible), batch_size=ROWS_PER_BLOCK)
+
+
+def _select(query, data, block_table, visible, topk):
+    """(n, topk) int32 slots of each row's top tokens; -1 past its visible tokens and where its
+    block table names no page of the cache."""
+    if visible.shape[0] == 0:  # token_slots cannot reshape no rows
+        return jnp.zeros((0, topk), jnp.int32)
+    scores = _scores(query, data, block_table, visible)
+    if scores.shape[1] < topk:  # positions past the table are never visible
+        scores = jnp.pad(scores, ((0, 0), (0, topk - scores.shape[1])), constant_values=-jnp.inf)
+    _, positions = jax.lax.top_k(scores, topk)
+    slots = token_slots(block_table, positions)
+    valid = (positions < visible[:, None]) & (slots >= 0) & (slots < data.shape[0] * PAGE_SIZE)
+    return jnp.where(valid, slots, -1)
+
+
+def _check_rows(where, query, cache, block_table, rows):
+    """Checks query (its leading axes named by rows), the cache and block_table, whose batch is
+    query's first axis unless rows is ("tokens",); returns the cache array."""
+    data = index_cache_array(cache, where)
+    if not isinstance(query, IndexQuery):
+        _fail(TypeError, where, f"query must be an IndexQuery (index_query's); got "
+                                f"{type(query).__name__}")
+    values, weights = query
+    if values.dtype != jnp.float8_e4m3fn or values.ndim != len(rows) + 2 \
+            or values.shape[-1] != INDEX_HEAD_DIM:
+        _fail(ValueError, where, f"query.values must be float8_e4m3fn of shape "
+                                 f"{rows + ('heads', INDEX_HEAD_DIM)}; got {values.dtype} "
+                                 f"{tuple(values.shape)}")
+    if weights.dtype != jnp.float32 or weights.shape != values.shape[:-1]:
+        _fail(ValueError, where, f"query.weights must be float32 of shape "
+                                 f"{tuple(values.shape[:-1])}; got {weights.dtype} "
+                                 f"{tuple(weights.shape)}")
+    validation.check_rank(where, "block_table", block_table, 2, "(batch, max_pages)")
+    validation.check_int32(where, "block_table", block_table)
+    batch = None if rows == ("tokens",) else values.shape[0]
+    if block_table.shape[1] < 1 or batch not in (None, block_table.shape[0]):
+        _fail(ValueError, where, f"block_table must have shape ({batch or 'batch'}, max_pages >= "
+                                 f"1); got {tuple(block_table.shape)}")
+    return data
+
+
+def _check_lengths(where, name, lengths, expected):
+    validation.check_int32(where, name, lengths)
+    if tuple(lengths.shape) != expected:
+        _fail(ValueError, where, f"{name} must have shape {expected}; got {tuple(lengths.shape)}")
+    return jnp.asarray(lengths)
+
+
+def _check_topk(where, topk):
+    if isinstance(topk, bool) or not isinstance(topk, (int, np.integer)) or topk < 1:
+        _fail(ValueError, where, f"topk must be a positive Python int; got {topk!r}")
+
+
+def index_scores(query, cache, block_table, visible):
+    """The indexer's scores of query rows over their requests' tokens in the cache.
+
+    Args:
+      query: IndexQuery of rows: values (n, heads, 128), weights (n, heads).
+      cache: IndexKeyCache or its (num_pages, 8448) uint8 array.
+      block_table: (n, max_pages) int32, each row's request's pages (negative entries and
+        pages past the cache hold no tokens).
+      visible: (n,) int32, how many of its request's first tokens each row sees.
+
+    Returns:
+      (n, max_pages * 64) float32: position p of row i its score (module doc); -inf where
+      p >= visible[i] or p's page is not in the cache.
+    """
+    data = _check_rows("index_scores", query, cache, block_table, ("n",))
+    visible = _check_lengths("index_scores", "visible", visible, tuple(query.values.shape[:1]))
+    return _scores(query, data, jnp.asarray(block_table), visible)
+
+
+def indexer_decode(query, cache, block_table, seq_lens, *, topk=INDEX_TOPK):
+    """The tokens each decoding request's new tokens attend to.
+
+    Args:
+      query: IndexQuery of the new tokens: values (batch, s_q, heads, 128), weights
+        (batch, s_q, heads); s_q is 1, or 2 with a draft token.
+      cache: IndexKeyCache or its (num_pages, 8448) uint8 array, the new tokens' keys already
+        written.
+      block_table: (batch, max_pages) int32; seq_lens: (batch,) int32, each request's tokens
+        including the new ones. New token j sees seq_lens - s_q + j + 1 tokens.
+      topk: a Python int, index_topk (2048 in V3.2).
+
+    Returns:
+      (batch, s_q, topk) int32 slots (page * 64 + offset, sparse_mla_decode's indices), in
+      descending score order; -1 after a token's min(topk, visible) selected ones (and for
+      visible positions whose block-table entry names no page of the cache).
+    """
+    where = "indexer_decode"
+    data = _check_rows(where, query, cache, block_table, ("batch", "s_q"))
+    batch, s_q = query.values.shape[:2]
+    seq_lens = _check_lengths(where, "seq_lens", seq_lens, (batch,))
+    _check_topk(where, topk)
+    visible = seq_lens[:, None] - s_q + 1 + jnp.arange(s_q, dtype=jnp.int32)
+    rows = IndexQuery(*(x.reshape(batch * s_q, *x.shape[2:]) for x in query))
+    block_table = jnp.repeat(jnp.asarray(block_table), s_q, axis=0)
+    return _select(rows, data, block_table, visible.reshape(-1), topk).reshape(batch, s_q, topk)
+
+
+def indexer_prefill(query, cache, block_table, seq_lens, cu_seqlens, *, topk=INDEX_TOPK):
+    """The tokens each new token of a prefill or extend attends to, causally.
+
+    Args:
+      query: IndexQuery of a ragged batch's new tokens: values (tokens, heads, 128), weights
+        (tokens, heads); request r's at rows [cu_seqlens[r], cu_seqlens[r + 1]).
+      cache: IndexKeyCache or its (num_pages, 8448) uint8 array, the new tokens' keys already
+        written after each request's cached prefix.
+      block_table: (batch, max_pages) int32; seq_lens: (batch,) int32, each request's tokens
+        including the new ones; cu_seqlens: (batch + 1,) int32, non-decreasing from 0.
+        New token j of request r sees seq_lens[r] - (cu_seqlens[r + 1] - cu_seqlens[r]) + j + 1
+        tokens; rows from cu_seqlens[batch] on (padding) see none.
+      topk: as indexer_decode's.
+
+    Returns:
+      (tokens, topk) int32 slots, as indexer_decode's.
+    """
+    where = "indexer_prefill"
+    data = _check_rows(where, query, cache, block_table, ("tokens",))
+    batch = block_table.shape[0]
+    seq_lens = _check_lengths(where, "seq_lens", seq_lens, (batch,))
+    cu_seqlens = _check_lengths(where, "cu_seqlens", cu_seqlens, (batch + 1,))
+    _check_topk(where, topk)
+    row = jnp.arange(query.values.shape[0], dtype=jnp.int32)
+    request = jnp.clip(jnp.searchsorted(cu_seqlens[1:], row, side="right"), 0, batch - 1)
+    start, end = cu_seqlens[request], cu_seqlens[request + 1]
+    visible = seq_lens[request] - (end - start) + (row - start) + 1
+    visible = jnp.where(row < cu_seqlens[batch], visible, 0).astype(jnp.int32)
+    return _select(query, data, jnp.asarray(block_table)[request], visible, topk)
