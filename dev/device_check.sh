@@ -21,6 +21,8 @@
 #              (step_h200), STEP_DEADLINE_S (default 540)
 #     grid     bench_grid.py; GRID_ARGS, GRID_NAME (grid_h200), GRID_DEADLINE_S (default 420)
 #     fp8      bench_fp8.py
+#     sparse-bench  bench_sparse.py; SPARSE_ARGS (e.g. "--points call/*"), SPARSE_NAME
+#              (sparse_h200), SPARSE_DEADLINE_S (default 420)
 #     launch   dev/probe_launch.py; LAUNCH_ARGS, LAUNCH_NAME (launch)
 #     host     dev/probe_step_host.py; HOST_ARGS, HOST_NAME (host)
 #     graph-inspect  dev/probe_launch.py with dev/graph_inspect.c: the CUDA graphs' nodes and
@@ -108,6 +110,10 @@ for mode in "${modes[@]}"; do
     timeout $((${GRID_DEADLINE_S:-420} + 60)) python3 benchmarks/bench_grid.py \
       --deadline-s "${GRID_DEADLINE_S:-420}" --out-dir "$out" --name "${GRID_NAME:-grid_h200}" \
       ${GRID_ARGS:-} 2>&1 | tee "$out/grid.txt" | tail -40 ;;
+  sparse-bench)
+    timeout $((${SPARSE_DEADLINE_S:-420} + 90)) python3 benchmarks/bench_sparse.py \
+      --deadline-s "${SPARSE_DEADLINE_S:-420}" --out "$out/${SPARSE_NAME:-sparse_h200}" \
+      ${SPARSE_ARGS:-} 2>&1 | tee "$out/sparse.txt" | cut -c1-400 | tail -60 ;;
   fp8)
     timeout 240 python3 benchmarks/bench_fp8.py --out "$out/fp8_h200.json" 2>&1 \
       | tee "$out/fp8.txt" | tail -20 ;;

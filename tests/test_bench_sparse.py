@@ -1,0 +1,88 @@
+"""benchmarks/bench_sparse.py's tiny configuration (on CPU through the sparse reference and the
+C++ model of the dense decode): its points and fields, and the report; the report's ratios and
+bars from per-repeat times, and parts merged."""
+import statistics
+import sys
+
+from helpers import BENCHMARKS, run_tiny_benchmark
+
+sys.path.insert(0, str(BENCHMARKS))
+import sparse_report  # noqa: E402
+
+
+def test_the_tiny_run_writes_its_report(tmp_path):
+    prefix = tmp_path / "sparse"
+    result = run_tiny_benchmark("bench_sparse.py", prefix)
+    assert [r["label"] for r in result["per_call"]] == ["call/b2/ctx128/h16/s1",
+                                                        "call/b2/ctx128/h16/s2"]
+    assert [r["label"] for r in result["step"]] == ["step/b2/ctx128/h16/s1"]
+    assert result["not_run"] == [] and result["meta"]["topk"] == 64
+    for record in result["per_call"]:
+        assert set(record["impls"]) == {"sparse", "dense"}  # no torch in the tiny run
+        for timed in record["impls"].values():
+            assert len(timed["us_repeats"]) == 2
+            assert timed["us"] == statistics.median(timed["us_repeats"])
+        sparse, dense = (record["impls"][k]["us_repeats"] for k in ("sparse", "dense"))
+        assert record["sparse_over_dense"] == statistics.median(
+            [a / b for a, b in zip(sparse, dense)])
+        assert record["vs_torch"] is None and record["vs_torch_device"] is None
+    (step,) = result["step"]
+    assert (step["layers"], step["layer_caches"]) == (3, 3)
+    assert {"jax_scan_us", "jax_unrolled_us", "compile_s"} <= set(step)
+    assert step["steps_agree"]  # the scanned and unrolled steps' outs, bit for bit
+    markdown = prefix.with_suffix(".md").read_text()
+    assert "| 2 | 128 | 16 | 2 |" in markdown and "| 2 | 128 | 16 | 1 | 3 | 3 |" in markdown
+    assert prefix.with_suffix(".png").stat().st_size > 0
+
+
+def _call(b, sparse, torch, dense=(400.0, 400.0, 400.0)):
+    impls = {name: dict(us=statistics.median(times), us_repeats=list(times),
+                        device_us=statistics.median(times), device_us_repeats=list(times))
+             for name, times in (("sparse", sparse), ("torch", torch), ("dense", dense))}
+    record = dict(label=f"call/b{b}/ctx8192/h128/s1", b=b, context=8192, h_q=128, s_q=1,
+                  topk=2048, impls=impls, skipped={},
+                  checks=dict(out_identical=True, lse_identical=True))
+    record.update(sparse_report.call_ratios(record))
+    return record
+
+
+def _step(b, graph_us, scan_us, unrolled_us):
+    return dict(label=f"step/b{b}/ctx32768/h128/s1", b=b, context=32768, h_q=128, s_q=1,
+                layers=61, layer_caches=61, skipped={}, jax_scan_us=scan_us,
+                jax_unrolled_us=unrolled_us, torch_graph_us=graph_us,
+                jax_scan_out_identical=True, jax_unrolled_out_identical=True)
+
+
+def test_the_report_states_the_bars_from_the_runs_times():
+    # Per repeat 1.02, 1.01, 1.04: the median 1.02 meets the per-call bar at b=128.
+    within = _call(128, (102.0, 101.0, 104.0), (100.0, 100.0, 100.0))
+    over = _call(128, (105.0, 106.0, 104.0), (100.0, 100.0, 100.0))
+    small = _call(1, (30.0, 30.0, 30.0), (20.0, 20.0, 20.0))
+    assert within["vs_torch_device"] == within["vs_torch"] == 1.02
+    assert within["sparse_over_dense_device"] == 102.0 / 400.0
+    assert [sparse_report.call_bar_met(r) for r in (within, over, small)] == [True, False, None]
+    # The graph's step: 30 µs x 61 layers < 2 ms (bar 1.15), 40 x 61 >= 2 ms (bar 1.05).
+    short, long = _step(1, 30.0, 34.0, 33.0), _step(128, 40.0, 43.0, 41.0)
+    assert sparse_report.step_ratios(long) == dict(jax_scan=43.0 / 40.0, jax_unrolled=41.0 / 40.0)
+    assert [sparse_report.step_bar_met(r) for r in (short, long)] == [True, False]
+    result = dict(meta=dict(device="H200", jax="x", date="today", implementation="custom_call",
+                            topk=2048, softmax_scale=192 ** -0.5, rotations=4, layers=61),
+                  per_call=[within, over, small], step=[short, long], not_run=[])
+    markdown = sparse_report.markdown(result)
+    assert "within 1.03 at 1 of 2 points" in markdown
+    assert "both jax steps within their bar at 1 of 2 points" in markdown
+    assert "| 128 | 8192 | 128 | 1 | 102.0 (102.0) | 100.0 (100.0) | 1.020 (1.020) | yes |" \
+        in markdown
+    assert "| 1.133 | 1.100 | 1.15 | yes | yes |" in markdown
+    assert "| 1.075 | 1.025 | 1.05 | NO | yes |" in markdown
+
+
+def test_a_merged_part_replaces_the_points_it_measured_again():
+    old = dict(meta={}, per_call=[_call(1, (3.0,), (2.0,))], step=[],
+               not_run=["step/b1/ctx32768/h128/s1"])
+    new = dict(meta={}, per_call=[_call(1, (1.0,), (2.0,)), _call(16, (1.0,), (1.0,))],
+               step=[_step(1, 30.0, 31.0, 31.0)], not_run=[])
+    merged = sparse_report.merge([old, new])
+    assert [(r["b"], r["impls"]["sparse"]["us"]) for r in merged["per_call"]] == [(1, 1.0),
+                                                                                  (16, 1.0)]
+    assert len(merged["step"]) == 1 and merged["not_run"] == []
