@@ -212,7 +212,7 @@ def main():
     for kind in ("decode", "prefill", "schedule"):
         for r in report[kind]:
             shown = {k: v for k, v in r.items() if k != "allocations"}
-            print(kind, json.dumps(shown), "allocations:", r["allocations"][:12])
+            print(kind, json.dumps(shown), "allocations:", r.get("allocations", [])[:12])
     print("done")
 
 

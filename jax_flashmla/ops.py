@@ -147,9 +147,11 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, metadata=None, softmax_sca
         ceil(seq_lens / 64) entries of its row) is outside [0, num_pages), is decoded as one
         of length 0, on every implementation, the others as if it were not there. With a
         metadata that carries its lengths (get_mla_metadata(..., block_table=, num_pages=))
-        those lengths are decoded and this one is not read; with metadata=None this call
-        works them out. With a metadata made without them out-of-range values are not
-        caught: FlashMLA then reads through them.
+        those lengths are decoded, block_table's pages outside the cache are read as page 0,
+        and a request whose length here is not the metadata's (a metadata of another step)
+        comes out NaN (out NaN, lse as NaN leaves it, below) unless the metadata made it
+        empty; with metadata=None this call works them out. With a metadata made without
+        them out-of-range values are not caught: FlashMLA then reads through them.
       metadata: MLAMetadata from get_mla_metadata for these seq_lens, h_q and s_q, to share
         one schedule between the layers of a step. When None it is computed next to the
         kernel, per device for the local batch and heads when q is sharded (a given metadata
@@ -206,7 +208,8 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, metadata=None, softmax_sca
     elif metadata is None:
         seq_lens = safe_seq_lens(block_table, seq_lens, kv_cache.shape[0])
     if metadata is not None and metadata.seq_lens is not None:
-        seq_lens = metadata.seq_lens
+        q, block_table, seq_lens = _under_carried_lengths(q, kv_cache, block_table, seq_lens,
+                                                          metadata.seq_lens)
     operands = dict(q=q, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens)
     if fp8:
         scale = jnp.asarray(k_scale).reshape(1)
@@ -222,6 +225,22 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, metadata=None, softmax_sca
     return decode_primitive.mla_decode(operands, softmax_scale=float(softmax_scale),
                                        causal=bool(causal), num_sms=num_sms,
                                        implementation=implementation)
+
+
+def _under_carried_lengths(q, kv_cache, block_table, seq_lens, carried):
+    """(q, block_table, seq_lens) for a decode under a metadata that carries its lengths.
+
+    The kernels decode the carried lengths, which are in range for the metadata's own table.
+    This call's table gets each page outside the cache replaced by page 0, so no table makes
+    them read outside it. A request whose length is not the metadata's (a metadata of another
+    step), unless the metadata's is 0 (a request it made empty), gets NaN in its q rows, so
+    its out is NaN rather than attention over the wrong keys. Both are elementwise: XLA fuses
+    them into what computes q and the table."""
+    stale = (seq_lens != carried) & (carried != 0)
+    nan = jnp.asarray(jnp.nan, q.dtype)
+    q = jnp.where(stale[:, None, None, None], nan, q)
+    in_cache = (block_table >= 0) & (block_table < kv_cache.shape[0])
+    return q, jnp.where(in_cache, block_table, 0), carried
 
 
 def _checked_operands(q, kv_cache, block_table, seq_lens, metadata, k_scale):

@@ -90,6 +90,43 @@ def test_the_metadata_carries_the_lengths_it_was_made_for():
     assert plain.seq_lens is None
 
 
+@pytest.mark.parametrize("dtype,s_q", [("bf16", 1), ("bf16", 2), ("fp8", 1)])
+def test_a_metadata_of_other_lengths_poisons_those_requests(dtype, s_q):
+    """A metadata made (with block_table and num_pages) for another step's lengths: each
+    request whose length differs comes out NaN, not attention over other keys; a request the
+    metadata made empty stays empty; the others are bit for bit the step's own."""
+    q, kv, bt, sl, k_scale = _inputs(dtype, s_q)
+    old = sl.at[0].add(-7).at[2].set(kv.shape[0] * 64 + 1)  # 2: out of range then
+    md = jf.get_mla_metadata(old, num_heads_q=q.shape[2], num_q_tokens=s_q,
+                             fp8=k_scale is not None, implementation="custom_call",
+                             block_table=bt, num_pages=kv.shape[0])
+    out, lse = jf.mla_decode(q, kv, bt, sl, metadata=md, softmax_scale=0.1,
+                             implementation="custom_call", k_scale=k_scale)
+    want_out, want_lse = _decode(q, kv, bt, sl.at[2].set(0), k_scale, "custom_call",
+                                 "made with num_pages")
+    out, want_out = np.asarray(out, np.float32), np.asarray(want_out, np.float32)
+    assert np.isnan(out[0]).all() and not np.isnan(out[1:]).any()
+    assert not out[2].any() and np.all(np.asarray(lse[2]) == np.inf)
+    np.testing.assert_array_equal(out[1:], want_out[1:])
+    np.testing.assert_array_equal(np.asarray(lse[1:]), np.asarray(want_lse[1:]))
+
+
+def test_under_a_metadata_any_table_is_read_inside_the_cache():
+    """A metadata made with one table, a decode given another whose read pages lie outside
+    the cache: those pages are read as page 0, never outside (the C++ model refuses a read
+    outside the cache)."""
+    q, kv, bt, sl, _ = _inputs("bf16", 1)
+    md = jf.get_mla_metadata(sl, num_heads_q=16, implementation="custom_call", block_table=bt,
+                             num_pages=kv.shape[0])
+    far = bt.at[BAD, 0].set(10**6).at[0, 0].set(-9)
+    out, lse = jf.mla_decode(q, kv, far, sl, metadata=md, softmax_scale=0.1,
+                             implementation="custom_call")
+    want_out, want_lse = _decode(q, kv, far.at[BAD, 0].set(0).at[0, 0].set(0), sl, None,
+                                 "custom_call", "none")
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want_out, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(want_lse))
+
+
 @pytest.mark.parametrize("kwargs,pattern", [
     (dict(num_pages=8), r"get_mla_metadata: block_table and num_pages go together .*; got "
                         r"num_pages alone"),
