@@ -217,3 +217,9 @@ def test_bad_metadata_shapes_are_named(name, value):
     with pytest.raises(ValueError, match=f"sparse_decode_metadata: {name} must be a positive "
                                          f"Python int; got {value!r}"):
         sparse_decode_metadata(args.pop("batch"), **args)
+
+
+def test_int64_slots_are_refused_not_narrowed():
+    slots = np.asarray([[5, 2**33 + 5]], np.int64)  # narrowed to int32, 2**33 + 5 is slot 5
+    with pytest.raises(TypeError, match="write_sparse_kv: slots must be int32; got int64"):
+        write_sparse_kv(SparseKVCache.create(1), slots, jnp.zeros((1, 2, 576), jnp.float32))

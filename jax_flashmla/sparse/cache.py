@@ -130,8 +130,10 @@ def write_sparse_kv(kv_cache, slots, kv):
       the write is in place.
     """
     data = sparse_cache_array(kv_cache, "write_sparse_kv")
-    slots = jnp.asarray(slots)
+    # Checked before jnp.asarray, which would narrow a NumPy int64 array without a word.
+    slots = slots if hasattr(slots, "dtype") else jnp.asarray(slots)
     validation.check_int32("write_sparse_kv", "slots", slots)
+    slots = jnp.asarray(slots)
     expected = tuple(slots.shape) + (HEAD_DIM,)
     if tuple(kv.shape) != expected or not jnp.issubdtype(kv.dtype, jnp.floating):
         raise ValueError(f"write_sparse_kv: kv must be floating with shape {expected} (slots' "
