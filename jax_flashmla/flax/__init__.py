@@ -6,9 +6,17 @@ Needs flax (NNX); imported only from here, never by `import jax_flashmla`.
 """
 from jax_flashmla.flax.mla import MLAConfig, MultiHeadLatentAttention, RMSNorm
 from jax_flashmla.flax.rope import softmax_scale, yarn_get_mscale
+from jax_flashmla.flax.sparse_mla import (SparseMLAConfig,
+                                          SparseMultiHeadLatentAttention,
+                                          load_sparse_attention_safetensors,
+                                          load_sparse_attention_weights,
+                                          sparse_attention_parameter_names)
 from jax_flashmla.flax.weights import (attention_parameter_names, load_attention_safetensors,
                                        load_attention_weights, read_safetensors)
 
-__all__ = ["MLAConfig", "MultiHeadLatentAttention", "RMSNorm", "attention_parameter_names",
-           "load_attention_safetensors", "load_attention_weights", "read_safetensors",
-           "softmax_scale", "yarn_get_mscale"]
+__all__ = ["MLAConfig", "MultiHeadLatentAttention", "RMSNorm", "SparseMLAConfig",
+           "SparseMultiHeadLatentAttention", "attention_parameter_names",
+           "load_attention_safetensors", "load_attention_weights",
+           "load_sparse_attention_safetensors", "load_sparse_attention_weights",
+           "read_safetensors", "softmax_scale", "sparse_attention_parameter_names",
+           "yarn_get_mscale"]
