@@ -23,6 +23,8 @@
 #     fp8      bench_fp8.py
 #     sparse-bench  bench_sparse.py; SPARSE_ARGS (e.g. "--points call/*"), SPARSE_NAME
 #              (sparse_h200), SPARSE_DEADLINE_S (default 420)
+#     v32-bench  bench_v32_decode.py; V32_ARGS (e.g. "--points step/*/ctx131072/*"), V32_NAME
+#              (v32_decode_h200), V32_DEADLINE_S (default 420)
 #     launch   dev/probe_launch.py; LAUNCH_ARGS, LAUNCH_NAME (launch)
 #     host     dev/probe_step_host.py; HOST_ARGS, HOST_NAME (host)
 #     graph-inspect  dev/probe_launch.py with dev/graph_inspect.c: the CUDA graphs' nodes and
@@ -114,6 +116,10 @@ for mode in "${modes[@]}"; do
     timeout $((${SPARSE_DEADLINE_S:-420} + 90)) python3 benchmarks/bench_sparse.py \
       --deadline-s "${SPARSE_DEADLINE_S:-420}" --out "$out/${SPARSE_NAME:-sparse_h200}" \
       ${SPARSE_ARGS:-} 2>&1 | tee "$out/sparse.txt" | cut -c1-400 | tail -60 ;;
+  v32-bench)
+    timeout $((${V32_DEADLINE_S:-420} + 120)) python3 benchmarks/bench_v32_decode.py \
+      --deadline-s "${V32_DEADLINE_S:-420}" --out "$out/${V32_NAME:-v32_decode_h200}" \
+      ${V32_ARGS:-} 2>&1 | tee "$out/v32.txt" | cut -c1-400 | tail -40 ;;
   fp8)
     timeout 240 python3 benchmarks/bench_fp8.py --out "$out/fp8_h200.json" 2>&1 \
       | tee "$out/fp8.txt" | tail -20 ;;
