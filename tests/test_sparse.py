@@ -145,6 +145,26 @@ def test_rows_no_query_reads_change_nothing():
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+def test_a_nan_in_a_row_read_poisons_only_the_queries_that_read_it():
+    """As FlashMLA's sparse decode does (measured on a Hopper GPU): a NaN byte in a row's
+    latent makes every query naming that row NaN in all 512 columns and in its lse; the other
+    queries are unchanged."""
+    q, cache, indices = _decode_problem(6)
+    slot = int(indices[0, 1, 2])
+    tokens = np.asarray(cache).reshape(-1, TOKEN_BYTES).copy()
+    tokens[slot, 7] = 0x7F  # an e4m3 NaN
+    poisoned = jnp.asarray(tokens.reshape(np.asarray(cache).shape))
+    decode = jax.jit(sparse_mla_decode)
+    (out, lse), (clean_out, clean_lse) = decode(q, poisoned, indices), decode(q, cache, indices)
+    out, clean_out = np.asarray(out, np.float32), np.asarray(clean_out, np.float32)
+    reads = (np.asarray(indices) == slot).any(-1)  # (batch, s_q)
+    assert reads[0, 1]
+    assert np.isnan(out[reads]).all() and np.isnan(np.asarray(lse).transpose(0, 2, 1)[reads]).all()
+    np.testing.assert_array_equal(out[~reads], clean_out[~reads])
+    np.testing.assert_array_equal(np.asarray(lse).transpose(0, 2, 1)[~reads],
+                                  np.asarray(clean_lse).transpose(0, 2, 1)[~reads])
+
+
 def test_sparse_prefill_matches_the_float64_oracle():
     rng = np.random.default_rng(6)
     tokens, keys, h_q, topk = 9, 300, 16, 64
