@@ -53,7 +53,6 @@ import concurrent.futures
 import datetime
 import fnmatch
 import functools
-import gc
 import json
 import os
 import platform
@@ -78,7 +77,7 @@ from jax_flashmla.sparse.cache import TOKEN_BYTES  # noqa: E402
 import sparse_report  # noqa: E402
 from device_time import device_time_in_turns, spin_blockers  # noqa: E402
 from timing import time_in_turns  # noqa: E402
-from torch_side import TorchSide  # noqa: E402
+from torch_side import TorchSide, captured  # noqa: E402
 from workload import D_QK, D_V, PAGE, Workload  # noqa: E402
 
 SOFTMAX_SCALE = 192 ** -0.5  # DeepSeek's q/k head dim (128 + 64)
@@ -140,25 +139,6 @@ def sparse_indices(rng, block_table, s_q, topk, context):
     block_table), each query token its own."""
     positions = random_positions(rng, (block_table.shape[0], s_q), context, topk)
     return token_slots(block_table, jnp.asarray(positions))
-
-
-def captured(torch, step):
-    """(replay, out): step captured in a torch CUDA graph, as torch_side.TorchStep captures
-    its step (warmed up off the default stream, no garbage collection during the capture)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    gc.disable()
-    try:
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            out = step()
-    finally:
-        gc.enable()
-    return graph.replay, out
 
 
 class TorchSparse:

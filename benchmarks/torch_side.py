@@ -13,6 +13,28 @@ FP8 = "float8_e4m3fn"
 D_QK, D_V = 576, 512
 
 
+def captured(torch, step):
+    """(replay, out): step() captured in a torch CUDA graph, warmed up off the default stream
+    as capture wants."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    # A capture failed once at the start of a point under the default mode. The CUDA calls
+    # that JAX makes meanwhile (freeing the last point's arrays and executables, on its own
+    # threads or from a garbage collection here) must not invalidate it.
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            out = step()
+    finally:
+        gc.enable()
+    return graph.replay, out
+
+
 class TorchSide:
     def __init__(self, ops=None):
         """ops: the op names (kernels.ensure_cuda_targets(), which loads them, by default)."""
@@ -151,25 +173,10 @@ class TorchStep:
                 q, latent = torch.cat([out, rope[layer]], dim=-1), out[:, :, 0, :]
             return q[..., :D_V]
 
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm up off the default stream, as capture wants
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        # A capture failed once at the start of a point under the default mode. The CUDA
-        # calls that JAX makes meanwhile (freeing the last point's arrays and executables, on
-        # its own threads or from a garbage collection here) must not invalidate it.
-        gc.disable()
-        try:
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                graph_out = step()
-        finally:
-            gc.enable()
+        replay, graph_out = captured(torch, step)
 
         def last_out():
             return jax.device_get(jnp.asarray(graph_out.float().cpu().numpy()))
 
         sync = torch.cuda.synchronize
-        return {"torch_graph": (graph.replay, sync), "torch_eager": (step, sync)}, last_out
+        return {"torch_graph": (replay, sync), "torch_eager": (step, sync)}, last_out

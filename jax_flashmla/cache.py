@@ -27,9 +27,30 @@ MAX_SLOT_PAGE = (np.iinfo(np.int32).max - PAGE_SIZE + 1) // PAGE_SIZE  # its las
 CACHE_DTYPES = validation.SUPPORTED_DTYPES + (validation.FP8_DTYPE,)
 
 
+def check_num_pages(where, num_pages):
+    """num_pages as an int, or a ValueError naming it unless it is a positive int."""
+    if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) \
+            or num_pages < 1:
+        raise ValueError(f"{where}: num_pages must be a positive int; got {num_pages!r}")
+    return int(num_pages)
+
+
+class PagedArray:
+    """A cache whose data's first axis is its pages of 64 tokens."""
+
+    @property
+    def num_pages(self):
+        return self.data.shape[0]
+
+    @property
+    def num_tokens(self):
+        """Capacity in tokens (num_pages * 64)."""
+        return self.num_pages * PAGE_SIZE
+
+
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["data"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
-class PagedKVCache:
+class PagedKVCache(PagedArray):
     """One layer's paged MLA KV cache.
 
     Attributes:
@@ -45,22 +66,11 @@ class PagedKVCache:
     @classmethod
     def create(cls, num_pages, dtype=jnp.bfloat16):
         """A zero-filled cache of num_pages pages of 64 tokens."""
-        if not isinstance(num_pages, (int, np.integer)) or num_pages < 1:
-            raise ValueError(f"PagedKVCache.create: num_pages must be a positive int; "
-                             f"got {num_pages!r}")
+        num_pages = check_num_pages("PagedKVCache.create", num_pages)
         if np.dtype(dtype) not in CACHE_DTYPES:
             raise TypeError(f"PagedKVCache.create: dtype must be bfloat16, float16 or "
                             f"float8_e4m3fn; got {dtype}")
-        return cls(jnp.zeros((int(num_pages), PAGE_SIZE, 1, HEAD_DIM), dtype))
-
-    @property
-    def num_pages(self):
-        return self.data.shape[0]
-
-    @property
-    def num_tokens(self):
-        """Capacity in tokens (num_pages * 64)."""
-        return self.num_pages * PAGE_SIZE
+        return cls(jnp.zeros((num_pages, PAGE_SIZE, 1, HEAD_DIM), dtype))
 
     @property
     def dtype(self):

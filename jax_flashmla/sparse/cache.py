@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_flashmla import validation
-from jax_flashmla.cache import droppable_slots, scatter_rows
+from jax_flashmla.cache import PagedArray, check_num_pages, droppable_slots, scatter_rows
 from jax_flashmla.validation import HEAD_DIM, HEAD_DIM_V, PAGE_SIZE
 
 TILE = 128
@@ -32,7 +32,7 @@ MIN_EXPONENT = -126  # the smallest normal float32, 2**-126: an all-zero tile's 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["data"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
-class SparseKVCache:
+class SparseKVCache(PagedArray):
     """One layer's V3.2 sparse-attention cache: data (num_pages, 64, 1, 656) uint8 (module doc).
 
     A pytree, so it passes through jit, scan and donation like its array."""
@@ -42,19 +42,8 @@ class SparseKVCache:
     @classmethod
     def create(cls, num_pages):
         """A cache of num_pages pages of 64 tokens, every token 0."""
-        if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) \
-                or num_pages < 1:
-            raise ValueError(f"SparseKVCache.create: num_pages must be a positive int; "
-                             f"got {num_pages!r}")
-        return cls(quantize_tokens(jnp.zeros((int(num_pages), PAGE_SIZE, 1, HEAD_DIM))))
-
-    @property
-    def num_pages(self):
-        return self.data.shape[0]
-
-    @property
-    def num_tokens(self):
-        return self.num_pages * PAGE_SIZE
+        num_pages = check_num_pages("SparseKVCache.create", num_pages)
+        return cls(quantize_tokens(jnp.zeros((num_pages, PAGE_SIZE, 1, HEAD_DIM))))
 
 
 def _bytes(x):

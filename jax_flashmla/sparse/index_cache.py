@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_flashmla import validation
-from jax_flashmla.cache import droppable_slots, scatter_rows
+from jax_flashmla.cache import PagedArray, check_num_pages, droppable_slots, scatter_rows
 from jax_flashmla.validation import PAGE_SIZE, _fail
 
 INDEX_HEAD_DIM = 128
@@ -35,7 +35,7 @@ CHUNKS_PER_PAGE = PAGE_BYTES // (PAGE_SIZE * SCALE_BYTES)
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["data"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
-class IndexKeyCache:
+class IndexKeyCache(PagedArray):
     """One layer's index-key cache: data (num_pages, 8448) uint8 (module doc).
 
     A pytree, so it passes through jit, scan and donation like its array."""
@@ -45,22 +45,11 @@ class IndexKeyCache:
     @classmethod
     def create(cls, num_pages):
         """A cache of num_pages pages of 64 tokens, every key 0 (with the scale 2**-22)."""
-        if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) \
-                or num_pages < 1:
-            raise ValueError(f"IndexKeyCache.create: num_pages must be a positive int; "
-                             f"got {num_pages!r}")
+        num_pages = check_num_pages("IndexKeyCache.create", num_pages)
         _, zero_scale = quantize_index_keys(jnp.zeros((PAGE_SIZE, INDEX_HEAD_DIM)))
         scale_bytes = jax.lax.bitcast_convert_type(zero_scale, jnp.uint8).reshape(-1)
-        data = jnp.zeros((int(num_pages), PAGE_BYTES), jnp.uint8)
+        data = jnp.zeros((num_pages, PAGE_BYTES), jnp.uint8)
         return cls(data.at[:, VALUES_BYTES:].set(scale_bytes))
-
-    @property
-    def num_pages(self):
-        return self.data.shape[0]
-
-    @property
-    def num_tokens(self):
-        return self.num_pages * PAGE_SIZE
 
 
 def index_cache_array(cache, where):

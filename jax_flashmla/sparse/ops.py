@@ -63,6 +63,12 @@ def _implementation(where, implementation):
     return implementation
 
 
+def _kernel_head_count(h_q):
+    """The kernel's heads (64 or 128) that h_q heads are padded to; h_q past them, unchanged
+    (the decode refuses it)."""
+    return next((h for h in KERNEL_HEADS if h >= h_q), h_q)
+
+
 def _kernel_heads(where, q, attn_sink):
     """q (..., h_q, 576) bf16 and the sink (h_q,) padded with zeros to the kernel's heads,
     and whether a sink was given."""
@@ -72,7 +78,7 @@ def _kernel_heads(where, q, attn_sink):
     if h_q > KERNEL_HEADS[-1]:
         _fail(ValueError, where, f"FlashMLA's sparse decode takes at most {KERNEL_HEADS[-1]} "
                                  f"heads; got h_q={h_q} (split the heads)")
-    heads = next(h for h in KERNEL_HEADS if h >= h_q)
+    heads = _kernel_head_count(h_q)
     pad = [(0, 0)] * (q.ndim - 2) + [(0, heads - h_q), (0, 0)]
     sink = jnp.zeros((h_q,), jnp.float32) if attn_sink is None else attn_sink
     return jnp.pad(q, pad), jnp.pad(sink, (0, heads - h_q)), attn_sink is not None
@@ -116,7 +122,7 @@ def sparse_decode_metadata(batch, *, num_heads_q, topk, num_q_tokens=1):
 
 
 def _schedule(batch, h_q, s_q, topk):
-    heads = next((h for h in KERNEL_HEADS if h >= h_q), h_q)
+    heads = _kernel_head_count(h_q)
     parts = validation.num_sm_parts(default_num_sms(), heads, s_q)
     tile_md, num_splits = custom_calls.schedule(
         jnp.full((batch,), topk, jnp.int32), num_heads_q=heads, num_q_tokens=s_q,
@@ -130,11 +136,11 @@ def _check_metadata(where, metadata, q, indices):
     if not isinstance(metadata, SparseMetadata):
         _fail(TypeError, where, f"metadata must be a SparseMetadata from sparse_decode_metadata "
                                 f"or None; got {type(metadata).__name__}")
-    if (metadata.batch, metadata.num_heads_q, metadata.num_q_tokens, metadata.topk) != made_for:
+    made = (metadata.batch, metadata.num_heads_q, metadata.num_q_tokens, metadata.topk)
+    if made != made_for:
         _fail(ValueError, where, f"metadata was made for (batch, num_heads_q, num_q_tokens, topk) "
-                                 f"= {(metadata.batch, metadata.num_heads_q, metadata.num_q_tokens, metadata.topk)}, "
-                                 f"but q {tuple(q.shape)} and indices {tuple(indices.shape)} "
-                                 f"need {made_for}")
+                                 f"= {made}, but q {tuple(q.shape)} and indices "
+                                 f"{tuple(indices.shape)} need {made_for}")
 
 
 def _kernel_decode(q, data, indices, attn_sink, softmax_scale, metadata):
