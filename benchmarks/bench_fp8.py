@@ -10,15 +10,8 @@ speed-up is the median of per-repeat ratios.
 
     python benchmarks/bench_fp8.py --out benchmarks/results/fp8_h200.json
     python benchmarks/bench_fp8.py --tiny   # a small shape, for CPU (the custom call's C++ model)
-
---guard-step times instead an FP8 decode step of --layers layers over one block table, whose
-guards for empty requests XLA merges into one (ffi/fp8_guard.h), against the same step given
-the table once per layer as separate arguments, which XLA cannot merge: one guard per layer,
-as before the guard was a custom call of its own. b=128, s_k in {1024, 4096, 8192}, h_q in
-{16, 128}; the ratio is per-layer's time over the merged step's.
 """
 import argparse
-import functools
 import json
 import statistics
 
@@ -50,8 +43,10 @@ def _inputs(batch, s_k, h_q, seed=0):
 
 def bench_one(batch, s_k, h_q, calls, repeats):
     q, kv, kv8, scale, bt, sl = _inputs(batch, s_k, h_q)
-    md = jf.get_mla_metadata(sl, num_heads_q=h_q, implementation="custom_call")
-    md8 = jf.get_mla_metadata(sl, num_heads_q=h_q, fp8=True, implementation="custom_call")
+    md = jf.get_mla_metadata(sl, block_table=bt, num_pages=kv.shape[0], num_heads_q=h_q,
+                             implementation="custom_call")
+    md8 = jf.get_mla_metadata(sl, block_table=bt, num_pages=kv8.shape[0], num_heads_q=h_q,
+                              fp8=True, implementation="custom_call")
     decode = jax.jit(lambda q, kv, bt, sl, md: jf.mla_decode(q, kv, bt, sl, metadata=md,
                                                              implementation="custom_call"))
     decode8 = jax.jit(lambda q, kv, bt, sl, md, s: jf.mla_decode(
@@ -76,39 +71,6 @@ def bench_one(batch, s_k, h_q, calls, repeats):
                 fp8_vs_bf16_cos_diff=float(cos_diff))
 
 
-def guard_calls(step, *args):
-    return step.lower(*args).compile().as_text().count(
-        'custom_call_target="jax_flashmla_fp8_guard"')
-
-
-def bench_guard_step(batch, s_k, h_q, layers, calls, repeats):
-    q, _, kv8, scale, bt, sl = _inputs(batch, s_k, h_q)
-    qs = [jax.jit(fp8.quantize)(q * (1 + layer / layers), scale) for layer in range(layers)]
-    md8 = jf.get_mla_metadata(sl, num_heads_q=h_q, fp8=True, implementation="custom_call")
-    decode = lambda q, kv, bt, sl, md, s: jf.mla_decode(q, kv, bt, sl, metadata=md, k_scale=s,
-                                                        implementation="custom_call")[0]
-    merged = jax.jit(lambda qs, kv, bt, sl, md, s: [decode(q, kv, bt, sl, md, s) for q in qs])
-    per_layer = jax.jit(lambda qs, kv, bts, sl, md, s: [decode(q, kv, bt, sl, md, s)
-                                                         for q, bt in zip(qs, bts)])
-    merged_args, per_layer_args = (qs, kv8, bt, sl, md8, scale), (qs, kv8, [bt] * layers, sl,
-                                                                   md8, scale)
-    guards = (guard_calls(merged, *merged_args), guard_calls(per_layer, *per_layer_args))
-    if guards != (1, layers):
-        raise RuntimeError(f"expected 1 and {layers} guard calls, compiled {guards}")
-    for a, b in zip(merged(*merged_args), per_layer(*per_layer_args)):
-        if not np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32)):
-            raise RuntimeError("the merged and per-layer steps disagree")
-    samples = in_turns(dict(
-        merged=(lambda: merged(*merged_args), jax.block_until_ready, calls, layers),
-        per_layer=(lambda: per_layer(*per_layer_args), jax.block_until_ready, calls, layers)),
-        repeats=repeats, warmup=3)
-    ratio = paired_ratios(samples["per_layer"], samples["merged"])
-    return dict(batch=batch, s_k=s_k, h_q=h_q, layers=layers,
-                merged_ms_per_layer=statistics.median(samples["merged"]) * 1e3,
-                per_layer_ms_per_layer=statistics.median(samples["per_layer"]) * 1e3,
-                per_layer_over_merged=ratio[0], range=ratio[1:])
-
-
 def _comparison_line(r):
     return (f"b={r['batch']} s_k={r['s_k']} h_q={r['h_q']:3d}: bf16 {r['bf16_ms']:.4f} ms "
             f"{r['bf16_cache_gbps']:.0f} GB/s  fp8 {r['fp8_ms']:.4f} ms "
@@ -117,29 +79,14 @@ def _comparison_line(r):
             f"{r['fp8_vs_bf16_cos_diff']:.3g}")
 
 
-def _guard_step_line(r):
-    return (f"b={r['batch']} s_k={r['s_k']} h_q={r['h_q']:3d}, {r['layers']} layers: guard "
-            f"merged {r['merged_ms_per_layer']:.4f} ms per layer, per layer "
-            f"{r['per_layer_ms_per_layer']:.4f}: ratio {r['per_layer_over_merged']:.3f} "
-            f"[{r['range'][0]:.3f}, {r['range'][1]:.3f}]")
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--tiny", action="store_true", help="b=2, s_k=128, h_q=16 (for CPU)")
     parser.add_argument("--calls", type=int, default=200)
-    parser.add_argument("--guard-step", action="store_true",
-                        help="the step's guard merged against one per layer (see above)")
-    parser.add_argument("--layers", type=int, default=8)
     args = parser.parse_args()
-    if args.guard_step:
-        name, lengths, calls, line = "guard_step", (1024, 4096, 8192), \
-            max(args.calls // args.layers, 10), _guard_step_line
-        bench = functools.partial(bench_guard_step, layers=args.layers)
-    else:
-        name, lengths, calls, line, bench = "runs", (4096, 8192), args.calls, \
-            _comparison_line, bench_one
+    name, lengths, calls, line, bench = "runs", (4096, 8192), args.calls, _comparison_line, \
+        bench_one
     if args.tiny:
         grid, calls, repeats = [(2, 128, 16)], 2, 2
     else:

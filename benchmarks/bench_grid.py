@@ -8,15 +8,15 @@ pure-JAX reference gets it in bf16).
 
 Implementations (--impl):
   flashmla       jf.mla_decode under jax.jit; metadata computed once per (q, block_table) set,
-                 outside the timed region (for an FP8 cache with the guard for empty requests
-                 in it, as a model's step makes it); lse returned in FlashMLA's layout
+                 outside the timed region (made with the set's block table, as a model's step
+                 makes it); lse returned in FlashMLA's layout
                  (jf.serving.lse_format), as the torch op returns it
   torch          FlashMLA's torch op on the same buffers (dlpack), arguments by schema name (GPU)
   reference      the pure-JAX reference under jax.jit, skipped past --ref-budget-gib
   flashmla_step  one jitted decode step as a model's: get_mla_metadata, then --layers decodes
                  sharing it and one block table, each layer over a cache of its own (for an
-                 FP8 cache XLA then merges the layers' guards for empty requests into one),
-                 called through AlternatingStep
+                 FP8 cache XLA then computes the kernel's table, empty requests as length 1,
+                 once for all layers), called through AlternatingStep
   torch_step     the torch loop of the same calls: the metadata op, then --layers decodes (GPU)
 
 Timing, the same for all (benchmarks/timing.py): N calls back to back, then one device sync,
@@ -80,7 +80,7 @@ CPU_GRID = dict(batch=2, s_k=[64, 128], h_q=[16], s_q=[1, 2], layers=2, target_m
 # a step's layers share one block table, each over its own cache, the step called through
 # AlternatingStep.
 TIMING = ("in alternating turns, per call fitted, lse as written, step over layer caches "
-          "through AlternatingStep, FP8 guard in the metadata")
+          "through AlternatingStep, metadata with the block table")
 FITTED = ("flashmla", "torch")
 # Timed by the GPU's timestamps too, where --device-time (device_time.py).
 DEVICE_TIMED = ("flashmla", "torch")
@@ -124,7 +124,8 @@ def decode_step(qs, caches, block_table, seq_lens, k_scale):
     """A model's decode step: the metadata once, then one decode per layer, each over its own
     cache, all sharing the metadata and the block table (FP8 caches when k_scale is not
     None)."""
-    md = jf.get_mla_metadata(seq_lens, num_heads_q=qs[0].shape[2], num_q_tokens=qs[0].shape[1],
+    md = jf.get_mla_metadata(seq_lens, block_table=block_table, num_pages=caches[0].shape[0],
+                             num_heads_q=qs[0].shape[2], num_q_tokens=qs[0].shape[1],
                              fp8=k_scale is not None, implementation="custom_call")
     return [jf.mla_decode(q, kv, block_table, seq_lens, metadata=md, k_scale=k_scale,
                           implementation="custom_call")[0]
@@ -148,12 +149,11 @@ def bench_point(work, dtype, h_q, s_q, impls, args, torch_side, ceiling_gbps, bl
     # The kernels' q: for an FP8 cache quantized here, once, as the torch side does.
     kernel_qs = qs if k_scale is None else [jax_sync(fp8.quantize(q, k_scale)) for q in qs]
     if "flashmla" in impls:
-        # A metadata per set, as a model makes one per step for its block table; for an FP8
-        # cache it carries the guard's copies of that table, so the calls guard nothing.
-        fp8_table = lambda bt: (dict(fp8=True, block_table=bt, num_pages=kv.shape[0])
-                               if k_scale is not None else {})
-        mds = [jax_sync(jf.get_mla_metadata(sl, num_heads_q=h_q, num_q_tokens=s_q,
-                                            implementation="custom_call", **fp8_table(bt)))
+        # A metadata per set, as a model makes one per step for its block table.
+        mds = [jax_sync(jf.get_mla_metadata(sl, block_table=bt, num_pages=kv.shape[0],
+                                            num_heads_q=h_q, num_q_tokens=s_q,
+                                            fp8=k_scale is not None,
+                                            implementation="custom_call"))
                for bt in bts]
         # lse comes back as FlashMLA wrote it, as the torch op returns it (a transposed view
         # for s_q > 1), not transposed by XLA into a new buffer.

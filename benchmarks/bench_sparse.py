@@ -239,14 +239,16 @@ def run_call_group(context, b, shapes, grid, torch_sparse, blockers, device_repe
         variants[h_q, s_q, "sparse"] = (
             lambda i, qs=qs, indices=indices, sparse=sparse: sparse(qs[i % rot], cache,
                                                                     indices[i % rot]), sync)
-        # The lengths are every set's: one metadata serves them all.
-        md = jax.block_until_ready(jf.get_mla_metadata(
-            work.seq_lens, num_heads_q=h_q, num_q_tokens=s_q, implementation="custom_call"))
+        # A metadata per set, as a model makes one per step for its block table.
+        mds = [jax.block_until_ready(jf.get_mla_metadata(
+            work.seq_lens, block_table=bt, num_pages=work.kv.shape[0], num_heads_q=h_q,
+            num_q_tokens=s_q, implementation="custom_call")) for bt in work.block_tables]
         dense = jax.jit(functools.partial(jf.mla_decode, softmax_scale=SOFTMAX_SCALE,
                                           implementation="custom_call"), out_shardings=formats)
         variants[h_q, s_q, "dense"] = (
-            lambda i, qs=qs, md=md, dense=dense: dense(
-                qs[i % rot], work.kv, work.block_tables[i % rot], work.seq_lens, metadata=md),
+            lambda i, qs=qs, mds=mds, dense=dense: dense(
+                qs[i % rot], work.kv, work.block_tables[i % rot], work.seq_lens,
+                metadata=mds[i % rot]),
             sync)
         if torch_sparse is not None:
             calls = [torch_sparse.call(q, cache, idx, sparse_md) for q, idx in zip(qs, indices)]

@@ -17,9 +17,9 @@ the layers, and with one cache array per layer. Beside those: the same step of F
 ops (an indexed write of the rows, the decode, the concatenation) captured in a torch CUDA
 graph and replayed, as SGLang serves decode, and eagerly; and the per-layer step with a trivial
 fusion in place of each decode, which is what JAX itself costs for that many arrays. With
---in-range-metadata the unrolled step also runs with its metadata made for the in-range
-requests (get_mla_metadata's block_table and num_pages), the cost of decoding out-of-range
-requests empty; with --value-checks, traced under jax_flashmla.value_checks() (checkify), its
+--unguarded the unrolled step also runs with the physical decode in place of mla_decode, on the
+step's lengths and table as they are and their schedule (no range check, no metadata lengths:
+the cost of decoding out-of-range requests empty and stale requests NaN); with --value-checks, traced under jax_flashmla.value_checks() (checkify), its
 error thrown after each step.
 
 Reported per point: µs per layer (the median step's wall clock / L) and the GPU's span per
@@ -52,7 +52,8 @@ import numpy as np  # noqa: E402
 from jax.experimental import checkify  # noqa: E402
 
 import jax_flashmla as jf  # noqa: E402
-from jax_flashmla import fp8, serving  # noqa: E402
+from jax_flashmla import (custom_calls, decode_primitive, fp8, ops, serving,  # noqa: E402
+                          validation)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from device_time import profile_options, traced  # noqa: E402
@@ -62,13 +63,13 @@ from step_report import SAFETY_PAIRS, write_report  # noqa: E402
 PAGE, D_QK, D_V = 64, 576, 512
 FP8 = "float8_e4m3fn"
 JAX_LAYOUTS = ("scan", "unrolled", "per_layer", "scan_alternating", "unrolled_alternating")
-# With --in-range-metadata: the unrolled step whose metadata is made for its in-range requests;
+# With --unguarded: the unrolled step of physical decodes on the raw lengths and table;
 # with --value-checks: the unrolled step traced under jax_flashmla.value_checks(), checkified,
 # its error thrown after each step.
-IN_RANGE, CHECKED = "unrolled_in_range", "unrolled_checked"
-SAFETY_LAYOUTS = (IN_RANGE, IN_RANGE + "_alternating", CHECKED)
+UNGUARDED, CHECKED = "unrolled_unguarded", "unrolled_checked"
+SAFETY_LAYOUTS = (UNGUARDED, UNGUARDED + "_alternating", CHECKED)
 ALTERNATING = {"scan_alternating": "scan", "unrolled_alternating": "unrolled",
-               IN_RANGE + "_alternating": IN_RANGE}
+               UNGUARDED + "_alternating": UNGUARDED}
 GRID_B = (1, 4, 16, 32, 64, 128)
 GRID_S_K = (1024, 4096, 16384)
 GRID_H_Q = (16, 128)
@@ -101,14 +102,13 @@ class Point:
     lengths (all s_k), each layer's rows, rope columns and first q."""
 
     def __init__(self, b, s_k, h_q, s_q, dtype, layers, cache_gb, rows_from_inputs=False,
-                 in_range_metadata=False, value_checks=False, seed=0):
-        if (in_range_metadata or value_checks) and dtype == FP8:
-            # The protections are measured on bf16 points: FP8's in-range metadata would carry
-            # the guard of the step's table, which the layers of a stacked cache (the table
-            # plus an offset) cannot share.
-            raise ValueError("--in-range-metadata and --value-checks are for bf16 points")
+                 unguarded=False, value_checks=False, seed=0):
+        if (unguarded or value_checks) and dtype == FP8:
+            # The protections are measured on bf16 points (the unguarded step calls the bf16
+            # decode's custom call).
+            raise ValueError("--unguarded and --value-checks are for bf16 points")
         self.b, self.s_k, self.h_q, self.s_q, self.dtype = b, s_k, h_q, s_q, dtype
-        self.rows_from_inputs, self.in_range_metadata = rows_from_inputs, in_range_metadata
+        self.rows_from_inputs, self.unguarded = rows_from_inputs, unguarded
         self.value_checks = value_checks
         pages_per_request = -(-s_k // PAGE)
         self.pages = b * pages_per_request
@@ -156,14 +156,29 @@ class Point:
 def _layer(p, t, cache, offset, q, latent, rows, md):
     """One layer on a cache whose layer pages start at page `offset`: the write of the new
     rows (their latent from the layer before, as a model's come from its hidden state), then
-    the decode through the step's block table shifted there."""
+    the decode through the step's block table shifted there; md is the step's metadata, or
+    with --unguarded the schedule (tile_scheduler_metadata, num_splits) of its raw lengths."""
     if not p.rows_from_inputs:
         rows = jnp.concatenate([latent, rows[..., D_V:]], axis=-1)
     cache = jf.write_kv(cache, t["slots"] + offset * PAGE, kv=rows, scale=t["k_scale"])
+    table = t["block_table"] + offset
+    if isinstance(md, tuple):
+        return cache, _unguarded_decode(p, q, cache, table, t["seq_lens"], md)
     scale = dict(k_scale=t["k_scale"]) if p.dtype == FP8 else {}
-    out, _ = jf.mla_decode(q, cache, t["block_table"] + offset, t["seq_lens"], metadata=md,
+    out, _ = jf.mla_decode(q, cache, table, t["seq_lens"], metadata=md,
                            softmax_scale=p.softmax_scale, implementation="custom_call", **scale)
     return cache, out
+
+
+def _unguarded_decode(p, q, cache, block_table, seq_lens, schedule):
+    """The bf16 decode's custom call on the inputs as they are: mla_decode less its range
+    check and its metadata's lengths."""
+    operands = dict(q=q, kv_cache=cache, block_table=block_table, seq_lens=seq_lens,
+                    tile_scheduler_metadata=schedule[0], num_splits=schedule[1])
+    out, _ = decode_primitive.mla_decode(operands, softmax_scale=float(p.softmax_scale),
+                                         causal=True, num_sms=ops.default_num_sms(),
+                                         implementation="custom_call")
+    return out
 
 
 def _next(out, rope):
@@ -173,12 +188,16 @@ def _next(out, rope):
     return jnp.concatenate([out, rope], axis=-1), out[:, :, 0, :]
 
 
-def _metadata(p, t, in_range=False):
-    """The step's metadata; with in_range made for its in-range requests (from the step's
-    block table and a layer's pages: an out-of-range request is decoded empty)."""
-    table = dict(block_table=t["block_table"], num_pages=p.pages) if in_range else {}
-    return jf.get_mla_metadata(t["seq_lens"], num_heads_q=p.h_q, num_q_tokens=p.s_q,
-                               fp8=p.dtype == FP8, implementation="custom_call", **table)
+def _metadata(p, t, unguarded=False):
+    """The step's metadata (from its block table and a layer's pages: an out-of-range request
+    is decoded empty); unguarded, the schedule of the raw lengths alone."""
+    if unguarded:
+        return tuple(custom_calls.schedule(
+            t["seq_lens"], num_heads_q=p.h_q, num_q_tokens=p.s_q, fp8=False,
+            num_sm_parts=validation.num_sm_parts(ops.default_num_sms(), p.h_q, p.s_q)))
+    return jf.get_mla_metadata(t["seq_lens"], block_table=t["block_table"], num_pages=p.pages,
+                               num_heads_q=p.h_q, num_q_tokens=p.s_q, fp8=p.dtype == FP8,
+                               implementation="custom_call")
 
 
 def result_queue(p):
@@ -223,8 +242,8 @@ def jax_steps(p, xla_options=None, scan_unroll=SCAN_UNROLL, queues=None):
                                         unroll=scan_unroll)
         return stack, q[..., :D_V]
 
-    def unrolled_step(stack, rows, rope, q, t, in_range=False):
-        md = _metadata(p, t, in_range)
+    def unrolled_step(stack, rows, rope, q, t, unguarded=False):
+        md = _metadata(p, t, unguarded)
         latent = rows[0, ..., :D_V]
         for layer in range(p.layers):
             stack, out = _layer(p, t, stack, layer * p.pages, q, latent, rows[layer], md)
@@ -256,8 +275,8 @@ def jax_steps(p, xla_options=None, scan_unroll=SCAN_UNROLL, queues=None):
              "unrolled": (unrolled_step, None, p.stacked_cache),
              "per_layer": (per_layer_step, None, p.layer_caches),
              "per_layer_trivial": (trivial_step, None, p.layer_caches)}
-    if p.in_range_metadata:
-        steps[IN_RANGE] = (functools.partial(unrolled_step, in_range=True), None,
+    if p.unguarded:
+        steps[UNGUARDED] = (functools.partial(unrolled_step, unguarded=True), None,
                            p.stacked_cache)
     if p.value_checks:
         def checked_step(stack, rows, rope, q, t):
@@ -388,7 +407,7 @@ def run_point(p, steps, torch_side, xla_options=None, sync="host_queue"):
     queued = {name: queued_steps_us(*launches[name], steps) / p.layers
               for name in QUEUED if name in launches}
     for plain, other, _ in SAFETY_PAIRS:  # timed in turns for the cost, a step of each per turn
-        if other in runs:
+        if plain in runs and other in runs:
             record[f"{other}_cost"] = round(cost_in_turns(runs[plain], runs[other], steps), 5)
     on_gpu = jax.default_backend() == "gpu"
     span = {name: (s / p.layers if s is not None else None)
@@ -462,10 +481,10 @@ def main():
     parser.add_argument("--rows-from-inputs", action="store_true",
                         help="each layer's new rows are inputs of the step, not made from the "
                              "layer before (default: made from it, as in a model)")
-    parser.add_argument("--in-range-metadata", action="store_true",
-                        help="also the unrolled step whose metadata is made with its block "
-                             "table and a layer's pages (get_mla_metadata's num_pages: "
-                             "out-of-range requests decoded empty), to compare; bf16 only")
+    parser.add_argument("--unguarded", action="store_true",
+                        help="also the unrolled step of the physical decode on the raw lengths "
+                             "and table (no range check, no metadata lengths), to compare; "
+                             "bf16 only")
     parser.add_argument("--value-checks", action="store_true",
                         help="also the unrolled step traced under jax_flashmla.value_checks() "
                              "(checkified, its error thrown after each step), to compare; "
@@ -493,7 +512,7 @@ def main():
             print(f"deadline: stopped before b={b} s_k={s_k} h_q={h_q} s_q={s_q} {dtype}")
             break
         p = Point(b, s_k, h_q, s_q, dtype, 3 if args.tiny else args.layers, args.cache_gb,
-                  args.rows_from_inputs, args.in_range_metadata, args.value_checks)
+                  args.rows_from_inputs, args.unguarded, args.value_checks)
         raw.append(run_point(p, 3 if args.tiny else args.steps, torch_side, xla_options,
                              args.sync))
         print(json.dumps(raw[-1]), flush=True)
@@ -502,7 +521,7 @@ def main():
                       host=platform.node(), xla_options=xla_options, scan_unroll=SCAN_UNROLL,
                       sync=args.sync,
                       rows_from_inputs=args.rows_from_inputs,
-                      in_range_metadata=args.in_range_metadata,
+                      unguarded=args.unguarded,
                       value_checks=args.value_checks,
                       records=records_by_layout(raw), raw=raw,
                       torch=None if torch_side is None else torch_side.info)

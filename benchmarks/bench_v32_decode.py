@@ -185,7 +185,8 @@ def steps(inp):
         return scanned(layer, q, (rope, rows, weights))
 
     def dense(cache, q, rope, table, seq_lens):
-        md = jf.get_mla_metadata(seq_lens, num_heads_q=inp.h_q, num_q_tokens=inp.s_q,
+        md = jf.get_mla_metadata(seq_lens, block_table=table, num_pages=inp.pages,
+                                 num_heads_q=inp.h_q, num_q_tokens=inp.s_q,
                                  implementation="custom_call")
 
         def layer(q, l, rope):

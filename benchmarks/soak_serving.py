@@ -7,8 +7,7 @@ that start equal:
   - guarded: the batch with bad rows in it, each one of: a length past its block table, a
     negative length, a page past the cache, the largest int32 page, a page whose slots wrap
     around int32, a negative page;
-  - clean: the same batch with those rows as padding (length 0, no pages), the metadata made
-    without the block table (nothing there to guard).
+  - clean: the same batch with those rows as padding (length 0, no pages).
 Every step checks that the good rows' out and lse are the clean run's bit for bit, that every
 bad row comes out empty (out 0, lse +inf), and the page allocator's invariants (each page held
 by at most one request, held and free pages adding up to the pool); every --cache-check-every
@@ -68,9 +67,9 @@ def rows_for(request, positions, seed):
     return _row_table(seed, request)[positions % 8] * (1 + positions[:, None] % 5) / 4
 
 
-def _decode(cache, block_table, seq_lens, q, kv, guard, num_sms):
-    table = dict(block_table=block_table, num_pages=cache.shape[0]) if guard else {}
-    metadata = jf.get_mla_metadata(seq_lens, num_heads_q=q.shape[2], num_sms=num_sms, **table)
+def _decode(cache, block_table, seq_lens, q, kv, num_sms):
+    metadata = jf.get_mla_metadata(seq_lens, block_table=block_table, num_pages=cache.shape[0],
+                                   num_heads_q=q.shape[2], num_sms=num_sms)
     return jf.serving.decode_step(cache, block_table, seq_lens, q, kv, metadata=metadata,
                                   softmax_scale=0.1)
 
@@ -85,8 +84,8 @@ def _same_bits(a, b):
 def _both_steps(guarded, clean, table, lens, clean_table, clean_lens, q, kv, is_bad, num_sms):
     """Both runs of one step; per row, whether its out and lse are the clean run's bits, and
     whether it came out empty."""
-    guarded, out, lse = _decode(guarded, table, lens, q, kv, True, num_sms)
-    clean, clean_out, clean_lse = _decode(clean, clean_table, clean_lens, q, kv, False, num_sms)
+    guarded, out, lse = _decode(guarded, table, lens, q, kv, num_sms)
+    clean, clean_out, clean_lse = _decode(clean, clean_table, clean_lens, q, kv, num_sms)
     same = _same_bits(out, clean_out) & _same_bits(lse, clean_lse)
     empty = jnp.all(out == 0, axis=(1, 2, 3)) & jnp.all(jnp.isposinf(lse), axis=(1, 2))
     return guarded, clean, same, empty

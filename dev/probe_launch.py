@@ -10,12 +10,9 @@ XLA (bench_step.py's unrolled stacked step, called through AlternatingStep):
                 as many kernel nodes as xla_decode's, to tell what XLA costs for a graph of
                 that size from what the custom calls add
   xla_thunks    xla_decode with command buffers off (each thunk launched on its own)
-  xla_guard     xla_trivial with the FP8 guard's custom call (one small kernel) per layer: what
-                XLA costs for a custom call in a command buffer, FlashMLA aside (2 operands,
-                2 results, no attributes)
-  xla_metadata  the same with FlashMLA's metadata custom call per layer (1 operand, 2 results,
-                5 attributes; the decode's: 6, 4 and 3), to tell whether a custom call's cost
-                per execution grows with its buffers or its attributes
+  xla_metadata  xla_trivial with FlashMLA's metadata custom call per layer (1 operand, 2
+                results, 5 attributes; the decode's: 6, 4 and 3): what XLA costs for a custom
+                call in a command buffer
   xla_scan_unrollU  bench_step.py's scanned step, U layers per iteration of its loop
                 (lax.scan's unroll), with jax_flashmla.serving.LOOP_STEP_COMPILER_OPTIONS
 torch_step      bench_step.py's torch step (per layer the indexed write of the rows, the decode,
@@ -57,7 +54,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
 import bench_step  # noqa: E402  (sets XLA_FLAGS and the allocator as bench_step.py runs)
 import jax_flashmla as jf  # noqa: E402
-from jax_flashmla import custom_calls  # noqa: E402
 from probe_step_host import host_profile, unrolled  # noqa: E402
 
 
@@ -91,14 +87,10 @@ def xla_variants(p, names, sync="block"):
             return stack, q[..., :bench_step.D_V]
         return step
 
-    # Inputs of their own per layer (the block table, the lengths), so that XLA does not merge
-    # the layers' custom calls.
-    def guard(layer, q, t):
-        _, lens = custom_calls.FP8_GUARD(block_table=t["block_table"] + layer, seq_lens=t["seq_lens"])
-        return q + (lens[0] - p.s_k).astype(q.dtype)
-
+    # Lengths of their own per layer, so that XLA does not merge the layers' custom calls.
     def metadata(layer, q, t):
-        md = jf.get_mla_metadata(t["seq_lens"] + layer, num_heads_q=p.h_q,
+        md = jf.get_mla_metadata(t["seq_lens"] + layer, block_table=t["block_table"],
+                                 num_pages=p.pages, num_heads_q=p.h_q,
                                  implementation="custom_call")
         return q + md.num_splits[0].astype(q.dtype)
 
@@ -108,8 +100,7 @@ def xla_variants(p, names, sync="block"):
                 "xla_trivial": jit("xla_trivial", fusion_step()),
                 "xla_metadata": jit("xla_metadata", fusion_step(metadata)),
                 "xla_thunks": jit("xla_thunks", decode_step,
-                                  {"xla_gpu_graph_min_graph_size": 1 << 20}),
-                "xla_guard": jit("xla_guard", fusion_step(guard))}
+                                  {"xla_gpu_graph_min_graph_size": 1 << 20})}
     for name in names:
         if name.startswith("xla_scan_unroll"):  # jitted by bench_step (pushing), donating
             unroll = int(name[len("xla_scan_unroll"):])
@@ -238,8 +229,8 @@ def main():
                         help="b,s_k,h_q;... (default 1,4096,16;16,4096,16)")
     parser.add_argument("--layers", type=int, default=61)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--variants", default="xla_decode,xla_trivial,xla_thunks,xla_guard,graph",
-                        help="among xla_decode, xla_trivial, xla_thunks, xla_guard, "
+    parser.add_argument("--variants", default="xla_decode,xla_trivial,xla_thunks,graph",
+                        help="among xla_decode, xla_trivial, xla_thunks, "
                              "xla_metadata, xla_scan_unrollU, xla_trivial_xN (U, N numbers), "
                              "torch_step, graph (the graphs; default all but xla_metadata, the "
                              "scans, xla_trivial_xN and torch_step)")

@@ -84,12 +84,12 @@ def main():
 
         @jax.jit
         def decode(q, kv, bt, sl):
-            md = jf.get_mla_metadata(sl, num_heads_q=H_Q, num_q_tokens=q.shape[1], fp8=fp8,
-                                     block_table=bt, num_pages=kv.shape[0],
+            md = jf.get_mla_metadata(sl, block_table=bt, num_pages=kv.shape[0], num_heads_q=H_Q,
+                                     num_q_tokens=q.shape[1], fp8=fp8,
                                      implementation=args.implementation)
             out, lse = jf.mla_decode(q, kv, bt, sl, metadata=md, softmax_scale=0.1,
                                      k_scale=k_scale, implementation=args.implementation)
-            return out, lse, None if md is None else md.num_splits
+            return out, lse, md.num_splits
 
         clean = {}
         for name, (s_q, change) in CASES.items():

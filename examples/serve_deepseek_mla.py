@@ -139,12 +139,12 @@ class TinyDeepSeek(nnx.Module):
     def decode(self, tokens, positions, block_table, seq_lens, caches, k_scales=None, *,
                implementation=None):
         """tokens, positions (b, 1) int32; one FlashMLA schedule shared by all layers, made for
-        the in-range requests (an out-of-range one comes out empty), with FP8 caches also the
-        one guard for empty requests, as a lax.scan over layers would need."""
+        the in-range requests (an out-of-range one comes out empty)."""
         fp8 = k_scales is not None
-        metadata = jf.get_mla_metadata(seq_lens, num_heads_q=self.cfg.attention.num_heads,
-                                       implementation=implementation, fp8=fp8,
-                                       block_table=block_table, num_pages=caches[0].num_pages)
+        metadata = jf.get_mla_metadata(seq_lens, block_table=block_table,
+                                       num_pages=caches[0].num_pages,
+                                       num_heads_q=self.cfg.attention.num_heads,
+                                       implementation=implementation, fp8=fp8)
         return self._run(tokens, lambda attn, x, kv, k_scale: attn.decode(
             x, positions, kv, block_table, seq_lens, metadata=metadata,
             implementation=implementation, k_scale=k_scale), caches, k_scales)

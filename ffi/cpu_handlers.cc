@@ -110,33 +110,11 @@ ffi::Error MlaDecodeCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
                    lse_accum);
 }
 
-// The CUDA target's guard (ffi/fp8_guard.h), so that both platforms run the same custom calls:
-// block_table and seq_lens with requests of length 0 as length 1 over page 0.
-ffi::Error Fp8GuardCpuImpl(ffi::Buffer<ffi::S32> block_table, ffi::Buffer<ffi::S32> seq_lens,
-                           ffi::ResultBuffer<ffi::S32> kernel_block_table,
-                           ffi::ResultBuffer<ffi::S32> kernel_seq_lens) {
-  const auto dims = block_table.dimensions();
-  if (auto err = CheckRank("block_table", dims, 2); err.failure()) return err;
-  const int64_t batch = dims[0], max_pages = dims[1];
-  if (max_pages == 0 || static_cast<int64_t>(seq_lens.element_count()) != batch)
-    return ffi::Error::InvalidArgument(
-        "the FP8 guard needs a (batch, max_pages >= 1) block_table and (batch,) seq_lens");
-  const int32_t* lengths = seq_lens.typed_data();
-  const int32_t* table = block_table.typed_data();
-  int32_t* kernel_table = kernel_block_table->typed_data();
-  for (int64_t i = 0; i < batch; ++i) {
-    kernel_seq_lens->typed_data()[i] = lengths[i] > 1 ? lengths[i] : 1;
-    for (int64_t j = 0; j < max_pages; ++j)
-      kernel_table[i * max_pages + j] =
-          j == 0 && lengths[i] == 0 ? 0 : table[i * max_pages + j];
-  }
-  return ffi::Error::Success();
-}
-
 // FlashMLA's FP8 decode: q and the cache in e4m3fn with per-tensor scales of shape (1,)
 // (the kernel's descale_q, descale_k), out bfloat16. The C++ model takes requests of length 0
-// as they are (out 0, lse +inf), so it reads seq_lens, not the guard's kernel_seq_lens; the
-// guard's kernel_block_table differs from block_table only where such a request reads nothing.
+// as they are (out 0, lse +inf), so it reads seq_lens, not kernel_seq_lens (fp8.py's
+// guard_empty_requests); kernel_block_table differs from the block table only where such a
+// request reads nothing.
 ffi::Error MlaDecodeFp8CpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
                                ffi::Buffer<ffi::S32> kernel_block_table,
                                ffi::Buffer<ffi::S32> kernel_seq_lens,
@@ -188,9 +166,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaMetadataCpu, MlaMetadataCpuImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaDecodeCpu, MlaDecodeCpuImpl,
                               BindDecodeResults(BindDecodeOperands(ffi::Ffi::Bind())));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kFp8GuardCpu, Fp8GuardCpuImpl,
-                              BindFp8GuardResults(BindFp8GuardOperands(ffi::Ffi::Bind())));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaDecodeFp8Cpu, MlaDecodeFp8CpuImpl,
                               BindDecodeResults(BindDecodeFp8Operands(ffi::Ffi::Bind())));

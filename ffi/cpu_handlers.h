@@ -10,14 +10,12 @@ namespace jax_flashmla {
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaDecodeCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaDecodeFp8Cpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(kFp8GuardCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaMetadataCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kHostQueuePushCpu);
 
 inline constexpr Target kCpuTargets[] = {
     {kMlaDecodeTarget, kMlaDecodeCpu},   {kMlaDecodeFp8Target, kMlaDecodeFp8Cpu},
-    {kMlaMetadataTarget, kMlaMetadataCpu}, {kFp8GuardTarget, kFp8GuardCpu},
-    {kHostQueuePushTarget, kHostQueuePushCpu}};
+    {kMlaMetadataTarget, kMlaMetadataCpu}, {kHostQueuePushTarget, kHostQueuePushCpu}};
 
 }  // namespace jax_flashmla
 

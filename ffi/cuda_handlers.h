@@ -1,6 +1,5 @@
-// XLA FFI handlers of the CUDA targets that need no torch: the FP8 decode's guard
-// (fp8_guard.h) and the host queue's push (host_queue.h). FlashMLA's are in
-// flashmla_handlers.h.
+// The XLA FFI handler of the CUDA target that needs no torch: the host queue's push
+// (host_queue.h). FlashMLA's are in flashmla_handlers.h.
 #ifndef JAX_FLASHMLA_FFI_CUDA_HANDLERS_H_
 #define JAX_FLASHMLA_FFI_CUDA_HANDLERS_H_
 
@@ -15,11 +14,9 @@ namespace jax_flashmla {
 // target is registered.
 inline constexpr xla::ffi::Traits kCudaTargetTraits = xla::ffi::Traits::kCmdBufferCompatible;
 
-XLA_FFI_DECLARE_HANDLER_SYMBOL(kFp8GuardCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kHostQueuePushCuda);
 
-inline constexpr Target kCudaTargets[] = {{kFp8GuardTarget, kFp8GuardCuda},
-                                          {kHostQueuePushTarget, kHostQueuePushCuda}};
+inline constexpr Target kCudaTargets[] = {{kHostQueuePushTarget, kHostQueuePushCuda}};
 
 }  // namespace jax_flashmla
 

@@ -1,4 +1,4 @@
-// The CUDA extension module of our own kernels (the FP8 guard, the host queue): it links the
+// The CUDA extension module of our own kernel (the host queue's push): it links the
 // CUDA runtime alone, no torch.
 #include <cuda_runtime_api.h>
 #include <nanobind/nanobind.h>

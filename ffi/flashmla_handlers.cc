@@ -17,7 +17,7 @@
 
 #include "buffer_lending.h"
 #include "cuda_handlers.h"
-#include "fp8_guard.h"
+#include "empty_requests.h"
 #include "operands.h"
 #include "torch_bridge.h"
 #include "xla/ffi/api/ffi.h"
@@ -169,9 +169,9 @@ ffi::Error MlaDecodeCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer
 }
 
 // FlashMLA's dense FP8 decode (fwd_kvcache_mla_fp8): q and the cache in e4m3fn, the per-tensor
-// scales as (1,) float32 buffers on the device, out bfloat16. The kernel reads the guard's
-// copies of block_table and seq_lens; requests whose seq_lens are 0 then get out 0, lse +inf
-// (fp8_guard.h).
+// scales as (1,) float32 buffers on the device, out bfloat16. The kernel reads
+// kernel_block_table and kernel_seq_lens, where a request of length 0 is one of length 1 over
+// page 0; requests whose seq_lens are 0 then get out 0, lse +inf (empty_requests.h).
 ffi::Error MlaDecodeFp8CudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
                                 ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> kernel_block_table,
                                 ffi::Buffer<ffi::S32> kernel_seq_lens,

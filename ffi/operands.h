@@ -37,8 +37,9 @@ auto BindDecodeOperands(Binding binding) {
       .template Attr<bool>("causal");
 }
 
-// The FP8 decode reads the guard's copies of the block table and the lengths, and takes the
-// per-tensor scales of q and the cache as (1,) float32 buffers.
+// The FP8 decode's kernel reads copies of the block table and the lengths with requests of
+// length 0 as length 1 over page 0 (fp8.py's guard_empty_requests), and takes the per-tensor
+// scales of q and the cache as (1,) float32 buffers.
 template <typename Binding>
 auto BindDecodeFp8Operands(Binding binding) {
   return std::move(binding).template Arg<ffi::AnyBuffer>()          // q
@@ -82,18 +83,6 @@ auto BindSparseDecodeOperands(Binding binding) {
 // out, lse, the schedule the op makes for itself (tile_scheduler_metadata, num_splits), then
 // the split-KV accumulators: in the order the op allocates them.
 
-
-template <typename Binding>
-auto BindFp8GuardOperands(Binding binding) {
-  return std::move(binding).template Arg<ffi::Buffer<ffi::S32>>()   // block_table
-      .template Arg<ffi::Buffer<ffi::S32>>();            // seq_lens
-}
-
-template <typename Binding>
-auto BindFp8GuardResults(Binding binding) {
-  return std::move(binding).template Ret<ffi::Buffer<ffi::S32>>()   // kernel_block_table
-      .template Ret<ffi::Buffer<ffi::S32>>();            // kernel_seq_lens
-}
 
 // host_queue.h's push: the array, and the queue by the id it was registered under.
 template <typename Binding>

@@ -6,8 +6,8 @@ Shapes and dtypes are checked at trace time, always. Values live on the device: 
 
   - seq_lens outside [0, max_pages * 64];
   - block-table entries outside [0, num_pages) among the pages a request reads;
-  - metadata that is not the one get_mla_metadata makes for the decode's seq_lens (and, for
-    FP8 metadata made with a block table, for its block table);
+  - a metadata made for other seq_lens (another step's), or whose schedule is not the one
+    get_mla_metadata makes for its lengths;
   - an FP8 scale that is not positive and finite.
 
     with jf.value_checks():
@@ -15,15 +15,13 @@ Shapes and dtypes are checked at trace time, always. Values live on the device: 
     err, result = step(...)
     err.throw()
 
-With the checks on, a request whose length or block-table entries are bad is decoded as an
-empty request (out 0, lse +inf), and each decode runs on metadata made anew for its inputs,
-so that no implementation reads outside the cache while the error is on its way, whatever
-metadata it was given. Off (the default) the traced step holds none of these checks; a decode
-then makes such a request empty only with a metadata made with block_table and num_pages, or
-none (mla_decode's seq_lens). On, each decode adds a few reductions over seq_lens and its
-block table, and computes the metadata twice (for the check and the call): on an H200 a
-checked 61-layer step at b=128 (s_k 1024) took 1.5-1.9x the unchecked one, a 53-layer one at
-s_k=4096 1.3-1.4x, the error thrown after each step (benchmarks/bench_step.py --value-checks).
+A bad value is decoded as with the checks off: a request whose length or block-table entries
+are bad as an empty request (out 0, lse +inf), one whose length is not its metadata's as NaN
+(mla_decode). On, each decode also runs on a schedule made anew for its metadata's lengths,
+so that no schedule reaches a kernel while its error is on its way, whatever its fields; it
+adds a few reductions over seq_lens and its block table and computes the schedule again: on an H200 a checked 61-layer step at b=128 (s_k 1024) took
+1.5-1.9x the unchecked one, a 53-layer one at s_k=4096 1.3-1.4x, the error thrown after each
+step (benchmarks/bench_step.py --value-checks).
 """
 import contextlib
 import contextvars
@@ -110,10 +108,18 @@ def scale(where, name, value):
                    f"{where}: {name} = {{value}} must be positive and finite", value=value)
 
 
-def metadata_matches(where, given, expected, names, ignore=False):
-    """given and expected: the metadata's arrays and what get_mla_metadata makes for the
-    decode's inputs; not checked where `ignore` (a request's values are bad already)."""
+def metadata_lengths(where, carried, seq_lens):
+    """The decode's seq_lens are the metadata's, but where the metadata made a request empty."""
+    stale = (seq_lens != carried) & (carried != 0)
+    i = _first(stale)
+    checkify.check(~jnp.any(stale), f"{where}: seq_lens[{{i}}] = {{value}}, but the metadata was "
+                   "made for {carried} (get_mla_metadata of another step?)", i=i,
+                   value=seq_lens[i], carried=carried[i])
+
+
+def metadata_matches(where, given, expected, names):
+    """given and expected: the metadata's arrays and what get_mla_metadata makes for its
+    lengths."""
     for name, a, b in zip(names, given, expected):
-        checkify.check(ignore | jnp.array_equal(a, b), f"{where}: metadata.{name} is not what "
-                       "get_mla_metadata makes for this decode's seq_lens (and block table); "
-                       "was it computed for another step?")
+        checkify.check(jnp.array_equal(a, b), f"{where}: metadata.{name} is not what "
+                       "get_mla_metadata makes for the metadata's seq_lens")

@@ -11,8 +11,8 @@ targets are those the compiled modules' registrations() return.
 The decode's results are out, lse and FlashMLA's split-KV accumulators (out_accum, lse_accum),
 scratch that XLA allocates so that the kernel allocates nothing itself. FlashMLA's FP8 decode
 (q and the cache in float8_e4m3fn, out bfloat16) is its own call: it takes the scales as (1,)
-float32 buffers, and reads the FP8 guard's copies of the block table and lengths, which hand
-the kernel requests of length 0 as length 1 (ffi/fp8_guard.h).
+float32 buffers, and reads copies of the block table and lengths that hand the kernel
+requests of length 0 as length 1 (decode_primitive.py), which it faults on.
 """
 import functools
 
@@ -158,12 +158,6 @@ METADATA = CustomCall(
                                             _i32(seq_lens.shape[0] + 1)),
     _metadata_attributes)
 
-FP8_GUARD = CustomCall(
-    "jax_flashmla_fp8_guard", ("block_table", "seq_lens"), ("kernel_block_table",
-                                                            "kernel_seq_lens"),
-    lambda block_table, seq_lens: (_i32(*block_table.shape), _i32(*seq_lens.shape)),
-    lambda platform: {})
-
 
 def _decode_types(q, tile_scheduler_metadata, fp8, **_):
     batch, s_q, h_q, _ = q.shape
@@ -243,8 +237,8 @@ pe.dce_rules[HOST_QUEUE_PUSH.primitive] = lambda used, eqn: ([True] * len(eqn.in
 
 
 def schedule(seq_lens, *, num_heads_q, num_q_tokens, num_sm_parts, fp8):
-    """(tile_scheduler_metadata, num_splits) for seq_lens. The FP8 decode's guard gives its
-    kernel a request of length 0 as length 1 (ffi/fp8_guard.h: the kernel faults on 0), so its
+    """(tile_scheduler_metadata, num_splits) for seq_lens. The FP8 decode gives its kernel a
+    request of length 0 as length 1 (decode_primitive.py: the kernel faults on 0), so its
     schedule is planned over lengths of at least 1."""
     if fp8:
         seq_lens = jnp.maximum(seq_lens, 1)

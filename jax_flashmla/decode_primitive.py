@@ -2,8 +2,7 @@
 
 One primitive, mla_decode_p, whose operands are named by its `operands` parameter: q, kv_cache,
 block_table, seq_lens, then, where given, the metadata's tile_scheduler_metadata and
-num_splits, the FP8 descale_q and descale_k, and the FP8 guard's kernel_block_table and
-kernel_seq_lens. Its rules:
+num_splits, and the FP8 descale_q and descale_k. Its rules:
 
   - abstract evaluation: out (batch, s_q, h_q, 512) and lse (batch, h_q, s_q);
   - JVP: raises, FlashMLA having no backward pass;
@@ -26,6 +25,7 @@ from jax.interpreters import ad, mlir
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_flashmla import custom_calls, validation
+from jax_flashmla.fp8 import guard_empty_requests
 from jax_flashmla.custom_calls import FACTORS
 from jax_flashmla.reference import mla_decode_reference
 
@@ -63,8 +63,8 @@ def _reference(operands, softmax_scale, causal, *values):
 
 
 def _kernels(operands, softmax_scale, causal, num_sms, *values):
-    """The custom calls on one device's operands: the metadata's when none is given, the FP8
-    guard's when the metadata carries none, then the decode."""
+    """The custom calls on one device's operands: the metadata's when none is given, then the
+    decode."""
     named = dict(zip(operands, values))
     fp8 = "descale_q" in named
     if "tile_scheduler_metadata" not in named:
@@ -72,9 +72,9 @@ def _kernels(operands, softmax_scale, causal, num_sms, *values):
         named["tile_scheduler_metadata"], named["num_splits"] = custom_calls.schedule(
             named["seq_lens"], num_heads_q=h_q, num_q_tokens=s_q,
             num_sm_parts=validation.num_sm_parts(num_sms, h_q, s_q), fp8=fp8)
-    if fp8 and "kernel_block_table" not in named:
-        named["kernel_block_table"], named["kernel_seq_lens"] = custom_calls.FP8_GUARD(
-            block_table=named["block_table"], seq_lens=named["seq_lens"])
+    if fp8:
+        named["kernel_block_table"], named["kernel_seq_lens"], _ = guard_empty_requests(
+            named["block_table"], named["seq_lens"])
     call = custom_calls.DECODE_FP8 if fp8 else custom_calls.DECODE
     out, lse, _, _ = call(**{name: named[name] for name in call.operands},
                           softmax_scale=softmax_scale, causal=causal)

@@ -26,9 +26,14 @@ def dequantize(x, scale):
 
 
 def guard_empty_requests(block_table, seq_lens):
-    """What the FP8 decode's guard (the custom call jax_flashmla_fp8_guard, ffi/fp8_guard.h)
-    hands FlashMLA's FP8 kernel, in JAX, for calling the kernel directly on the very inputs it
-    sees (tests/test_gpu_fp8.py): requests of length 0 as length 1 over page 0.
+    """The block table and lengths FlashMLA's FP8 decode is given (mla_decode's, and the GPU
+    tests' calls of the kernel from torch): requests of length 0 as length 1 over page 0. The
+    kernel reads block_table[i, -1] for a request of length 0 (its last block index is then
+    -1): the row before's last slot, or memory before the table, which faults when it holds no
+    page (seen on the H200; vLLM #35969 clamps the same way); the decode's handler gives such
+    a request out 0, lse +inf afterwards (ffi/empty_requests.h). Elementwise, so XLA fuses it into
+    what computes the table (a layer's page offset in a stacked cache) and merges it across
+    layers that share one.
 
     Returns (block_table with slot 0 of empty requests set to 0, seq_lens raised to at least
     1, the (batch,) mask of the empty requests)."""

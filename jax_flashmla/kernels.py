@@ -153,8 +153,8 @@ def _register(module):
 
 @functools.cache
 def register_cuda_targets():
-    """Registers the CUDA targets of jax_flashmla's own kernels (the FP8 guard, the host
-    queue's push), which need neither torch nor FlashMLA's kernels; returns their module."""
+    """Registers the CUDA target of jax_flashmla's own kernel (the host queue's push), which
+    needs neither torch nor FlashMLA's kernels; returns its module."""
     try:
         from jax_flashmla import _cuda
     except ImportError as e:

@@ -33,16 +33,15 @@ def verify_seq_lens(prefix_lens, num_draft_tokens):
     return jnp.where(prefix_lens > 0, prefix_lens + num_draft_tokens, 0).astype(prefix_lens.dtype)
 
 
-def target_verify_metadata(prefix_lens, num_draft_tokens, *, num_heads_q, num_sms=None,
-                           implementation=None, fp8=False, block_table=None, num_pages=None):
-    """FlashMLA metadata for target_verify (None for the reference implementation); fp8,
-    block_table and num_pages as get_mla_metadata's (with the last two, an out-of-range
-    request is verified empty)."""
+def target_verify_metadata(prefix_lens, num_draft_tokens, *, block_table, num_pages,
+                           num_heads_q, num_sms=None, implementation=None, fp8=False):
+    """The metadata of target_verify; block_table, num_pages, fp8 as get_mla_metadata's (an
+    out-of-range request is verified empty)."""
     _check_count("target_verify_metadata", "num_draft_tokens", num_draft_tokens)
     return get_mla_metadata(verify_seq_lens(prefix_lens, num_draft_tokens),
+                            block_table=block_table, num_pages=num_pages,
                             num_heads_q=num_heads_q, num_q_tokens=num_draft_tokens,
-                            num_sms=num_sms, implementation=implementation, fp8=fp8,
-                            block_table=block_table, num_pages=num_pages)
+                            num_sms=num_sms, implementation=implementation, fp8=fp8)
 
 
 def target_verify(kv_cache, block_table, prefix_lens, q, draft_kv, *, metadata=None,
@@ -56,8 +55,9 @@ def target_verify(kv_cache, block_table, prefix_lens, q, draft_kv, *, metadata=N
       q: (batch, num_draft_tokens, h_q, 576) the drafts' queries in the target model.
       draft_kv: (batch, num_draft_tokens, 576) their cache rows, written at positions
         prefix_lens .. prefix_lens + num_draft_tokens - 1.
-      metadata: target_verify_metadata(prefix_lens, num_draft_tokens, num_heads_q=h_q); computed
-        here when None.
+      metadata: target_verify_metadata(prefix_lens, num_draft_tokens, block_table=block_table,
+        num_pages=<the cache's pages>, num_heads_q=h_q); when None each decode checks its own
+        lengths.
       softmax_scale, implementation: as in mla_decode.
       k_scale: with a float8_e4m3fn cache, its float32 scale (serving.decode_step's).
 
@@ -73,19 +73,17 @@ def target_verify(kv_cache, block_table, prefix_lens, q, draft_kv, *, metadata=N
                        k_scale=k_scale)
 
 
-def multi_step_draft_metadata(prefix_lens, num_steps, *, num_heads_q, num_sms=None,
-                              implementation=None, fp8=False, block_table=None, num_pages=None):
-    """One metadata per draft step, stacked on a leading num_steps axis (None for reference);
-    fp8, block_table and num_pages as get_mla_metadata's (with the last two, a step of an
-    out-of-range request is decoded empty)."""
+def multi_step_draft_metadata(prefix_lens, num_steps, *, block_table, num_pages, num_heads_q,
+                              num_sms=None, implementation=None, fp8=False):
+    """One metadata per draft step, stacked on a leading num_steps axis; block_table,
+    num_pages and fp8 as get_mla_metadata's (a step of an out-of-range request is decoded
+    empty)."""
     _check_count("multi_step_draft_metadata", "num_steps", num_steps)
     lens = step_seq_lens(prefix_lens, num_steps)
-    per_step = [get_mla_metadata(lens[i], num_heads_q=num_heads_q, num_sms=num_sms,
-                                 implementation=implementation, fp8=fp8,
-                                 block_table=block_table, num_pages=num_pages)
+    per_step = [get_mla_metadata(lens[i], block_table=block_table, num_pages=num_pages,
+                                 num_heads_q=num_heads_q, num_sms=num_sms,
+                                 implementation=implementation, fp8=fp8)
                 for i in range(num_steps)]
-    if per_step[0] is None:
-        return None
     return jax.tree.map(lambda *leaves: jnp.stack(leaves), *per_step)
 
 
@@ -106,8 +104,8 @@ def multi_step_draft(kv_cache, block_table, prefix_lens, q, kv, draft_fn, carry,
       draft_fn, carry: as step_fn and carry of serving.decode_loop.
       num_steps: static number of draft steps.
       topk: draft branches per request; FlashMLA's draft backend supports 1 only.
-      metadata: multi_step_draft_metadata(prefix_lens, num_steps, num_heads_q=h_q,
-        block_table=block_table, num_pages=<the cache's pages>); computed so here when None.
+      metadata: multi_step_draft_metadata(prefix_lens, num_steps, block_table=block_table,
+        num_pages=<the cache's pages>, num_heads_q=h_q); computed so here when None.
       softmax_scale, implementation: as in mla_decode.
       k_scale: with a float8_e4m3fn cache, its float32 scale (serving.decode_step's).
 
@@ -123,10 +121,10 @@ def multi_step_draft(kv_cache, block_table, prefix_lens, q, kv, draft_fn, carry,
         raise ValueError(f"multi_step_draft: q must have s_q = 1; got shape {tuple(q.shape)}")
     if metadata is None:
         pages = kv_cache.num_pages if isinstance(kv_cache, PagedKVCache) else kv_cache.shape[0]
-        metadata = multi_step_draft_metadata(prefix_lens, num_steps, num_heads_q=q.shape[2],
+        metadata = multi_step_draft_metadata(prefix_lens, num_steps, block_table=block_table,
+                                             num_pages=pages, num_heads_q=q.shape[2],
                                              implementation=implementation,
-                                             fp8=k_scale is not None, block_table=block_table,
-                                             num_pages=pages)
+                                             fp8=k_scale is not None)
     return run_steps(kv_cache, block_table, step_seq_lens(prefix_lens, num_steps), metadata, q,
                      kv, draft_fn, carry, softmax_scale=softmax_scale,
                      implementation=implementation, k_scale=k_scale)

@@ -159,10 +159,11 @@ def check_decode_args(q, kv_cache, block_table, seq_lens, k_scale=None):
 
 def check_metadata_block_table(block_table, seq_lens, num_pages):
     where = "get_mla_metadata"
-    if block_table is None or num_pages is None:
-        _fail(ValueError, where, "block_table and num_pages go together (the step's block table "
-                                 "and the pages it may name); got "
-                                 f"{'num_pages' if block_table is None else 'block_table'} alone")
+    for name, value in (("block_table", block_table), ("num_pages", num_pages)):
+        if value is None:
+            _fail(ValueError, where, f"{name} must be given (the step's block table and the pages "
+                                     f"it may name, so that out-of-range requests are scheduled "
+                                     f"empty); got None")
     if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) or num_pages < 1:
         _fail(ValueError, where, f"num_pages must be a positive int (the cache's first "
                                  f"dimension); got {num_pages!r}")
@@ -174,7 +175,7 @@ def check_metadata_block_table(block_table, seq_lens, num_pages):
                                  f"seq_lens of shape ({batch},); got {tuple(block_table.shape)}")
 
 
-def check_metadata_matches(metadata, block_table, batch, s_q, h_q, fp8):
+def check_metadata_matches(metadata, batch, s_q, h_q, fp8):
     where = "mla_decode"
     if metadata.fp8 != fp8:
         # The FP8 kernel reads its own scheduler's rows (another layout): never mix the two.
@@ -185,17 +186,14 @@ def check_metadata_matches(metadata, block_table, batch, s_q, h_q, fp8):
         _fail(ValueError, where,
               f"metadata was computed for num_heads_q={metadata.num_heads_q}, "
               f"num_q_tokens={metadata.num_q_tokens}; q has h_q={h_q}, s_q={s_q}")
+    if metadata.seq_lens.shape != (batch,):
+        _fail(ValueError, where, f"metadata.seq_lens must have shape ({batch},) for batch {batch}; "
+                                 f"got {tuple(metadata.seq_lens.shape)}")
+    if metadata.tile_scheduler_metadata is None:  # made for the reference: lengths alone
+        return
     if metadata.num_splits.shape != (batch + 1,):
         _fail(ValueError, where, f"metadata.num_splits must have shape ({batch + 1},) for batch "
                                  f"{batch}; got {tuple(metadata.num_splits.shape)}")
-    if metadata.seq_lens is not None and metadata.seq_lens.shape != (batch,):
-        _fail(ValueError, where, f"metadata.seq_lens must have shape ({batch},) for batch {batch}; "
-                                 f"got {tuple(metadata.seq_lens.shape)}")
-    guarded = metadata.kernel_block_table
-    if guarded is not None and guarded.shape != block_table.shape:
-        _fail(ValueError, where, f"metadata carries the guarded copy of a block_table of shape "
-                                 f"{tuple(guarded.shape)} (get_mla_metadata(..., block_table=)); "
-                                 f"block_table has shape {tuple(block_table.shape)}")
     md = metadata.tile_scheduler_metadata
     if md.ndim != 2 or md.shape[1] != METADATA_FIELDS:
         _fail(ValueError, where, f"metadata.tile_scheduler_metadata must have shape (num_sm_parts, "

@@ -88,8 +88,8 @@ def capture(dtype, driver_calls):
     qs = jnp.asarray(rng.normal(0, 0.1, (LAYERS, 4, 1, 16, 576)), jnp.bfloat16)
 
     def step(qs, cache, bt, sl):
-        md = jf.get_mla_metadata(sl, num_heads_q=16, fp8=fp8, block_table=bt,
-                                 num_pages=cache.shape[0])
+        md = jf.get_mla_metadata(sl, block_table=bt, num_pages=cache.shape[0], num_heads_q=16,
+                                 fp8=fp8)
         extra = dict(k_scale=scale) if fp8 else {}
         return [jf.mla_decode(qs[i], cache, bt, sl, metadata=md, **extra)[0]
                 for i in range(LAYERS)]
@@ -110,7 +110,7 @@ def loop(kind, driver_calls):
     q = jnp.asarray(rng.normal(0, 0.1, (4, 1, 16, 576)), jnp.bfloat16)
 
     def step(q, cache, bt, sl):
-        md = jf.get_mla_metadata(sl, num_heads_q=16)
+        md = jf.get_mla_metadata(sl, block_table=bt, num_pages=cache.shape[0], num_heads_q=16)
 
         def body(q, _):
             out, _ = jf.mla_decode(q, cache, bt, sl, metadata=md)
@@ -137,7 +137,7 @@ def _donated_step(seed, how, push=None):
     slots = jf.token_slots(bt, (sl - 1)[:, None])
 
     def step(cache, q, bt, sl, slots):
-        md = jf.get_mla_metadata(sl, num_heads_q=16)
+        md = jf.get_mla_metadata(sl, block_table=bt, num_pages=32, num_heads_q=16)
         for layer in range(LAYERS):
             cache = jf.write_kv(cache, slots + layer * 32 * 64, kv=q[:, :, 0])
             out, _ = jf.mla_decode(q, cache, bt + layer * 32, sl, metadata=md)
@@ -177,7 +177,7 @@ def refuse(target):
     rng = np.random.default_rng(1)
     sl = jnp.asarray(rng.integers(1, 300, 3), jnp.int32)
     bt = jnp.asarray(rng.permutation(15).reshape(3, 5), jnp.int32)
-    md = jf.get_mla_metadata(sl, num_heads_q=16)
+    md = jf.get_mla_metadata(sl, block_table=bt, num_pages=15, num_heads_q=16)
     ops = kernels.ensure_cuda_targets()
     parts = md.tile_scheduler_metadata.shape[0]
     if target == "metadata":

@@ -19,7 +19,8 @@ def step():
     q, kv, bt, sl = make_decode_inputs(np.random.default_rng(0), batch=3, s_q=1, h_q=16,
                                        mean_sk=300, varlen=True, dtype=jnp.bfloat16)
     bt, sl = jnp.asarray(bt), jnp.asarray(sl)
-    return q, kv, bt, sl, jf.get_mla_metadata(sl, num_heads_q=16, implementation="custom_call")
+    return q, kv, bt, sl, jf.get_mla_metadata(sl, block_table=bt, num_pages=kv.shape[0],
+                                              num_heads_q=16, implementation="custom_call")
 
 
 def _decode(step, tile_md=None, num_splits=None):
@@ -61,7 +62,9 @@ def test_num_splits_out_of_range_is_an_error(step, index, value, message):
 
 
 def test_metadata_for_shorter_lengths_is_an_error(step):
-    shorter = jf.get_mla_metadata(step[3] - 100, num_heads_q=16, implementation="custom_call")
+    q, kv, bt, sl, _ = step
+    shorter = jf.get_mla_metadata(sl - 100, block_table=bt, num_pages=kv.shape[0],
+                                  num_heads_q=16, implementation="custom_call")
     with pytest.raises(jax.errors.JaxRuntimeError,
                        match=r"covers 4 of the 5 blocks of request 0 .*these seq_lens"):
         _decode(step, shorter.tile_scheduler_metadata, shorter.num_splits)

@@ -40,34 +40,33 @@ def test_the_queued_section_compares_the_steps_with_the_graph_queued():
 
 
 def test_the_safety_variants_run_beside_the_plain_step(tmp_path):
-    """--in-range-metadata adds the unrolled step whose metadata is made with its block table
-    and a layer's pages, --value-checks the unrolled step under value_checks() (all requests in
-    range here): their outs are the plain step's, and the report compares their times."""
+    """--unguarded adds the unrolled step of bare decodes on the raw lengths, --value-checks
+    the unrolled step under value_checks() (all requests in range here): their outs are the
+    plain step's, and the report compares their times."""
     import pytest
 
     sys.path.insert(0, str(BENCHMARKS))
     import bench_step
     import step_report
 
-    p = bench_step.Point(2, 128, 16, 1, "bfloat16", 3, 1, in_range_metadata=True,
-                         value_checks=True)
-    assert bench_step._metadata(p, p.tables()).seq_lens is None
-    assert bench_step._metadata(p, p.tables(), in_range=True).seq_lens is not None
+    p = bench_step.Point(2, 128, 16, 1, "bfloat16", 3, 1, unguarded=True, value_checks=True)
+    assert bench_step._metadata(p, p.tables()).seq_lens is not None
+    assert len(bench_step._metadata(p, p.tables(), unguarded=True)) == 2  # the schedule alone
     raw = bench_step.run_point(p, 2, None)
-    assert raw["layouts_agree"] and raw["jax_unrolled_in_range_alternating_us"] > 0
+    assert raw["layouts_agree"] and raw["jax_unrolled_unguarded_alternating_us"] > 0
     assert raw["jax_unrolled_checked_us"] > 0
-    assert raw["unrolled_checked_cost"] > -1 and raw["unrolled_in_range_alternating_cost"] > -1
+    assert raw["unrolled_checked_cost"] > -1 and raw["unrolled_alternating_cost"] > -1
     layouts = [r["layout"] for r in bench_step.records_by_layout([raw])]
-    assert layouts[-3:] == ["unrolled_in_range", "unrolled_in_range_alternating",
+    assert layouts[-3:] == ["unrolled_unguarded", "unrolled_unguarded_alternating",
                             "unrolled_checked"]
     result = dict(device="cpu", jax="x", raw=[raw], records=[])
     section = step_report.markdown(result).split(step_report.SAFETY_TITLE)[1]
-    assert "| 2 | 128 | 16 | 1 | 3 | in-range metadata |" in section
+    assert "| 2 | 128 | 16 | 1 | 3 | range checks |" in section
     assert "| 2 | 128 | 16 | 1 | 3 | value_checks() |" in section
     # Two points over two s_k and two h_q: the two panels without a point are left empty.
     step_report.plot(dict(result, raw=[raw, dict(raw, s_k=4096, h_q=128)]),
                      str(tmp_path / "two_points.png"))
-    with pytest.raises(ValueError, match="--in-range-metadata and --value-checks are for bf16"):
+    with pytest.raises(ValueError, match="--unguarded and --value-checks are for bf16"):
         bench_step.Point(2, 128, 16, 1, bench_step.FP8, 3, 1, value_checks=True)
 
 

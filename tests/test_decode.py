@@ -151,7 +151,8 @@ def test_any_schedule_gives_the_same_attention(num_sms):
     q, kv, bt, sl = make_decode_inputs(rng, batch=5, s_q=2, h_q=16, mean_sk=300, varlen=True,
                                        dtype=jnp.bfloat16, zero_lengths=1)
     args = [q, kv, jnp.asarray(bt), jnp.asarray(sl)]
-    md = jf.get_mla_metadata(args[3], num_heads_q=16, num_q_tokens=2, num_sms=num_sms,
+    md = jf.get_mla_metadata(args[3], block_table=args[2], num_pages=kv.shape[0],
+                             num_heads_q=16, num_q_tokens=2, num_sms=num_sms,
                              implementation="custom_call")
     out, lse = jf.mla_decode(*args, metadata=md, implementation="custom_call")
     ref_out, ref_lse = dense_attention_f64(q, kv, bt, sl, softmax_scale=SCALE, causal=True)

@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jax_flashmla as jf
 from jax_flashmla import fp8
 from helpers import (K_SCALE, LSE_TOL, OUT_TOL, assert_flashmla_close, dense_attention_f64,
-                     fp8_custom_calls, fp8_inputs, make_decode_inputs)
+                     fp8_inputs, fp8_kernel_tables, make_decode_inputs)
 
 IMPLEMENTATIONS = ["custom_call", "reference"]
 SCALE = 576 ** -0.5
@@ -123,20 +123,20 @@ def test_decode_matches_dequantized_float64_attention(implementation, s_q, causa
 
 def test_the_fp8_schedule_plans_empty_requests_as_length_one():
     """FlashMLA's FP8 decode faults on a request of length 0: the guard gives the kernel such
-    a request as length 1 over page 0 (ffi/fp8_guard.h), so the FP8 schedule is that of the
-    lengths raised to at least 1, with the metadata computed apart or next to the kernel."""
+    a request as length 1 over page 0 (fp8.guard_empty_requests), so the FP8 schedule is that
+    of the lengths raised to at least 1."""
     sl = jnp.asarray([0, 100, 10, 0], jnp.int32)
+    bt = jnp.zeros((4, 2), jnp.int32)
+    metadata = lambda lens: jf.get_mla_metadata(lens, block_table=bt, num_pages=1, num_heads_q=16,
+                                                fp8=True, implementation="custom_call")
     for field in ("tile_scheduler_metadata", "num_splits"):
-        np.testing.assert_array_equal(
-            getattr(jf.get_mla_metadata(sl, num_heads_q=16, fp8=True, implementation="custom_call"),
-                    field),
-            getattr(jf.get_mla_metadata(jnp.maximum(sl, 1), num_heads_q=16, fp8=True,
-                                        implementation="custom_call"), field))
+        np.testing.assert_array_equal(getattr(metadata(sl), field),
+                                      getattr(metadata(jnp.maximum(sl, 1)), field))
 
 
 def test_the_guard_model_changes_only_slot_0_of_empty_requests():
-    """fp8.guard_empty_requests, the model of ffi/fp8_guard.h that the GPU tests hand the torch
-    op: empty requests get length 1 over page 0, nothing else changes."""
+    """fp8.guard_empty_requests, what mla_decode and the GPU tests hand FlashMLA's FP8 kernel:
+    empty requests get length 1 over page 0, nothing else changes."""
     sentinel = 2**31 - 64
     bt = jnp.asarray([[sentinel, sentinel], [5, 6], [7, sentinel]], jnp.int32)
     sl = jnp.asarray([0, 100, 10], jnp.int32)
@@ -182,62 +182,19 @@ def test_q_quantized_beforehand_gives_the_same_result(implementation):
 
 
 @pytest.mark.usefixtures("on_cpu")
-def test_with_q_in_fp8_the_decode_is_the_guard_and_the_decode_alone():
-    """Given q in FP8 and the metadata, nothing runs but the guard's custom call and the
-    decode's: no quantization, and the guard for empty requests is the handlers'
-    (ffi/fp8_guard.h), not XLA fusions."""
+def test_with_q_in_fp8_the_decode_is_the_decode_and_its_inputs_guard():
+    """Given q in FP8 and the metadata, nothing runs but the FP8 decode and the elementwise
+    guard of its inputs (the kernel's table, a stale request's q): no quantization of q."""
     q, kv8, bt, sl = fp8_inputs(13)
     scale = jnp.float32(K_SCALE)
-    md = jf.get_mla_metadata(sl, num_heads_q=16, fp8=True, implementation="custom_call")
+    md = jf.get_mla_metadata(sl, block_table=bt, num_pages=kv8.shape[0], num_heads_q=16, fp8=True,
+                             implementation="custom_call")
     decode = jax.jit(lambda q, kv, bt, sl, md, s: jf.mla_decode(
         q, kv, bt, sl, metadata=md, k_scale=s, implementation="custom_call"))
     hlo = decode.lower(fp8.quantize(q, scale), kv8, bt, sl, md, scale).compile().as_text()
-    assert fp8_custom_calls(hlo) == (1, 1)
-    assert "fusion" not in hlo and "select" not in hlo and "convert" not in hlo
-
-
-@pytest.mark.usefixtures("on_cpu")
-def test_a_step_guards_its_block_table_once():
-    """The layers of a step share block_table and seq_lens: XLA merges their guard calls."""
-    q, kv8, bt, sl = fp8_inputs(14)
-    scale = jnp.float32(K_SCALE)
-    qs = [fp8.quantize(q * (i + 1), scale) for i in range(3)]
-
-    @jax.jit
-    def step(qs, kv, bt, sl, s):
-        md = jf.get_mla_metadata(sl, num_heads_q=16, fp8=True, implementation="custom_call")
-        return [jf.mla_decode(q, kv, bt, sl, metadata=md, k_scale=s, implementation="custom_call")
-                for q in qs]
-
-    assert fp8_custom_calls(step.lower(qs, kv8, bt, sl, scale).compile().as_text()) == (1, 3)
-    one = jax.jit(lambda q, kv, bt, sl, s: jf.mla_decode(q, kv, bt, sl, k_scale=s,
-                                                         implementation="custom_call"))
-    for (out, lse), q8 in zip(step(qs, kv8, bt, sl, scale), qs):
-        one_out, one_lse = one(q8, kv8, bt, sl, scale)
-        np.testing.assert_array_equal(np.asarray(out, np.float32),
-                                      np.asarray(one_out, np.float32))
-        np.testing.assert_array_equal(np.asarray(lse), np.asarray(one_lse))
-
-
-def test_the_guard_target_is_its_jax_model():
-    """jax_flashmla_fp8_guard on the default device (the CUDA kernel on a GPU) against
-    fp8.guard_empty_requests: requests of length 0 as length 1 over page 0, sentinel slots of
-    the others untouched."""
-    from jax_flashmla import custom_calls, kernels
-    if jax.default_backend() == "gpu":
-        kernels.ensure_cuda_targets()
-    rng = np.random.default_rng(15)
-    sl = jnp.asarray([0, 5, 0, 300, 64, 0, 1], jnp.int32)
-    bt = jnp.asarray(rng.integers(0, 50, (7, 6)), jnp.int32).at[:, 4:].set(2**31 - 1)
-    bt = bt.at[0].set(2**31 - 1)  # an empty request whose whole row is a sentinel
-    guard = jax.ffi.ffi_call(custom_calls.FP8_GUARD.target,
-                             (jax.ShapeDtypeStruct(bt.shape, jnp.int32),
-                              jax.ShapeDtypeStruct(sl.shape, jnp.int32)))
-    kernel_bt, kernel_sl = jax.jit(guard)(bt, sl)
-    model_bt, model_sl, _ = fp8.guard_empty_requests(bt, sl)
-    np.testing.assert_array_equal(np.asarray(kernel_bt), np.asarray(model_bt))
-    np.testing.assert_array_equal(np.asarray(kernel_sl), np.asarray(model_sl))
-    assert np.asarray(kernel_bt)[0, 0] == 0 and np.asarray(kernel_bt)[0, 1] == 2**31 - 1
+    assert [op for _, op in fp8_kernel_tables(hlo)] == ["fusion"]
+    assert "custom_call_target" in hlo and hlo.count("custom_call_target=") == 1
+    assert "divide" not in hlo and "clamp" not in hlo  # fp8.quantize's
 
 
 @pytest.mark.usefixtures("on_cpu")
@@ -249,8 +206,8 @@ def test_one_compilation_serves_any_scale(implementation):
 
     @jax.jit
     def step(q, kv, bt, sl, scale):
-        md = jf.get_mla_metadata(sl, num_heads_q=16, num_q_tokens=2, fp8=True,
-                                 implementation=implementation)
+        md = jf.get_mla_metadata(sl, block_table=bt, num_pages=kv.shape[0], num_heads_q=16,
+                                 num_q_tokens=2, fp8=True, implementation=implementation)
         return jf.mla_decode(q, kv, bt, sl, metadata=md, k_scale=scale,
                              implementation=implementation)
 
@@ -351,7 +308,8 @@ def test_decode_rejects(args, kwargs, exc, pattern):
 @pytest.mark.parametrize("cache_fp8", [True, False])
 def test_decode_rejects_metadata_of_the_other_scheduler(cache_fp8):
     q, kv, bt, sl = _args(jnp.float8_e4m3fn if cache_fp8 else jnp.bfloat16)
-    md = jf.get_mla_metadata(sl, num_heads_q=16, fp8=not cache_fp8, implementation="custom_call")
+    md = jf.get_mla_metadata(sl, block_table=bt, num_pages=kv.shape[0], num_heads_q=16,
+                             fp8=not cache_fp8, implementation="custom_call")
     kwargs = dict(k_scale=jnp.float32(1)) if cache_fp8 else {}
     pattern = (f"metadata was computed with fp8={not cache_fp8}, but the kv_cache is "
                f"{'' if cache_fp8 else 'not '}float8_e4m3fn; call get_mla_metadata\\(..., "
@@ -389,10 +347,6 @@ def test_fp8_benchmark_runs_tiny(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.search(r"fp8 .* GB/s", result.stdout), result.stdout
     assert out.stat().st_size > 0
-    result = subprocess.run([sys.executable, str(script), "--tiny", "--guard-step", "--layers",
-                             "3", "--out", str(out)], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert re.search(r"guard merged .* per layer .* ratio", result.stdout), result.stdout
 
 
 @pytest.mark.parametrize("value", [0.0, -0.5, float("inf"), float("nan")])

@@ -33,7 +33,8 @@ def test_bit_identical_to_the_torch_op(s_q, h_q, varlen):
 
     @jax.jit
     def step(q, kv, bt, sl):
-        md = jf.get_mla_metadata(sl, num_heads_q=h_q, num_q_tokens=s_q)
+        md = jf.get_mla_metadata(sl, block_table=bt, num_pages=kv.shape[0], num_heads_q=h_q,
+                                 num_q_tokens=s_q)
         out, lse = jf.mla_decode(q, kv, bt, sl, metadata=md)
         return md, out, lse
 
@@ -63,7 +64,8 @@ def test_an_error_inside_the_op_is_a_python_exception():
     q, kv, bt, sl = make_decode_inputs(np.random.default_rng(0), batch=2, s_q=1, h_q=16,
                                        mean_sk=64, varlen=False, dtype=jnp.bfloat16)
     sl = jnp.asarray(sl)
-    md = jf.get_mla_metadata(sl, num_heads_q=16)
+    md = jf.get_mla_metadata(sl, block_table=jnp.asarray(bt), num_pages=kv.shape[0],
+                             num_heads_q=16)
     parts = md.tile_scheduler_metadata.shape[0]
     v = 256
     decode = jax.ffi.ffi_call(custom_calls.DECODE.target, (
@@ -92,8 +94,10 @@ def test_decode_lowers_to_the_flashmla_custom_call():
 
 def test_metadata_for_another_sm_count_is_refused_at_lowering():
     sl = jnp.full((4,), 100, jnp.int32)
+    bt = jnp.arange(8, dtype=jnp.int32).reshape(4, 2)
     with pytest.raises(ValueError, match="leave num_sms unset on GPUs"):
-        jax.jit(lambda s: jf.get_mla_metadata(s, num_heads_q=16, num_sms=7)).lower(sl)
+        jax.jit(lambda s, bt: jf.get_mla_metadata(s, block_table=bt, num_pages=8,
+                                                  num_heads_q=16, num_sms=7)).lower(sl, bt)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -111,8 +115,8 @@ def test_out_of_range_requests_under_flashmla(fp8):
 
     @jax.jit
     def step(q, kv, bt, sl):
-        md = jf.get_mla_metadata(sl, num_heads_q=16, fp8=fp8, block_table=bt,
-                                 num_pages=kv.shape[0])
+        md = jf.get_mla_metadata(sl, block_table=bt, num_pages=kv.shape[0], num_heads_q=16,
+                                 fp8=fp8)
         return jf.mla_decode(q, kv, bt, sl, metadata=md, softmax_scale=0.1, k_scale=k_scale)
 
     bad_sl = sl.at[3].set(bt.shape[1] * 64 + 1000)

@@ -83,9 +83,9 @@ def _step_inputs(seed, *, batch, s_q, h_q, fp8_cache=False):
 
 def _unrolled_step(fp8_cache):
     def step(qs, caches, bt, sl):
-        md = jf.get_mla_metadata(sl, num_heads_q=qs.shape[3], num_q_tokens=qs.shape[2],
-                                 fp8=fp8_cache, block_table=bt,
-                                 num_pages=caches[0].shape[0])
+        md = jf.get_mla_metadata(sl, block_table=bt, num_pages=caches[0].shape[0],
+                                 num_heads_q=qs.shape[3], num_q_tokens=qs.shape[2],
+                                 fp8=fp8_cache)
         scale = dict(k_scale=jnp.float32(K_SCALE)) if fp8_cache else {}
         return [jf.mla_decode(qs[i], caches[i], bt, sl, metadata=md, softmax_scale=SCALE,
                               **scale) for i in range(len(caches))]
@@ -107,15 +107,13 @@ def _assert_bit_identical(results, expected):
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_the_custom_calls_are_captured_in_a_command_buffer(dtype):
-    """A 6-layer step's metadata and decodes (and the FP8 guard): each is captured (its handler
-    run under stream capture) when XLA first records the step's command buffer, after its
-    warm-up run; the third call replays the graph, launching it and building nothing."""
+    """A 6-layer step's metadata and decodes: each is captured (its handler run under stream
+    capture) when XLA first records the step's command buffer, after its warm-up run; the
+    third call replays the graph, launching it and building nothing."""
     out = _probe("capture", dtype)
-    decode, guarded = ((custom_calls.DECODE_FP8, [custom_calls.FP8_GUARD.target])
-                       if dtype == "fp8" else (custom_calls.DECODE, []))
+    decode = custom_calls.DECODE_FP8 if dtype == "fp8" else custom_calls.DECODE
     targets = custom_call_targets(out)
-    assert targets == sorted([decode.target] * PROBE_LAYERS + [custom_calls.METADATA.target]
-                             + guarded), out
+    assert targets == sorted([decode.target] * PROBE_LAYERS + [custom_calls.METADATA.target]), out
     calls = driver_calls(out)
     assert sum(map(captures, calls)) >= len(targets), calls
     assert not records(calls[2]) and calls[2].get("cuGraphLaunch"), calls
@@ -171,7 +169,8 @@ def test_a_loop_over_stacked_layers_with_a_donated_cache_equals_torch(loop, opti
     h_q, s_q = 32, 1
 
     def step(qs, stack, rows, slots, bt, sl):
-        md = jf.get_mla_metadata(sl, num_heads_q=h_q, num_q_tokens=s_q)
+        md = jf.get_mla_metadata(sl, block_table=bt, num_pages=stack.shape[1], num_heads_q=h_q,
+                                 num_q_tokens=s_q)
 
         def layer(cache, q, row):
             cache = jf.write_kv(cache, slots, kv=row)
@@ -226,7 +225,9 @@ def test_metadata_at_a_batch_whose_two_results_have_one_size():
     """h_q=128 on 132 SMs: 66 SM parts, so at batch 527 tile_scheduler_metadata (66, 8) and
     num_splits (528,) are both 2112 bytes; each still lands in its own buffer."""
     sl = jnp.asarray(np.random.default_rng(6).integers(1, 200, 527), jnp.int32)
-    md = jax.jit(lambda s: jf.get_mla_metadata(s, num_heads_q=128))(sl)
+    bt = jnp.zeros((527, 4), jnp.int32)
+    md = jax.jit(lambda s: jf.get_mla_metadata(s, block_table=bt, num_pages=1,
+                                               num_heads_q=128))(sl)
     assert md.tile_scheduler_metadata.shape == (66, 8)
     assert int(md.num_splits[0]) == 0 and int(md.num_splits[-1]) >= 527
     assert (np.diff(np.asarray(md.num_splits)) >= 1).all()

@@ -13,7 +13,7 @@ import pytest
 import jax_flashmla as jf
 from jax_flashmla import fp8, kernels, validation
 from helpers import (K_SCALE, cache_shaped_buffers, call_by_name, dense_attention_f64,
-                     fp8_custom_calls, make_decode_inputs, scan_over_fp8_layers, torch_view)
+                     fp8_kernel_tables, make_decode_inputs, scan_over_fp8_layers, torch_view)
 
 pytestmark = pytest.mark.gpu
 
@@ -61,7 +61,8 @@ def test_bit_identical_to_the_torch_fp8_op(s_q, h_q, varlen, q_quantized):
 
     @jax.jit
     def step(q, kv8, bt, sl, scale):
-        md = jf.get_mla_metadata(sl, num_heads_q=h_q, num_q_tokens=s_q, fp8=True)
+        md = jf.get_mla_metadata(sl, block_table=bt, num_pages=kv8.shape[0], num_heads_q=h_q,
+                                 num_q_tokens=s_q, fp8=True)
         q8 = fp8.quantize(q, scale)  # the q the kernel is given
         out, lse = jf.mla_decode(q8 if q_quantized else q, kv8, bt, sl, metadata=md,
                                  k_scale=scale)
@@ -141,18 +142,20 @@ def test_fp8_decode_lowers_to_the_fp8_custom_calls():
     assert 'custom_call_target="jax_flashmla_mla_decode_fp8"' in hlo
     assert re.search(r"::fwd_kvcache_mla_fp8\b", hlo)
     assert re.search(r"::get_mla_decoding_metadata_dense_fp8\b", hlo)
-    # Given q in FP8 and the metadata, the guard's custom call and the decode's run alone, no
-    # fusions around them (ffi/fp8_guard.h); a step of three layers guards once.
-    md = jf.get_mla_metadata(sl, num_heads_q=16, fp8=True)
+    # Given q in FP8 and the metadata, the decode and the elementwise guard of its inputs run
+    # alone; the layers of a step share the kernel's table (fp8.guard_empty_requests).
+    md = jf.get_mla_metadata(sl, block_table=bt, num_pages=kv8.shape[0], num_heads_q=16,
+                             fp8=True)
     q8 = fp8.quantize(q, jnp.float32(1))
     alone = jax.jit(lambda *a: jf.mla_decode(*a[:4], metadata=a[4], k_scale=a[5]))
     hlo = alone.lower(q8, kv8, bt, sl, md, jnp.float32(1)).compile().as_text()
-    assert fp8_custom_calls(hlo) == (1, 1) and "fusion" not in hlo
+    assert hlo.count("custom_call_target=") == 1
     step = jax.jit(lambda qs, *a: [jf.mla_decode(q, *a[:3], metadata=a[3], k_scale=a[4])
                                    for q in qs])
     qs = [q8, fp8.quantize(q, jnp.float32(2)), fp8.quantize(q, jnp.float32(3))]
     hlo = step.lower(qs, kv8, bt, sl, md, jnp.float32(1)).compile().as_text()
-    assert fp8_custom_calls(hlo) == (1, 3)
+    tables = fp8_kernel_tables(hlo)
+    assert len(tables) == 3 and len({name for name, _ in tables}) == 1
     for (out, lse), q_layer in zip(step(qs, kv8, bt, sl, md, jnp.float32(1)), qs):
         one_out, one_lse = alone(q_layer, kv8, bt, sl, md, jnp.float32(1))
         np.testing.assert_array_equal(np.asarray(out, np.float32),
@@ -160,19 +163,11 @@ def test_fp8_decode_lowers_to_the_fp8_custom_calls():
         np.testing.assert_array_equal(np.asarray(lse), np.asarray(one_lse))
 
 
-@pytest.mark.parametrize("guard_in_metadata", [False, True])
-def test_a_scan_over_layers_on_the_gpu(guard_in_metadata):
-    """With the guard in the metadata, once per step. Without, XLA's GPU compiler (jax 0.11.2)
-    leaves each layer's guard in the loop body, once per layer, as get_mla_metadata's
-    docstring says."""
+def test_a_scan_over_layers_on_the_gpu():
+    """Each layer of a scan sharing the step's metadata equals a decode of its own, the
+    request of length 0 among them."""
     kernels.ensure_cuda_targets()
-    guards, in_entry = scan_over_fp8_layers(guard_in_metadata)
-    if guard_in_metadata:
-        assert (guards, in_entry) == (1, 1)
-    else:
-        assert (guards, in_entry) == (1, 0), (
-            "XLA now hoists the guard out of lax.scan on the GPU: update get_mla_metadata's "
-            "docstring")
+    assert len(fp8_kernel_tables(scan_over_fp8_layers())) == 1
 
 
 def test_fp8_write_kv_is_in_place():

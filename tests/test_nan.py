@@ -27,12 +27,12 @@ def _decode(implementation, fp8_cache):
 
     @jax.jit
     def decode(q, kv, bt, sl):
-        md = jf.get_mla_metadata(sl, num_heads_q=H_Q, num_q_tokens=q.shape[1], fp8=fp8_cache,
-                                 block_table=bt, num_pages=kv.shape[0],
+        md = jf.get_mla_metadata(sl, block_table=bt, num_pages=kv.shape[0], num_heads_q=H_Q,
+                                 num_q_tokens=q.shape[1], fp8=fp8_cache,
                                  implementation=implementation)
         out, lse = jf.mla_decode(q, kv, bt, sl, metadata=md, softmax_scale=0.1, k_scale=k_scale,
                                  implementation=implementation)
-        return out, lse, jnp.zeros(1, jnp.int32) if md is None else md.num_splits
+        return out, lse, jnp.zeros(1, jnp.int32) if md.num_splits is None else md.num_splits
 
     def run(q, kv, bt, sl):
         out, lse, splits = decode(q, kv, bt, sl)

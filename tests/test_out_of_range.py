@@ -1,8 +1,9 @@
 """Out-of-range lengths and block-table entries, by default: a request whose length is
 outside [0, max_pages * 64] or that reads a page outside [0, num_pages) is decoded as one of
 length 0 (out 0, lse +inf) on every implementation, and every other request's out and lse
-are bit for bit what they are without it. The lengths are made safe once per step by a
-metadata made with block_table and num_pages, or by mla_decode itself without a metadata."""
+are bit for bit what they are without it. The lengths are made safe once per step by the
+metadata (get_mla_metadata takes the block table and num_pages), or by mla_decode itself
+without one; a metadata of other lengths poisons those requests, on every implementation."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -36,16 +37,16 @@ def _inputs(dtype, s_q):
 
 def _decode(q, kv, bt, sl, k_scale, implementation, metadata):
     md = None
-    if metadata == "made with num_pages":
-        md = jf.get_mla_metadata(sl, num_heads_q=q.shape[2], num_q_tokens=q.shape[1],
-                                 fp8=k_scale is not None, implementation=implementation,
-                                 block_table=bt, num_pages=kv.shape[0])
+    if metadata == "metadata":
+        md = jf.get_mla_metadata(sl, block_table=bt, num_pages=kv.shape[0], num_heads_q=q.shape[2],
+                                 num_q_tokens=q.shape[1], fp8=k_scale is not None,
+                                 implementation=implementation)
     return jf.mla_decode(q, kv, bt, sl, metadata=md, softmax_scale=0.1,
                          implementation=implementation, k_scale=k_scale)
 
 
-# The reference has no metadata (get_mla_metadata returns None for it).
-DECODES = [("reference", "none"), ("custom_call", "none"), ("custom_call", "made with num_pages")]
+DECODES = [(implementation, metadata) for implementation in ("reference", "custom_call")
+           for metadata in ("none", "metadata")]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -71,7 +72,7 @@ def test_entries_past_a_requests_pages_leave_it_as_it_is(implementation):
     pages_read = (int(sl[BAD]) + 63) // 64
     assert pages_read < bt.shape[1]
     out, lse = _decode(q, kv, bt.at[BAD, pages_read].set(kv.shape[0] + 7), sl, None,
-                       implementation, "made with num_pages")
+                       implementation, "metadata")
     want_out, want_lse = _decode(q, kv, bt, sl, None, implementation, "none")
     assert np.all(np.isfinite(np.asarray(lse[BAD])))
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want_out, np.float32))
@@ -82,28 +83,27 @@ def test_the_metadata_carries_the_lengths_it_was_made_for():
     _, kv, bt, sl, _ = _inputs("bf16", 1)
     bad_bt = bt.at[2, 0].set(-3)
     bad_sl = sl.at[BAD].set(10**6)
-    md = jf.get_mla_metadata(bad_sl, num_heads_q=16, implementation="custom_call",
-                             block_table=bad_bt, num_pages=kv.shape[0])
-    np.testing.assert_array_equal(np.asarray(md.seq_lens),
-                                  np.asarray(sl.at[BAD].set(0).at[2].set(0)))
-    plain = jf.get_mla_metadata(sl, num_heads_q=16, implementation="custom_call")
-    assert plain.seq_lens is None
+    for implementation in ("reference", "custom_call"):
+        md = jf.get_mla_metadata(bad_sl, block_table=bad_bt, num_pages=kv.shape[0],
+                                 num_heads_q=16, implementation=implementation)
+        np.testing.assert_array_equal(np.asarray(md.seq_lens),
+                                      np.asarray(sl.at[BAD].set(0).at[2].set(0)))
 
 
+@pytest.mark.parametrize("implementation", ["reference", "custom_call"])
 @pytest.mark.parametrize("dtype,s_q", [("bf16", 1), ("bf16", 2), ("fp8", 1)])
-def test_a_metadata_of_other_lengths_poisons_those_requests(dtype, s_q):
-    """A metadata made (with block_table and num_pages) for another step's lengths: each
-    request whose length differs comes out NaN, not attention over other keys; a request the
-    metadata made empty stays empty; the others are bit for bit the step's own."""
+def test_a_metadata_of_other_lengths_poisons_those_requests(dtype, s_q, implementation):
+    """A metadata made for another step's lengths: each request whose length differs comes
+    out NaN, not attention over other keys; a request the metadata made empty stays empty;
+    the others are bit for bit the step's own."""
     q, kv, bt, sl, k_scale = _inputs(dtype, s_q)
     old = sl.at[0].add(-7).at[2].set(kv.shape[0] * 64 + 1)  # 2: out of range then
-    md = jf.get_mla_metadata(old, num_heads_q=q.shape[2], num_q_tokens=s_q,
-                             fp8=k_scale is not None, implementation="custom_call",
-                             block_table=bt, num_pages=kv.shape[0])
+    md = jf.get_mla_metadata(old, block_table=bt, num_pages=kv.shape[0], num_heads_q=q.shape[2],
+                             num_q_tokens=s_q, fp8=k_scale is not None,
+                             implementation=implementation)
     out, lse = jf.mla_decode(q, kv, bt, sl, metadata=md, softmax_scale=0.1,
-                             implementation="custom_call", k_scale=k_scale)
-    want_out, want_lse = _decode(q, kv, bt, sl.at[2].set(0), k_scale, "custom_call",
-                                 "made with num_pages")
+                             implementation=implementation, k_scale=k_scale)
+    want_out, want_lse = _decode(q, kv, bt, sl.at[2].set(0), k_scale, implementation, "metadata")
     out, want_out = np.asarray(out, np.float32), np.asarray(want_out, np.float32)
     assert np.isnan(out[0]).all() and not np.isnan(out[1:]).any()
     assert not out[2].any() and np.all(np.asarray(lse[2]) == np.inf)
@@ -116,8 +116,8 @@ def test_under_a_metadata_any_table_is_read_inside_the_cache():
     the cache: those pages are read as page 0, never outside (the C++ model refuses a read
     outside the cache)."""
     q, kv, bt, sl, _ = _inputs("bf16", 1)
-    md = jf.get_mla_metadata(sl, num_heads_q=16, implementation="custom_call", block_table=bt,
-                             num_pages=kv.shape[0])
+    md = jf.get_mla_metadata(sl, block_table=bt, num_pages=kv.shape[0], num_heads_q=16,
+                             implementation="custom_call")
     far = bt.at[BAD, 0].set(10**6).at[0, 0].set(-9)
     out, lse = jf.mla_decode(q, kv, far, sl, metadata=md, softmax_scale=0.1,
                              implementation="custom_call")
@@ -128,15 +128,14 @@ def test_under_a_metadata_any_table_is_read_inside_the_cache():
 
 
 @pytest.mark.parametrize("kwargs,pattern", [
-    (dict(num_pages=8), r"get_mla_metadata: block_table and num_pages go together .*; got "
-                        r"num_pages alone"),
+    (dict(num_pages=8), r"get_mla_metadata: block_table must be given .*; got None"),
     (dict(block_table=True, num_pages=0), r"num_pages must be a positive int .* got 0"),
     (dict(block_table=True, num_pages=2.0), r"num_pages must be a positive int .* got 2.0"),
     (dict(block_table=True, num_pages=True), r"num_pages must be a positive int .* got True"),
 ])
 def test_get_mla_metadata_rejects_num_pages(kwargs, pattern):
     sl = jnp.ones((4,), jnp.int32)
-    if kwargs.pop("block_table", False):
-        kwargs["block_table"] = jnp.zeros((4, 2), jnp.int32)
+    table = jnp.zeros((4, 2), jnp.int32) if kwargs.pop("block_table", False) else None
     with pytest.raises(ValueError, match=pattern):
-        jf.get_mla_metadata(sl, num_heads_q=16, implementation="custom_call", **kwargs)
+        jf.get_mla_metadata(sl, block_table=table, num_heads_q=16, implementation="custom_call",
+                            **kwargs)

@@ -67,7 +67,8 @@ def test_given_metadata_with_a_split_q_is_refused(devices):
 
     @jax.jit
     def decode(q, kv, bt, sl):
-        md = jf.get_mla_metadata(sl, num_heads_q=q.shape[2], implementation="custom_call")
+        md = jf.get_mla_metadata(sl, block_table=bt, num_pages=kv.shape[0],
+                                 num_heads_q=q.shape[2], implementation="custom_call")
         return jf.mla_decode(q, kv, bt, sl, metadata=md, implementation="custom_call")
 
     with pytest.raises(Exception, match="pass metadata=None"):

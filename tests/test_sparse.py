@@ -220,8 +220,10 @@ def test_a_shared_metadata_is_the_schedule_of_requests_of_topk_keys():
     topk = indices.shape[-1]
     md = jax.jit(functools.partial(sparse_decode_metadata, batch, num_heads_q=16, topk=topk,
                                    num_q_tokens=s_q))()
-    dense = jf.get_mla_metadata(jnp.full((batch,), topk, jnp.int32), num_heads_q=64,
-                                num_q_tokens=s_q, implementation="custom_call")
+    dense = jf.get_mla_metadata(jnp.full((batch,), topk, jnp.int32),
+                                block_table=jnp.zeros((batch, -(-topk // 64)), jnp.int32),
+                                num_pages=1, num_heads_q=64, num_q_tokens=s_q,
+                                implementation="custom_call")
     np.testing.assert_array_equal(md.tile_scheduler_metadata, dense.tile_scheduler_metadata)
     np.testing.assert_array_equal(md.num_splits, dense.num_splits)
     with_md = sparse_mla_decode(q, cache, indices, metadata=md)

@@ -39,9 +39,9 @@ def test_verify_seq_lens():
 def test_target_verify_equals_single_token_steps(implementation):
     cache, table, prefix, q, kv = _setup()
     d = q.shape[1]
-    metadata = target_verify_metadata(prefix, d, num_heads_q=q.shape[2],
-                                      implementation=implementation)
-    assert (metadata is None) == (implementation == "reference")
+    metadata = target_verify_metadata(prefix, d, block_table=table, num_pages=cache.shape[0],
+                                      num_heads_q=q.shape[2], implementation=implementation)
+    assert (metadata.tile_scheduler_metadata is None) == (implementation == "reference")
     verify = jax.jit(lambda c, m: target_verify(c, table, prefix, q, kv, metadata=m,
                                                 implementation=implementation),
                      donate_argnums=0)
@@ -93,7 +93,8 @@ def test_multi_step_draft_equals_decode_loop(implementation):
     cache, table, prefix, _, _ = _setup()
     num_steps, h = 3, 4
     base_q, base_kv, q0, kv0 = _draft_inputs(num_steps, h)
-    metadata = multi_step_draft_metadata(prefix, num_steps, num_heads_q=h,
+    metadata = multi_step_draft_metadata(prefix, num_steps, block_table=table,
+                                         num_pages=cache.shape[0], num_heads_q=h,
                                          implementation=implementation)
     if implementation == "custom_call":
         assert metadata.tile_scheduler_metadata.shape[0] == num_steps
@@ -128,7 +129,8 @@ def test_fp8_target_verify_equals_single_token_steps(implementation):
     k_scale = jnp.float32(K_SCALE)
     cache = fp8.quantize(cache, k_scale)
     d = q.shape[1]
-    metadata = target_verify_metadata(prefix, d, num_heads_q=q.shape[2], fp8=True,
+    metadata = target_verify_metadata(prefix, d, block_table=table, num_pages=cache.shape[0],
+                                      num_heads_q=q.shape[2], fp8=True,
                                       implementation=implementation)
     cache_v, out_v, lse_v = jax.jit(lambda c: target_verify(
         c, table, prefix, q, kv, metadata=metadata, implementation=implementation,
@@ -178,7 +180,8 @@ def test_input_errors():
     with pytest.raises(ValueError, match="num_steps must be a positive int"):
         multi_step_draft(cache, table, prefix, q, kv, None, None, num_steps=0)
     with pytest.raises(ValueError, match="num_draft_tokens must be a positive int"):
-        target_verify_metadata(prefix, 0, num_heads_q=4)
+        target_verify_metadata(prefix, 0, block_table=table, num_pages=cache.shape[0],
+                               num_heads_q=4)
     with pytest.raises(ValueError, match=r"kv must have shape \(4, 1, 576\)"):
         target_verify(cache, table, prefix, q, kv[:, :, :512])
 

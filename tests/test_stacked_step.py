@@ -38,7 +38,8 @@ def _next_q(out, rope):
 
 
 def unrolled(stack, block_table, seq_lens, q, rope):
-    md = jf.get_mla_metadata(seq_lens, num_heads_q=H_Q, implementation="custom_call")
+    md = jf.get_mla_metadata(seq_lens, block_table=block_table, num_pages=PAGES, num_heads_q=H_Q,
+                             implementation="custom_call")
     for layer in range(LAYERS):
         stack, out = _layer(stack, layer, q, block_table, seq_lens, md)
         q = _next_q(out, rope[layer])
@@ -46,7 +47,8 @@ def unrolled(stack, block_table, seq_lens, q, rope):
 
 
 def scanned(stack, block_table, seq_lens, q, rope):
-    md = jf.get_mla_metadata(seq_lens, num_heads_q=H_Q, implementation="custom_call")
+    md = jf.get_mla_metadata(seq_lens, block_table=block_table, num_pages=PAGES, num_heads_q=H_Q,
+                             implementation="custom_call")
 
     def body(carry, xs):
         stack, q = carry
@@ -78,7 +80,8 @@ def test_unrolled_and_scanned_steps_agree_with_layers_on_their_own_caches():
                                   np.asarray(expected_stack, np.float32))
     # The same layers on caches of their own, through the step's block table.
     caches = [stack[layer * PAGES:(layer + 1) * PAGES] for layer in range(LAYERS)]
-    md = jf.get_mla_metadata(seq_lens, num_heads_q=H_Q, implementation="custom_call")
+    md = jf.get_mla_metadata(seq_lens, block_table=block_table, num_pages=PAGES, num_heads_q=H_Q,
+                             implementation="custom_call")
     for layer in range(LAYERS):
         slots = jf.token_slots(block_table, seq_lens[:, None] - 1)
         caches[layer] = jf.write_kv(caches[layer], slots, kv=q[:, :, 0, :])

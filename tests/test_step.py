@@ -9,7 +9,8 @@ import jax_flashmla as jf
 
 def _decode_step(cache, q, block_table, seq_lens, slots):
     """Write each request's new row, decode, and make the next q from the out."""
-    md = jf.get_mla_metadata(seq_lens, num_heads_q=q.shape[2])
+    md = jf.get_mla_metadata(seq_lens, block_table=block_table, num_pages=cache.shape[0],
+                             num_heads_q=q.shape[2])
     cache = jf.write_kv(cache, slots, kv=q[:, :, 0])
     out, lse = jf.mla_decode(q, cache, block_table, seq_lens, metadata=md)
     return cache, jnp.concatenate([out.astype(q.dtype), q[..., 512:]], axis=-1), lse

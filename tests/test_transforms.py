@@ -65,7 +65,8 @@ def test_scan_over_stacked_layers_shares_one_metadata(implementation):
 
     @jax.jit
     def step(q_layers, kv_layers, bt, sl):
-        md = jf.get_mla_metadata(sl, num_heads_q=16, implementation=implementation)
+        md = jf.get_mla_metadata(sl, block_table=bt, num_pages=kv_layers.shape[1],
+                                 num_heads_q=16, implementation=implementation)
 
         def layer(carry, xs):
             out, lse = jf.mla_decode(xs[0], xs[1], bt, sl, metadata=md,

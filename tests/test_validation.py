@@ -49,15 +49,18 @@ def test_decode_rejects(overrides, exc, pattern):
 
 def test_decode_rejects_metadata_for_another_layout():
     args = _args(h_q=16)
-    md = jf.get_mla_metadata(args["seq_lens"], num_heads_q=32, implementation="custom_call")
+    md = jf.get_mla_metadata(args["seq_lens"], block_table=args["block_table"],
+                             num_pages=args["kv_cache"].shape[0], num_heads_q=32,
+                             implementation="custom_call")
     with pytest.raises(ValueError, match="metadata was computed for num_heads_q=32, num_q_tokens=1; "
                                          "q has h_q=16, s_q=1"):
         jf.mla_decode(*args.values(), metadata=md, implementation="custom_call")
 
 
 def test_decode_rejects_metadata_for_another_batch():
-    md = jf.get_mla_metadata(jnp.zeros((5,), jnp.int32), num_heads_q=16, implementation="custom_call")
-    with pytest.raises(ValueError, match=r"num_splits must have shape \(3,\) for batch 2; got \(6,\)"):
+    md = jf.get_mla_metadata(jnp.zeros((5,), jnp.int32), block_table=jnp.zeros((5, 1), jnp.int32),
+                             num_pages=1, num_heads_q=16, implementation="custom_call")
+    with pytest.raises(ValueError, match=r"seq_lens must have shape \(2,\) for batch 2; got \(5,\)"):
         jf.mla_decode(*_args().values(), metadata=md, implementation="custom_call")
 
 
@@ -71,7 +74,8 @@ def test_decode_rejects_metadata_for_another_batch():
 ])
 def test_metadata_rejects(seq_lens, kwargs, exc, pattern):
     with pytest.raises(exc, match=pattern):
-        jf.get_mla_metadata(seq_lens, implementation="custom_call", **kwargs)
+        jf.get_mla_metadata(seq_lens, block_table=jnp.zeros((2, 4), jnp.int32), num_pages=4,
+                            implementation="custom_call", **kwargs)
 
 
 def test_errors_are_raised_at_trace_time():

@@ -30,7 +30,8 @@ def _checked(fn, *args):
 
 def _step(implementation):
     def step(q, kv, bt, sl, md_lens):
-        md = jf.get_mla_metadata(md_lens, num_heads_q=16, implementation=implementation)
+        md = jf.get_mla_metadata(md_lens, block_table=bt, num_pages=kv.shape[0], num_heads_q=16,
+                                 implementation=implementation)
         return jf.mla_decode(q, kv, bt, sl, metadata=md, implementation=implementation)
     return step
 
@@ -51,7 +52,7 @@ def test_a_length_past_the_block_table_is_named(inputs, implementation):
     bad = sl.at[1].set(bt.shape[1] * 64 + 1)
     err, _ = _checked(_step(implementation), q, kv, bt, bad, bad)
     with pytest.raises(checkify.JaxRuntimeError,
-                       match=rf"mla_decode: seq_lens\[1\] = {bt.shape[1] * 64 + 1} is outside "
+                       match=rf"get_mla_metadata: seq_lens\[1\] = {bt.shape[1] * 64 + 1} is outside "
                              rf"\[0, max_pages \* 64 = {bt.shape[1] * 64}\]"):
         err.throw()
 
@@ -59,10 +60,11 @@ def test_a_length_past_the_block_table_is_named(inputs, implementation):
 def test_a_negative_length_is_named_by_the_metadata(inputs):
     q, kv, bt, sl = inputs
     bad = sl.at[2].set(-3)
-    err, _ = _checked(lambda s: jf.get_mla_metadata(s, num_heads_q=16,
+    err, _ = _checked(lambda s: jf.get_mla_metadata(s, block_table=bt, num_pages=kv.shape[0],
+                                                    num_heads_q=16,
                                                     implementation="custom_call").num_splits, bad)
     with pytest.raises(checkify.JaxRuntimeError,
-                       match=r"get_mla_metadata: seq_lens\[2\] = -3 is negative"):
+                       match=r"get_mla_metadata: seq_lens\[2\] = -3 is outside \[0, "):
         err.throw()
 
 
@@ -87,34 +89,54 @@ def test_entries_a_request_does_not_read_are_not_checked(inputs):
     err.throw()
 
 
-def test_metadata_of_other_lengths_is_named(inputs):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_metadata_of_other_lengths_is_named(inputs, implementation):
     q, kv, bt, sl = inputs
-    err, _ = _checked(_step("custom_call"), q, kv, bt, sl, sl - 100)
+    err, _ = _checked(_step(implementation), q, kv, bt, sl, sl.at[2].add(-5))
     with pytest.raises(checkify.JaxRuntimeError,
-                       match="metadata.tile_scheduler_metadata is not what get_mla_metadata "
-                             "makes for this decode's seq_lens"):
+                       match=rf"mla_decode: seq_lens\[2\] = {int(sl[2])}, but the metadata was "
+                             rf"made for {int(sl[2]) - 5} \(get_mla_metadata of another step\?\)"):
         err.throw()
 
 
-def test_fp8_metadata_of_another_block_table_is_named(inputs):
+def test_a_schedule_not_of_the_metadatas_lengths_is_named(inputs):
+    q, kv, bt, sl = inputs
+
+    def step(q, kv, bt, sl):
+        md = jf.get_mla_metadata(sl, block_table=bt, num_pages=kv.shape[0], num_heads_q=16,
+                                 implementation="custom_call")
+        other = jf.get_mla_metadata(sl - 100, block_table=bt, num_pages=kv.shape[0],
+                                    num_heads_q=16, implementation="custom_call")
+        md = dataclasses.replace(md, tile_scheduler_metadata=other.tile_scheduler_metadata,
+                                 num_splits=other.num_splits)
+        return jf.mla_decode(q, kv, bt, sl, metadata=md, implementation="custom_call")
+
+    err, _ = _checked(step, q, kv, bt, jnp.maximum(sl, 100))
+    with pytest.raises(checkify.JaxRuntimeError,
+                       match="mla_decode: metadata.tile_scheduler_metadata is not what "
+                             "get_mla_metadata makes for the metadata's seq_lens"):
+        err.throw()
+
+
+def test_fp8_metadata_of_another_block_table_is_no_error(inputs):
+    """The FP8 kernel reads the decode's own table: a metadata made with another table of
+    the same lengths is no mistake, and the answer is the decode's table's."""
     q, kv, bt, sl = inputs
     scale = jnp.float32(1 / 400)
     kv8 = fp8.quantize(kv, scale)
-    sl = sl.at[1].set(0)  # the guard changes this request's first slot
+    sl = sl.at[1].set(0)  # the kernel's table differs in this request's first slot
 
     def step(q, kv8, bt, md_bt, sl):
-        md = jf.get_mla_metadata(sl, num_heads_q=16, fp8=True, block_table=md_bt,
-                                 num_pages=kv8.shape[0],
-                                 implementation="custom_call")
+        md = jf.get_mla_metadata(sl, block_table=md_bt, num_pages=kv8.shape[0], num_heads_q=16,
+                                 fp8=True, implementation="custom_call")
         return jf.mla_decode(q, kv8, bt, sl, metadata=md, k_scale=scale,
                              implementation="custom_call")
 
-    err, _ = _checked(step, q, kv8, bt, bt, sl)
+    err, (out, lse) = _checked(step, q, kv8, bt, (bt + 1) % kv8.shape[0], sl)
     err.throw()
-    # Other pages, all in range: the same lengths, so the same schedule, another guarded table.
-    err, _ = _checked(step, q, kv8, bt, (bt + 1) % kv8.shape[0], sl)
-    with pytest.raises(checkify.JaxRuntimeError, match="metadata.kernel_block_table is not"):
-        err.throw()
+    own_out, own_lse = jax.jit(step)(q, kv8, bt, bt, sl)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(own_out, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(own_lse))
 
 
 @pytest.mark.parametrize("value", [0.0, -1.0, float("inf"), float("nan")])
@@ -137,8 +159,8 @@ def test_off_by_default_the_step_holds_no_check(inputs):
     assert plain == off
     with jf.value_checks():
         on = jax.jit(checkify.checkify(_step("custom_call"))).lower(q, kv, bt, sl, sl).as_text()
-    # The given metadata, the one it is checked against, and the call's (for safe inputs).
-    assert on.count("jax_flashmla_mla_metadata") == 3
+    # The given metadata and the one it is checked against.
+    assert on.count("jax_flashmla_mla_metadata") == 2
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)

@@ -388,8 +388,7 @@ class MultiHeadLatentAttention(nnx.Module):
           implementation: as in jax_flashmla.mla_decode.
           k_scale: with a float8_e4m3fn cache (and only then), its float32 scale: the new rows
             are quantized with it and the decode is FlashMLA's FP8 one (get_mla_metadata's
-            fp8=True for a shared metadata, and block_table=block_table to guard the step's
-            empty requests once even when the layers are a lax.scan).
+            fp8=True for a shared metadata).
 
         Returns:
           (out (b, s_q, hidden_size) in the compute dtype, the updated kv_cache).

@@ -83,9 +83,9 @@ def decode_step(kv_cache, block_table, seq_lens, q, kv, *, metadata=None, softma
       seq_lens: (batch,) int32 lengths counting the new tokens; 0 for a padded request.
       q: (batch, s_q, h_q, 576) bfloat16/float16, the new tokens' queries.
       kv: (batch, s_q, 576) the new tokens' cache rows, cast to the cache's dtype.
-      metadata: get_mla_metadata(seq_lens, num_heads_q=h_q, num_q_tokens=s_q, fp8=<an FP8
-        cache>, block_table=block_table, num_pages=<the cache's pages>; see there); computed
-        here when None. Share one across the layers of a step.
+      metadata: get_mla_metadata(seq_lens, block_table=block_table, num_pages=<the cache's
+        pages>, num_heads_q=h_q, num_q_tokens=s_q, fp8=<an FP8 cache>); computed next to the
+        kernel when None. Share one across the layers of a step.
       softmax_scale, implementation: as in mla_decode. Attention is causal: new token i sees
         the first seq_lens - s_q + i + 1 keys, itself included.
       k_scale: with a float8_e4m3fn cache (and only then), its float32 scale: the new rows are

@@ -1,30 +1,12 @@
-// The kernels of fp8_guard.h.
-#include "fp8_guard.h"
+// The kernel of empty_requests.h.
+#include "empty_requests.h"
 
-#include <algorithm>
 #include <cstdint>
 
 namespace jax_flashmla {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int64_t kMaxBlocks = 4096;
-
-__global__ void GuardEmptyRequestsKernel(const int32_t* seq_lens, const int32_t* block_table,
-                                         int64_t batch, int64_t max_pages,
-                                         int32_t* guarded_seq_lens,
-                                         int32_t* guarded_block_table) {
-  const int64_t total = batch * max_pages;
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-       i += step) {
-    const int64_t request = i / max_pages;
-    const bool first_slot = i % max_pages == 0;
-    const int32_t length = seq_lens[request];
-    guarded_block_table[i] = first_slot && length == 0 ? 0 : block_table[i];
-    if (first_slot) guarded_seq_lens[request] = max(length, 1);
-  }
-}
 
 // 16-byte stores where a request's out is a whole number of them (always, for 512-wide rows).
 // Launched as a programmatic dependent of the decode's last kernel (LaunchClearEmptyRequests):
@@ -50,17 +32,6 @@ __global__ void ClearEmptyRequestsKernel(const int32_t* seq_lens, void* out,
 }
 
 }  // namespace
-
-cudaError_t LaunchGuardEmptyRequests(const int32_t* seq_lens, const int32_t* block_table,
-                                     int64_t batch, int64_t max_pages, int32_t* guarded_seq_lens,
-                                     int32_t* guarded_block_table, cudaStream_t stream) {
-  const int64_t total = batch * max_pages;
-  if (total == 0) return cudaSuccess;
-  const int64_t blocks = std::min((total + kThreads - 1) / kThreads, kMaxBlocks);
-  GuardEmptyRequestsKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      seq_lens, block_table, batch, max_pages, guarded_seq_lens, guarded_block_table);
-  return cudaGetLastError();
-}
 
 cudaError_t LaunchClearEmptyRequests(const int32_t* seq_lens, int64_t batch, void* out,
                                      int64_t out_per_request, float* lse,
