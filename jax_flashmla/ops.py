@@ -134,10 +134,11 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, metadata=None, softmax_sca
         ceil(seq_lens / 64) entries of its row) is outside [0, num_pages), is decoded as one
         of length 0, on every implementation, the others as if it were not there.
       metadata: MLAMetadata from get_mla_metadata, to share one schedule and one range check
-        between the layers of a step. The metadata's lengths are decoded; block_table's pages
-        outside the cache are read as page 0; a request whose length here is not the
-        metadata's (a metadata of another step) comes out NaN (out NaN, lse as NaN leaves it,
-        below) unless the metadata made it empty. When None the lengths are checked and the
+        between the layers of a step. The metadata's lengths are decoded, and a request the
+        metadata did not make empty comes out NaN (out NaN, lse as NaN leaves it, below) where
+        its length here is not the metadata's (a metadata of another step) or a page it reads
+        in block_table is outside the cache (a metadata of another table); such pages are
+        read as page 0, never outside the cache. When None the lengths are checked and the
         schedule is computed next to the kernel, per device for the local batch and heads
         when q is sharded (a given metadata describes the whole batch and all heads, so it
         cannot be used with a split q).
@@ -208,18 +209,21 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, metadata=None, softmax_sca
 
 
 def _under_carried_lengths(q, kv_cache, block_table, seq_lens, carried):
-    """(q, block_table, seq_lens) for a decode under a metadata that carries its lengths.
+    """(q, block_table, seq_lens) for a decode under a metadata: the kernels decode the
+    carried lengths, which are in range for the table the metadata was made with.
 
-    The kernels decode the carried lengths, which are in range for the metadata's own table.
-    This call's table gets each page outside the cache replaced by page 0, so no table makes
-    them read outside it. A request whose length is not the metadata's (a metadata of another
-    step), unless the metadata's is 0 (a request it made empty), gets NaN in its q rows, so
-    its out is NaN rather than attention over the wrong keys. Both are elementwise: XLA fuses
-    them into what computes q and the table."""
-    stale = (seq_lens != carried) & (carried != 0)
-    nan = jnp.asarray(jnp.nan, q.dtype)
-    q = jnp.where(stale[:, None, None, None], nan, q)
+    A request the metadata did not make empty gets NaN in its q rows, so that its out is NaN
+    rather than attention over other keys, where this call's length is not the metadata's (a
+    metadata of another step) or one of the pages it reads in this call's table is outside
+    the cache (a metadata of another table); those pages are read as page 0, so no table
+    makes a kernel read outside the cache. The reduction over the table fuses with what
+    computes the table (a layer's page offset), the rest into what computes q."""
     in_cache = (block_table >= 0) & (block_table < kv_cache.shape[0])
+    pages_read = (carried + validation.PAGE_SIZE - 1) // validation.PAGE_SIZE
+    read = jnp.arange(block_table.shape[1])[None, :] < pages_read[:, None]
+    outside = jnp.any(read & ~in_cache, axis=1)
+    poisoned = ((seq_lens != carried) | outside) & (carried != 0)
+    q = jnp.where(poisoned[:, None, None, None], jnp.asarray(jnp.nan, q.dtype), q)
     return q, jnp.where(in_cache, block_table, 0), carried
 
 
