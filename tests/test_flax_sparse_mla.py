@@ -272,6 +272,69 @@ def test_decode_matches_hf():
                 assert rel_err(got[t], want[n + t]) < 6e-2, (i, t)
 
 
+def test_extend_matches_hf():
+    """Prompts of 5 and 40 tokens, then chunks of 20 and 7 new tokens over what is cached
+    (request 0's second chunk 3 tokens, the rest padding), through HF's DynamicCache in the
+    same chunks: each new token selects among its prefix and the chunk up to itself."""
+    config = hf_config()
+    attn = hf_attention(config, seed=5)
+    layer = sparse_layer(config, attn)
+    prompts, chunks = [5, 40], [[20, 3], [20, 7]]  # per request, its chunks' real tokens
+    rng = np.random.default_rng(6)
+    xs = [rng.standard_normal((n + sum(c), config.hidden_size)).astype(np.float32)
+          for n, c in zip(prompts, chunks)]
+    b, s = len(prompts), max(prompts)
+    table, num_pages = _paged(rng, [len(x) for x in xs])
+    prefill = jax.jit(lambda x, kv, index: layer.prefill(
+        x, jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)), kv, index, table,
+        lengths=jnp.asarray(prompts, jnp.int32)), donate_argnums=(1, 2))
+    _, caches = in_place(prefill, nan_caches(num_pages), padded(xs, s))
+    extend = jax.jit(lambda x, pos, prefix, lens, kv, index: layer.extend(
+        x, pos, kv, index, table, prefix, lengths=lens), donate_argnums=(4, 5))
+    index_query = jax.jit(layer.index_query)
+    prefix = np.asarray(prompts)
+    got, mine, queries = [[] for _ in xs], [[] for _ in xs], [[] for _ in xs]
+    for step in range(2):
+        lens = np.asarray([c[step] for c in chunks])
+        width = int(lens.max())
+        pos = prefix[:, None] + np.arange(width)
+        x = np.zeros((b, width, config.hidden_size), np.float32)
+        for i, xi in enumerate(xs):
+            x[i, :lens[i]] = xi[prefix[i]:prefix[i] + lens[i]]
+        x, pos = jnp.asarray(x), jnp.asarray(pos, jnp.int32)
+        out, caches = in_place(extend, caches, x, pos, jnp.asarray(prefix, jnp.int32),
+                               jnp.asarray(lens, jnp.int32))
+        zero = np.asarray(layer.o_proj(jnp.zeros((config.num_attention_heads
+                                                  * config.v_head_dim,))))
+        query = jax.tree.map(lambda a: a.reshape(b * width, *a.shape[2:]), index_query(x, pos))
+        chosen = np.asarray(_indexer_prefill(query, caches[1], table,
+                                             jnp.asarray(prefix + width, jnp.int32),
+                                             jnp.arange(b + 1, dtype=jnp.int32) * width,
+                                             topk=TOPK))
+        for i in range(b):
+            np.testing.assert_array_equal(np.asarray(out[i, lens[i]:]),
+                                          np.broadcast_to(zero, (width - lens[i], zero.size)))
+            got[i].append(np.asarray(out[i, :lens[i]]))
+            rows = slice(i * width, i * width + lens[i])
+            mine[i] += [_positions(slots, table[i]) for slots in chosen[rows]]
+            queries[i].append(IndexQuery(*(a[rows] for a in query)))
+        prefix = prefix + lens
+    for i, (n, x) in enumerate(zip(prompts, xs)):
+        out = np.concatenate(got[i])
+        query = IndexQuery(*(jnp.concatenate([q[k] for q in queries[i]]) for k in range(2)))
+        sizes = [n] + [c for c in chunks[i]]
+        want, hf_selected = hf_run(config, attn, x, sizes)
+        assert_selections(query, caches[1], table[i], mine[i], hf_selected[n:],
+                          exact_scores(config, attn, x)[n:])
+        prompt = [list(range(max(0, p + 1 - TOPK), p + 1)) for p in range(n)]  # any
+        forced, _ = hf_run(config, attn, x, sizes, forced=prompt + mine[i])
+        for t, (m, h) in enumerate(zip(mine[i], hf_selected[n:])):
+            # The FP8 latent (3 mantissa bits: 2-4% here) and the bf16 query, nothing more.
+            assert rel_err(out[t], forced[n + t]) < 6e-2, (i, t, rel_err(out[t], forced[n + t]))
+            if sorted(m) == sorted(h):
+                assert rel_err(out[t], want[n + t]) < 6e-2, (i, t)
+
+
 def test_config_from_hf_reads_the_indexer_and_names_what_is_missing():
     config = SparseMLAConfig.from_hf(hf_config(YARN))
     assert (config.index_n_heads, config.index_head_dim, config.index_topk) == (4, 128, TOPK)
@@ -317,8 +380,6 @@ def test_layer_needs_a_sparse_config_with_576_wide_rows(tiny_layer):
     with pytest.raises(ValueError, match="kv_lora_rank 512"):
         SparseMultiHeadLatentAttention(SparseMLAConfig(**TINY, kv_lora_rank=64),
                                        rngs=nnx.Rngs(0))
-    with pytest.raises(NotImplementedError, match="no extend"):
-        tiny_layer.extend()
 
 
 def _decode_args():
@@ -361,6 +422,15 @@ def test_bad_prefill_arguments_are_named(tiny_layer):
         tiny_layer.prefill(**args, lengths=jnp.ones((1,), jnp.int32))
     with pytest.raises(ValueError, match=r"prefill: index_cache must be an IndexKeyCache"):
         tiny_layer.prefill(**{**args, "index_cache": jnp.zeros((2, 100), jnp.uint8)})
+
+
+def test_bad_extend_arguments_are_named(tiny_layer):
+    args = _decode_args()
+    del args["seq_lens"]
+    with pytest.raises(ValueError, match=r"extend: prefix_lens must have shape \(2,\); got \(3,\)"):
+        tiny_layer.extend(**args, prefix_lens=jnp.ones((3,), jnp.int32))
+    with pytest.raises(TypeError, match=r"extend: prefix_lens must be int32"):
+        tiny_layer.extend(**args, prefix_lens=jnp.ones((2,), jnp.float32))
 
 
 def test_weights_load_with_the_indexer_and_name_what_is_missing(tmp_path):

@@ -240,11 +240,55 @@ class SparseMultiHeadLatentAttention(MultiHeadLatentAttention):
         out_latent = jnp.where(real[:, :, None, None], out_latent, 0)
         return self._latent_output(out_latent), kv_cache, index_cache
 
-    def extend(self, *args, **kwargs):
-        """Not available: a chunk after a cached prefix needs the indexer and the sparse
-        attention over that prefix, which this layer does not implement."""
-        raise NotImplementedError("SparseMultiHeadLatentAttention has no extend; prefill "
-                                  "fresh prompts and decode after them")
+    def extend(self, hidden_states, positions, kv_cache, index_cache, block_table, prefix_lens,
+               *, lengths=None, implementation=None):
+        """New tokens of requests whose first prefix_lens tokens are in both caches (a prompt's
+        next chunk, a conversation's next turn): writes them into both caches, then each
+        attends to the index_topk tokens the indexer selects among its request's prefix and
+        new tokens up to itself, read from the FP8 cache by the sparse decode with each new
+        token as a query of its own (the kernel takes 1 or 2 query tokens per request).
+
+        Args:
+          hidden_states: (b, s, hidden_size) new tokens, right-padded to s.
+          positions: (b, s) int32: prefix_lens[:, None] + arange(s) for the real tokens.
+          kv_cache, index_cache, block_table: as decode's, each request's prefix in both caches.
+          prefix_lens: (b,) int32 tokens already cached per request (0: a new prompt).
+          lengths: optional (b,) int32 new tokens per request (default s); tokens past them
+            are padding: they write nothing and attend to nothing (their attention 0 before
+            o_proj). A length outside [0, s] makes its row empty.
+          implementation: as in sparse_mla_decode.
+
+        Returns:
+          (out (b, s, hidden_size) in the compute dtype, kv_cache, index_cache), as decode's.
+        """
+        where = "SparseMultiHeadLatentAttention.extend"
+        _check_caches(where, kv_cache, index_cache)
+        _check_batch_args(where, np.shape(positions), block_table, prefix_lens=prefix_lens,
+                          lengths=lengths)
+        q_nope, q_pe, latent, k_pe = self.project(hidden_states, positions)
+        positions = positions.astype(jnp.int32)
+        b, s = positions.shape
+        if lengths is None:
+            lengths = jnp.full((b,), s, jnp.int32)
+        lengths = jnp.where((lengths < 0) | (lengths > s), 0, lengths)
+        real = jnp.arange(s)[None, :] < lengths[:, None]
+        slots = jnp.where(real, token_slots(block_table, positions), -1)
+        kv_cache, index_cache = self._write(kv_cache, index_cache, slots, hidden_states,
+                                            positions, latent, k_pe)
+        query = IndexQuery(*(x.reshape(b * s, *x.shape[2:])
+                             for x in self.index_query(hidden_states, positions)))
+        # Row r's tokens are rows [r s, r s + s); token j sees prefix_lens[r] + j + 1 tokens.
+        chosen = indexer_prefill(query, index_cache, block_table, prefix_lens + s,
+                                 jnp.arange(b + 1, dtype=jnp.int32) * s,
+                                 topk=self.config.index_topk)
+        chosen = jnp.where(real.reshape(b * s, 1), chosen, -1)  # padding attends to nothing
+        q = self.absorbed_query(q_nope, q_pe).astype(jnp.bfloat16)  # the sparse decode's dtype
+        out_latent, _ = sparse_mla_decode(q.reshape(b * s, 1, *q.shape[2:]), kv_cache,
+                                          chosen[:, None, :],
+                                          softmax_scale=self.config.softmax_scale,
+                                          implementation=implementation)
+        return (self._latent_output(out_latent.reshape(b, s, *out_latent.shape[2:])),
+                kv_cache, index_cache)
 
 
 def _check_caches(where, kv_cache, index_cache):
@@ -269,8 +313,8 @@ def _check_caches(where, kv_cache, index_cache):
 
 
 def _check_batch_args(where, tokens_shape, block_table, **optional):
-    """block_table (batch, max_pages) int32 and the given ones of seq_lens, lengths (batch,)
-    and slots (batch, s) int32, for tokens of tokens_shape (batch, s) (project checks those)."""
+    """block_table (batch, max_pages) int32 and the given ones of seq_lens, prefix_lens,
+    lengths (batch,) and slots (batch, s) int32, for tokens of tokens_shape (batch, s) (project checks those)."""
     batch = tokens_shape[0] if tokens_shape else None
     validation.check_rank(where, "block_table", block_table, 2, "(batch, max_pages)")
     validation.check_int32(where, "block_table", block_table)
@@ -278,6 +322,7 @@ def _check_batch_args(where, tokens_shape, block_table, **optional):
         _fail(ValueError, where, f"block_table must have shape ({batch}, max_pages) for "
                                  f"hidden_states' batch {batch}; got {tuple(block_table.shape)}")
     shapes = {"seq_lens": (batch,), "lengths": (batch,), "slots": tuple(tokens_shape)}
+    shapes["prefix_lens"] = shapes["seq_lens"]
     for name, value in optional.items():
         if value is None:
             continue
