@@ -7,6 +7,7 @@
     python examples/serve_deepseek_mla.py --turns 2             # a second turn over the cache
     python examples/serve_deepseek_mla.py --min-prompt 16384 --max-prompt 32768 --turns 2
                                                    # a Hopper GPU: 32k-token prompts, two turns
+    python examples/serve_deepseek_mla.py --attention v32 --index-topk 64  # DeepSeek-V3.2's
 
 A few decoder layers (RMSNorm -> jax_flashmla.flax.MultiHeadLatentAttention -> RMSNorm ->
 SwiGLU MLP) with seeded random weights serve requests of different prompt lengths. Each
@@ -34,6 +35,13 @@ from the first (compiling) call on, counts the prefilled and decoded tokens. On 
 the default implementations are FlashMLA's kernels (decode) and cuDNN's flash attention
 (prefill). With an FP8 cache each layer has a k scale (here a constant; a real checkpoint
 carries calibrated ones), and the decode is FlashMLA's FP8 one.
+
+With --attention v32 the layers are DeepSeek-V3.2's (jax_flashmla.flax.
+SparseMultiHeadLatentAttention): each has two caches, the 656-byte FP8 MLA rows and the
+indexer's keys, whose pages the one allocator and block table cover; every new token, in a
+chunk (the layer's extend) or a decode step, attends to the --index-topk tokens the indexer
+selects among those before it, through FlashMLA's sparse decode (the pure-JAX reference off
+the GPU), one schedule per decode step.
 """
 import argparse
 import collections
@@ -52,7 +60,9 @@ from jax_flashmla import kernels
 from jax_flashmla.cache import PagedKVCache
 from jax_flashmla.serving import (HostQueue, PageAllocator, length_bucket, pages_for_tokens,
                                   plan_chunks)
-from jax_flashmla.flax import MLAConfig, MultiHeadLatentAttention, RMSNorm
+from jax_flashmla.flax import (MLAConfig, MultiHeadLatentAttention, RMSNorm, SparseMLAConfig,
+                               SparseMultiHeadLatentAttention)
+from jax_flashmla.sparse import IndexKeyCache, SparseKVCache, sparse_decode_metadata
 
 # New tokens prefilled in one chunk are padded to a power of two of at least this many; in
 # several chunks, each chunk to the chunk size (a multiple of this): prefill compiles few shapes.
@@ -80,12 +90,24 @@ class ModelConfig:
                       "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
 
 
+def sparse_config(cfg, index_topk):
+    """cfg with DeepSeek-V3.2's attention: the same MLA sizes, an indexer of 8 heads keeping
+    index_topk tokens per query."""
+    mla = {f.name: getattr(cfg.attention, f.name) for f in dataclasses.fields(MLAConfig)}
+    return dataclasses.replace(cfg, attention=SparseMLAConfig(**mla, index_n_heads=8,
+                                                              index_topk=index_topk))
+
+
+def is_sparse(cfg):
+    return isinstance(cfg.attention, SparseMLAConfig)
+
+
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg, *, rngs, dtype):
         hidden = cfg.attention.hidden_size
         self.input_layernorm = RMSNorm(hidden, param_dtype=dtype)
-        self.self_attn = MultiHeadLatentAttention(cfg.attention, rngs=rngs, dtype=dtype,
-                                                  param_dtype=dtype)
+        attention = SparseMultiHeadLatentAttention if is_sparse(cfg) else MultiHeadLatentAttention
+        self.self_attn = attention(cfg.attention, rngs=rngs, dtype=dtype, param_dtype=dtype)
         self.post_attention_layernorm = RMSNorm(hidden, param_dtype=dtype)
         linear = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype,  # noqa: E731
                                          param_dtype=dtype, rngs=rngs)
@@ -130,7 +152,12 @@ class TinyDeepSeek(nnx.Module):
         prefix_lens, lengths (b,) int32 (lengths: the real tokens of each row);
         max_prefix_tokens a static bucket >= the prefixes' pages; k_scales as in decode ->
         (logits (b, s, vocab) f32, caches). implementation: mla_prefill's (long chunks); decode_implementation:
-        mla_decode's (short ones, which the layer attends in the absorbed form)."""
+        mla_decode's (short ones, which the layer attends in the absorbed form), and V3.2's
+        sparse decode's."""
+        if is_sparse(self.cfg):  # each layer's caches: (MLA rows, index keys)
+            return self._run(tokens, lambda attn, x, kv, _: _split(attn.extend(
+                x, positions, *kv, block_table, prefix_lens, lengths=lengths,
+                implementation=decode_implementation)), caches, k_scales)
         return self._run(tokens, lambda attn, x, kv, k_scale: attn.extend(
             x, positions, kv, block_table, prefix_lens, max_prefix_tokens=max_prefix_tokens,
             lengths=lengths, k_scale=k_scale, implementation=implementation,
@@ -139,7 +166,15 @@ class TinyDeepSeek(nnx.Module):
     def decode(self, tokens, positions, block_table, seq_lens, caches, k_scales=None, *,
                implementation=None):
         """tokens, positions (b, 1) int32; one FlashMLA schedule shared by all layers, made for
-        the in-range requests (an out-of-range one comes out empty)."""
+        the in-range requests (an out-of-range one comes out empty); for V3.2's layers, one
+        sparse decode schedule."""
+        if is_sparse(self.cfg):
+            metadata = sparse_decode_metadata(tokens.shape[0],
+                                              num_heads_q=self.cfg.attention.num_heads,
+                                              topk=self.cfg.attention.index_topk)
+            return self._run(tokens, lambda attn, x, kv, _: _split(attn.decode(
+                x, positions, *kv, block_table, seq_lens, metadata=metadata,
+                implementation=implementation)), caches, k_scales)
         fp8 = k_scales is not None
         metadata = jf.get_mla_metadata(seq_lens, block_table=block_table,
                                        num_pages=caches[0].num_pages,
@@ -150,11 +185,21 @@ class TinyDeepSeek(nnx.Module):
             implementation=implementation, k_scale=k_scale), caches, k_scales)
 
 
+def _split(result):
+    """A V3.2 layer's (out, kv_cache, index_cache) as (out, its caches)."""
+    return result[0], result[1:]
+
+
 def build(cfg, num_pages, seed=0, dtype=jnp.bfloat16, kv_cache_dtype=jnp.bfloat16):
     """(graphdef, state, caches, k_scales) of a seeded model, its empty per-layer paged caches
-    and, for FP8 caches, their per-layer k scales (else None)."""
+    (V3.2's: a SparseKVCache and an IndexKeyCache per layer) and, for FP8 caches, their
+    per-layer k scales (else None)."""
     model = TinyDeepSeek(cfg, rngs=nnx.Rngs(seed), dtype=dtype)
     graphdef, state = nnx.split(model)
+    if is_sparse(cfg):
+        return graphdef, state, tuple((SparseKVCache.create(num_pages),
+                                       IndexKeyCache.create(num_pages))
+                                      for _ in range(cfg.num_layers)), None
     caches = tuple(PagedKVCache.create(num_pages, kv_cache_dtype) for _ in range(cfg.num_layers))
     k_scales = None
     if kv_cache_dtype == jnp.float8_e4m3fn:
@@ -311,6 +356,8 @@ def serve(args, report=None):
     prefilled (tokens), chunks, chunk_shapes, prefixes ({request: [cached tokens each turn
     started over]}) and page_allocations. Raises AssertionError if a page is leaked."""
     cfg = dataclasses.replace(ModelConfig(), num_layers=args.layers)
+    if args.attention == "v32":
+        cfg = sparse_config(cfg, args.index_topk)
     turns = make_requests(args, cfg.vocab_size)
     # A request's cache holds every turn's user tokens and every generated token but the last.
     total = [sum(len(u) + n for u, n in t) for t in turns]
@@ -492,7 +539,9 @@ def serve(args, report=None):
         report.update(prefilled=progress.prefilled, chunks=num_chunks, chunk_shapes=len(shapes),
                       prefixes={r: list(prefixes[r]) for r in range(args.requests)},
                       page_allocations=allocations)
-    print(f"implementation={impl} kv_cache_dtype={args.kv_cache_dtype} layers={cfg.num_layers} "
+    cache_kind = "v32 (FP8 rows + index keys)" if is_sparse(cfg) else args.kv_cache_dtype
+    print(f"implementation={impl} attention={args.attention} kv_cache={cache_kind} "
+          f"layers={cfg.num_layers} "
           f"requests={args.requests} "
           f"batch={args.batch} pages={num_pages} ({allocations} page allocations: freed pages "
           f"reused {max(0, allocations - num_pages)} times, none leaked); the decode ran "
@@ -533,6 +582,11 @@ def parse_args(argv=None):
                    help="mla_prefill's path; unset: cuDNN on a Hopper GPU, else pure JAX")
     p.add_argument("--kv-cache-dtype", choices=sorted(KV_CACHE_DTYPES), default="bfloat16",
                    help="the paged cache's dtype (fp8: e4m3 with a per-layer scale)")
+    p.add_argument("--attention", choices=["mla", "v32"], default="mla",
+                   help="the layers' attention: DeepSeek-V3's dense MLA, or V3.2's indexer + "
+                        "sparse MLA over its own FP8 cache")
+    p.add_argument("--index-topk", type=int, default=2048,
+                   help="with --attention v32: the tokens each query attends to")
     p.add_argument("--layers", type=int, default=2, help="decoder layers")
     p.add_argument("--requests", type=int, default=8, help="requests to serve")
     p.add_argument("--batch", type=int, default=4, help="decode rows (max concurrent requests)")
@@ -556,7 +610,10 @@ def parse_args(argv=None):
                    help="read each decode step's tokens before launching the next (default: "
                         "launch the next step first)")
     args = p.parse_args(argv)
-    for name in ("layers", "requests", "batch", "min_prompt", "max_new", "turns", "turn_tokens"):
+    if args.attention == "v32" and args.kv_cache_dtype != "bfloat16":
+        p.error("--kv-cache-dtype is the dense MLA's: --attention v32 has its own FP8 cache")
+    for name in ("layers", "requests", "batch", "min_prompt", "max_new", "turns", "turn_tokens",
+                 "index_topk"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.max_prompt < args.min_prompt:

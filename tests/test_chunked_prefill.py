@@ -1,6 +1,7 @@
 """Chunked prefill: serving.plan_chunks and serving.length_bucket, a prompt prefilled chunk by
 chunk through the layer's extend against the prompt prefilled at once, and the served
-example (examples/serve_deepseek_mla.py) with chunks and with a second turn over the cache."""
+example (examples/serve_deepseek_mla.py) with chunks and with a second turn over the cache,
+with DeepSeek-V3's layers and with V3.2's."""
 import dataclasses
 import io
 
@@ -184,6 +185,31 @@ def test_example_second_turn_extends_the_cached_conversation():
     assert report["prefilled"] == sum(len(p) + len(u) + 1 for (p, _), (u, _) in turns)
 
 
+# DeepSeek-V3.2's layers, each token keeping 32 of the tokens before it (the prompts: 65-110).
+V32 = SMALL + ["--attention", "v32", "--index-topk", "32", "--quiet"]
+
+
+def test_v32_example_tokens_do_not_depend_on_the_chunk_size():
+    """V3.2's layers read every token through their FP8 caches, chunk or not: chunks of 64
+    give the tokens of whole prompts."""
+    ex = load_example()
+    chunked = ex.serve(ex.parse_args(V32 + ["--prefill-chunk", "64"]))
+    assert chunked == ex.serve(ex.parse_args(V32 + ["--prefill-chunk", "128"]))
+    assert len(chunked) == 3 and all(2 <= len(o) <= 4 for o in chunked.values())
+
+
+def test_v32_example_second_turn_extends_the_cached_conversation():
+    ex = load_example()
+    argv = V32 + ["--prefill-chunk", "64", "--turn-tokens", "20"]
+    report = {}
+    two = ex.serve(ex.parse_args(argv + ["--turns", "2"]), report)
+    one = ex.serve(ex.parse_args(argv))
+    turns = ex.make_requests(ex.parse_args(argv + ["--turns", "2"]), ex.ModelConfig().vocab_size)
+    for r, ((prompt, first), _) in enumerate(turns):
+        assert two[r][:first] == one[r]
+        assert report["prefixes"][r] == [0, len(prompt) + first - 1]
+
+
 def test_example_argument_errors(capsys):
     ex = load_example()
     assert ex.parse_args(["--max-prompt", "32768"]).max_prompt == 32768  # the model has room
@@ -191,6 +217,9 @@ def test_example_argument_errors(capsys):
                                                        "multiple of 64"),
                           (["--max-prompt", "65536"], "exceeds the model's 65536 positions"),
                           (["--turns", "0"], "--turns must be >= 1"),
+                          (["--attention", "v32", "--kv-cache-dtype", "fp8"],
+                           "--attention v32 has its own FP8 cache"),
+                          (["--index-topk", "0"], "--index-topk must be >= 1"),
                           (["--turns", "3", "--num-pages", "2"],
                            "--num-pages 2 cannot hold a request of --max-prompt + --max-new over "
                            "3 turns of up to --turn-tokens = 300 tokens")):
