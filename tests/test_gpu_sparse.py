@@ -66,6 +66,27 @@ def test_the_custom_call_is_flashmlas_op_bit_for_bit(batch, s_q, h_q, with_sink)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("topk", [16, 100])
+def test_a_topk_the_kernel_does_not_take_is_padded_with_invalid_indices(topk):
+    """FlashMLA's kernel takes topk in multiples of 64: the custom call pads the indices with
+    -1, so a topk of 16 or 100 gives the answer of its indices padded by hand (bit for bit)
+    and the reference's (within tolerance)."""
+    kernels.ensure_cuda_targets()
+    q, cache, indices = _problem(7, 3, 1, 64, topk=topk)
+    decode = jax.jit(functools.partial(sparse_mla_decode, softmax_scale=SCALE,
+                                       implementation="custom_call"))
+    out, lse = decode(q, cache, indices)
+    padded = jnp.pad(indices, ((0, 0), (0, 0), (0, 128 - topk)), constant_values=-1)
+    t_out, t_lse = _torch_decode(q, cache, padded, None)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), t_out)
+    np.testing.assert_array_equal(np.asarray(lse), t_lse)
+    ref_out, ref_lse = sparse_mla_decode(q, cache, indices, softmax_scale=SCALE,
+                                         implementation="reference")
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32),
+                               rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-5, atol=1e-4)
+
+
 def test_a_step_called_again_with_new_inputs_gives_their_answer():
     kernels.ensure_cuda_targets()
     decode = jax.jit(functools.partial(sparse_mla_decode, softmax_scale=SCALE,

@@ -22,6 +22,7 @@ from jax_flashmla.validation import HEAD_DIM, PAGE_SIZE, _fail
 IMPLEMENTATIONS = ("custom_call", "reference")
 KERNEL_HEADS = (64, 128)  # what FlashMLA's sparse decode takes
 KERNEL_QUERY_TOKENS = (1, 2)
+KERNEL_TOPK_BLOCK = 64  # FlashMLA's sparse decode takes topk in multiples of this
 
 
 def _check_common(where, q, indices, rows, topk_length, attn_sink, softmax_scale):
@@ -69,6 +70,12 @@ def _kernel_head_count(h_q):
     return next((h for h in KERNEL_HEADS if h >= h_q), h_q)
 
 
+def _kernel_topk(topk):
+    """The kernel's topk: topk rounded up to a multiple of KERNEL_TOPK_BLOCK (the indices
+    padded with -1, which it skips)."""
+    return -(-topk // KERNEL_TOPK_BLOCK) * KERNEL_TOPK_BLOCK
+
+
 def _kernel_heads(where, q, attn_sink):
     """q (..., h_q, 576) bf16 and the sink (h_q,) padded with zeros to the kernel's heads,
     and whether a sink was given."""
@@ -109,9 +116,10 @@ def sparse_decode_metadata(batch, *, num_heads_q, topk, num_q_tokens=1):
     """The schedule of sparse_mla_decode for q (batch, num_q_tokens, num_heads_q, 576) and
     indices (batch, num_q_tokens, topk): make it once per step and pass it to every layer.
 
-    It is FlashMLA's scheduler over requests of topk keys each, for the kernel's heads (64 or
-    128), whatever the requests' lengths: the schedule the kernel makes for itself when given
-    none, made once instead of once per call.
+    It is FlashMLA's scheduler over requests of topk keys each (rounded up to a multiple of
+    64, which the kernel takes), for the kernel's heads (64 or 128), whatever the requests'
+    lengths: the schedule the kernel makes for itself when given none, made once instead of
+    once per call.
     """
     where = "sparse_decode_metadata"
     for name, value in (("batch", batch), ("num_heads_q", num_heads_q), ("topk", topk),
@@ -125,7 +133,7 @@ def _schedule(batch, h_q, s_q, topk):
     heads = _kernel_head_count(h_q)
     parts = validation.num_sm_parts(default_num_sms(), heads, s_q)
     tile_md, num_splits = custom_calls.schedule(
-        jnp.full((batch,), topk, jnp.int32), num_heads_q=heads, num_q_tokens=s_q,
+        jnp.full((batch,), _kernel_topk(topk), jnp.int32), num_heads_q=heads, num_q_tokens=s_q,
         num_sm_parts=parts, fp8=False)
     return SparseMetadata(tile_md, num_splits, batch, h_q, s_q, topk)
 
@@ -150,8 +158,11 @@ def _kernel_decode(q, data, indices, attn_sink, softmax_scale, metadata):
         _fail(ValueError, where, f"FlashMLA's sparse decode takes s_q in {KERNEL_QUERY_TOKENS}; "
                                  f"got {s_q} (pass implementation='reference')")
     q, sink, with_sink = _kernel_heads(where, q, attn_sink)
+    topk = indices.shape[-1]
     if metadata is None:
-        metadata = _schedule(batch, h_q, s_q, indices.shape[-1])
+        metadata = _schedule(batch, h_q, s_q, topk)
+    indices = jnp.pad(indices, ((0, 0), (0, 0), (0, _kernel_topk(topk) - topk)),
+                      constant_values=-1)
     out, lse, *_ = custom_calls.SPARSE_DECODE(
         q=q, kv_cache=data, indices=indices, attn_sink=sink,
         tile_scheduler_metadata=metadata.tile_scheduler_metadata,
