@@ -160,6 +160,35 @@ def assert_selections(query, index_cache, table_row, mine, hf_selected, exact):
     _assert_same_selection(mine, hf_selected, exact, 2 * error + 1e-6 * peak)
 
 
+def assert_after_prompt_as_hf(config, attn, x, sizes, query, index_cache, table_row, mine, got):
+    """The tokens after request x's prompt (sizes[0] tokens; then chunks or steps of sizes[1:])
+    against HF fed the same sizes: mine, their selections (positions), agree with HF's but
+    for FP8 near-ties (query: their IndexQuery); got, their outputs, match HF's run with mine
+    in place of its indexer's, and HF's own where the selections agree."""
+    n = sizes[0]
+    want, hf_selected = hf_run(config, attn, x, sizes)
+    assert_selections(query, index_cache, table_row, mine, hf_selected[n:],
+                      exact_scores(config, attn, x)[n:])
+    prompt = [list(range(max(0, p + 1 - TOPK), p + 1)) for p in range(n)]  # any
+    forced, _ = hf_run(config, attn, x, sizes, forced=prompt + mine)
+    for t, (m, h) in enumerate(zip(mine, hf_selected[n:])):
+        # The FP8 latent (3 mantissa bits: 2-4% here) and the bf16 query, nothing more.
+        assert rel_err(got[t], forced[n + t]) < 6e-2, (t, rel_err(got[t], forced[n + t]))
+        if sorted(m) == sorted(h):
+            assert rel_err(got[t], want[n + t]) < 6e-2, t
+
+
+def prefilled(layer, rng, prompts, xs):
+    """(block table, caches) of requests xs (each its prompt, then tokens for later) with
+    their prompts (lengths `prompts`) prefilled by the layer into fresh NaN caches."""
+    b, s = len(prompts), max(prompts)
+    table, num_pages = _paged(rng, [len(x) for x in xs])
+    prefill = jax.jit(lambda x, kv, index: layer.prefill(
+        x, jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)), kv, index, table,
+        lengths=jnp.asarray(prompts, jnp.int32)), donate_argnums=(1, 2))
+    return table, in_place(prefill, nan_caches(num_pages), padded(xs, s))[1]
+
+
 def nan_caches(num_pages):
     return (SparseKVCache(jnp.full((num_pages, 64, 1, TOKEN_BYTES), 0xFF, jnp.uint8)),
             IndexKeyCache(jnp.full((num_pages, PAGE_BYTES), 0xFF, jnp.uint8)))
@@ -235,12 +264,7 @@ def test_decode_matches_hf():
     rng = np.random.default_rng(4)
     xs = [rng.standard_normal((n + sum(steps), config.hidden_size)).astype(np.float32)
           for n in prompts]
-    b, s = len(prompts), max(prompts)
-    table, num_pages = _paged(rng, [len(x) for x in xs])
-    prefill = jax.jit(lambda x, kv, index: layer.prefill(
-        x, jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)), kv, index, table,
-        lengths=jnp.asarray(prompts, jnp.int32)), donate_argnums=(1, 2))
-    _, caches = in_place(prefill, nan_caches(num_pages), padded(xs, s))
+    table, caches = prefilled(layer, rng, prompts, xs)
     decode = jax.jit(lambda x, pos, kv, index: layer.decode(x, pos, kv, index, table,
                                                             pos[:, -1] + 1),
                      donate_argnums=(2, 3))
@@ -260,16 +284,8 @@ def test_decode_matches_hf():
         got = np.concatenate([out[i] for out in outs])
         mine = [_positions(slots, table[i]) for step in chosen for slots in step[i]]
         query = IndexQuery(*(jnp.concatenate([q[k][i] for q in queries]) for k in range(2)))
-        want, hf_selected = hf_run(config, attn, x, [n] + steps)
-        assert_selections(query, caches[1], table[i], mine, hf_selected[n:],
-                          exact_scores(config, attn, x)[n:])
-        prompt = [list(range(max(0, p + 1 - TOPK), p + 1)) for p in range(n)]  # any
-        forced, _ = hf_run(config, attn, x, [n] + steps, forced=prompt + mine)
-        for t, (m, h) in enumerate(zip(mine, hf_selected[n:])):
-            # The FP8 latent (3 mantissa bits: 2-4% here) and the bf16 query, nothing more.
-            assert rel_err(got[t], forced[n + t]) < 6e-2, (i, t, rel_err(got[t], forced[n + t]))
-            if sorted(m) == sorted(h):
-                assert rel_err(got[t], want[n + t]) < 6e-2, (i, t)
+        assert_after_prompt_as_hf(config, attn, x, [n] + steps, query, caches[1], table[i],
+                                  mine, got)
 
 
 def test_extend_matches_hf():
@@ -283,12 +299,8 @@ def test_extend_matches_hf():
     rng = np.random.default_rng(6)
     xs = [rng.standard_normal((n + sum(c), config.hidden_size)).astype(np.float32)
           for n, c in zip(prompts, chunks)]
-    b, s = len(prompts), max(prompts)
-    table, num_pages = _paged(rng, [len(x) for x in xs])
-    prefill = jax.jit(lambda x, kv, index: layer.prefill(
-        x, jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)), kv, index, table,
-        lengths=jnp.asarray(prompts, jnp.int32)), donate_argnums=(1, 2))
-    _, caches = in_place(prefill, nan_caches(num_pages), padded(xs, s))
+    table, caches = prefilled(layer, rng, prompts, xs)
+    b = len(prompts)
     extend = jax.jit(lambda x, pos, prefix, lens, kv, index: layer.extend(
         x, pos, kv, index, table, prefix, lengths=lens), donate_argnums=(4, 5))
     index_query = jax.jit(layer.index_query)
@@ -320,19 +332,9 @@ def test_extend_matches_hf():
             queries[i].append(IndexQuery(*(a[rows] for a in query)))
         prefix = prefix + lens
     for i, (n, x) in enumerate(zip(prompts, xs)):
-        out = np.concatenate(got[i])
         query = IndexQuery(*(jnp.concatenate([q[k] for q in queries[i]]) for k in range(2)))
-        sizes = [n] + [c for c in chunks[i]]
-        want, hf_selected = hf_run(config, attn, x, sizes)
-        assert_selections(query, caches[1], table[i], mine[i], hf_selected[n:],
-                          exact_scores(config, attn, x)[n:])
-        prompt = [list(range(max(0, p + 1 - TOPK), p + 1)) for p in range(n)]  # any
-        forced, _ = hf_run(config, attn, x, sizes, forced=prompt + mine[i])
-        for t, (m, h) in enumerate(zip(mine[i], hf_selected[n:])):
-            # The FP8 latent (3 mantissa bits: 2-4% here) and the bf16 query, nothing more.
-            assert rel_err(out[t], forced[n + t]) < 6e-2, (i, t, rel_err(out[t], forced[n + t]))
-            if sorted(m) == sorted(h):
-                assert rel_err(out[t], want[n + t]) < 6e-2, (i, t)
+        assert_after_prompt_as_hf(config, attn, x, [n, *chunks[i]], query, caches[1], table[i],
+                                  mine[i], np.concatenate(got[i]))
 
 
 def test_config_from_hf_reads_the_indexer_and_names_what_is_missing():

@@ -133,6 +133,29 @@ class SparseMultiHeadLatentAttention(MultiHeadLatentAttention):
                           self._inv_freq(), attention_factor=self.attention_factor)
         return kv_cache, write_index_keys(index_cache, slots, keys)
 
+    def _write_rows(self, hidden_states, positions, kv_cache, index_cache, block_table, lengths):
+        """Projects new tokens (b, s) and writes the real ones, each row's first `lengths` (all
+        s when None; none for a length outside [0, s]), into both caches at their positions'
+        slots. Returns (project's four arrays, real (b, s) bool, slots (b, s) int32, -1 for
+        padding, kv_cache, index_cache)."""
+        projected = self.project(hidden_states, positions)
+        positions = positions.astype(jnp.int32)
+        b, s = positions.shape
+        if lengths is None:
+            lengths = jnp.full((b,), s, jnp.int32)
+        lengths = jnp.where((lengths < 0) | (lengths > s), 0, lengths)
+        real = jnp.arange(s)[None, :] < lengths[:, None]
+        slots = jnp.where(real, token_slots(block_table, positions), -1)
+        kv_cache, index_cache = self._write(kv_cache, index_cache, slots, hidden_states,
+                                            positions, *projected[2:])
+        return projected, real, slots, kv_cache, index_cache
+
+    def _flat_index_query(self, hidden_states, positions):
+        """index_query of tokens (b, s) as one ragged batch of b * s rows, row r's at r * s."""
+        b, s = np.shape(positions)
+        return IndexQuery(*(x.reshape(b * s, *x.shape[2:])
+                            for x in self.index_query(hidden_states, positions.astype(jnp.int32))))
+
     def _latent_output(self, out_latent):
         """Attention (b, s, h, kv_lora_rank) in the latent space -> (b, s, hidden_size) through
         W_UV and o_proj."""
@@ -205,22 +228,14 @@ class SparseMultiHeadLatentAttention(MultiHeadLatentAttention):
         where = "SparseMultiHeadLatentAttention.prefill"
         num_pages = _check_caches(where, kv_cache, index_cache)
         _check_batch_args(where, np.shape(positions), block_table, lengths=lengths)
-        q_nope, q_pe, latent, k_pe = self.project(hidden_states, positions)
-        positions = positions.astype(jnp.int32)
-        b, s = positions.shape
-        if lengths is None:
-            lengths = jnp.full((b,), s, jnp.int32)
-        lengths = jnp.where((lengths < 0) | (lengths > s), 0, lengths)
-        real = jnp.arange(s)[None, :] < lengths[:, None]
-        slots = jnp.where(real, token_slots(block_table, positions), -1)
-        kv_cache, index_cache = self._write(kv_cache, index_cache, slots, hidden_states,
-                                            positions, latent, k_pe)
+        (q_nope, q_pe, latent, k_pe), real, slots, kv_cache, index_cache = self._write_rows(
+            hidden_states, positions, kv_cache, index_cache, block_table, lengths)
+        b, s = real.shape
         if s <= self.config.index_topk:
-            out = self._attend(q_nope, q_pe, latent, k_pe, lengths=lengths,
+            out = self._attend(q_nope, q_pe, latent, k_pe, lengths=real.sum(1, dtype=jnp.int32),
                                implementation=implementation)
             return out, kv_cache, index_cache
-        query = IndexQuery(*(x.reshape(b * s, *x.shape[2:])
-                             for x in self.index_query(hidden_states, positions)))
+        query = self._flat_index_query(hidden_states, positions)
         # Row r's tokens are rows [r s, r s + s); token j sees its prompt's first j + 1 tokens
         # (a padding token's selection goes with its output).
         chosen = indexer_prefill(query, index_cache, block_table, jnp.full((b,), s, jnp.int32),
@@ -265,18 +280,10 @@ class SparseMultiHeadLatentAttention(MultiHeadLatentAttention):
         _check_caches(where, kv_cache, index_cache)
         _check_batch_args(where, np.shape(positions), block_table, prefix_lens=prefix_lens,
                           lengths=lengths)
-        q_nope, q_pe, latent, k_pe = self.project(hidden_states, positions)
-        positions = positions.astype(jnp.int32)
-        b, s = positions.shape
-        if lengths is None:
-            lengths = jnp.full((b,), s, jnp.int32)
-        lengths = jnp.where((lengths < 0) | (lengths > s), 0, lengths)
-        real = jnp.arange(s)[None, :] < lengths[:, None]
-        slots = jnp.where(real, token_slots(block_table, positions), -1)
-        kv_cache, index_cache = self._write(kv_cache, index_cache, slots, hidden_states,
-                                            positions, latent, k_pe)
-        query = IndexQuery(*(x.reshape(b * s, *x.shape[2:])
-                             for x in self.index_query(hidden_states, positions)))
+        (q_nope, q_pe, _, _), real, _, kv_cache, index_cache = self._write_rows(
+            hidden_states, positions, kv_cache, index_cache, block_table, lengths)
+        b, s = real.shape
+        query = self._flat_index_query(hidden_states, positions)
         # Row r's tokens are rows [r s, r s + s); token j sees prefix_lens[r] + j + 1 tokens.
         chosen = indexer_prefill(query, index_cache, block_table, prefix_lens + s,
                                  jnp.arange(b + 1, dtype=jnp.int32) * s,
