@@ -264,6 +264,9 @@ def _timing_text(timing):
     if "FP8 guard in the metadata" in timing:
         text += ("; jax_flashmla's FP8 calls get a metadata per set made with its block table "
                  "(the guard for empty requests in it, as a step's), so they guard nothing")
+    if "metadata with the block table" in timing:
+        text += ("; jax_flashmla's calls get a metadata per set made with its block table, as "
+                 "a step's")
     return text
 
 
