@@ -19,8 +19,8 @@ graph and replayed, as SGLang serves decode, and eagerly; and the per-layer step
 fusion in place of each decode, which is what JAX itself costs for that many arrays. With
 --unguarded the unrolled step also runs with the physical decode in place of mla_decode, on the
 step's lengths and table as they are and their schedule (no range check, no metadata lengths:
-the cost of decoding out-of-range requests empty and stale requests NaN); with --value-checks, traced under jax_flashmla.value_checks() (checkify), its
-error thrown after each step.
+the cost of decoding out-of-range requests empty and stale requests NaN); with --value-checks,
+traced under jax_flashmla.value_checks() (checkify), its error thrown after each step.
 
 Reported per point: µs per layer (the median step's wall clock / L) and the GPU's span per
 layer (first kernel's start to last kernel's end of a step, from the profiler's trace); for the

@@ -122,8 +122,8 @@ def _safety_section(raw):
              "place of `mla_decode`, on the step's lengths and table as they are (no range "
              "check: out-of-range requests are not decoded empty, a stale metadata is not "
              "poisoned; both through AlternatingStep), and traced under `value_checks()` "
-             "(checkified, the error thrown after each step; both called directly). Measured in the same run, µs per "
-             "layer (GPU span per layer in brackets). Cost: the median over the run's steps of "
+             "(checkified, the error thrown after each step; both called directly). Measured "
+             "in the same run, µs per layer (GPU span per layer in brackets). Cost: the median over the run's steps of "
              "the ratio of the two steps' times, a step of each per turn.", "",
              "| b | s_k | h_q | s_q | L | protection | without | with | cost | out identical |",
              "| " + " | ".join(["---"] * 10) + " |"]

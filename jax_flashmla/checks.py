@@ -19,9 +19,10 @@ A bad value is decoded as with the checks off: a request whose length or block-t
 are bad as an empty request (out 0, lse +inf), one whose length is not its metadata's as NaN
 (mla_decode). On, each decode also runs on a schedule made anew for its metadata's lengths,
 so that no schedule reaches a kernel while its error is on its way, whatever its fields; it
-adds a few reductions over seq_lens and its block table and computes the schedule again: on an H200 a checked 61-layer step at b=128 (s_k 1024) took
-1.5-1.9x the unchecked one, a 53-layer one at s_k=4096 1.3-1.4x, the error thrown after each
-step (benchmarks/bench_step.py --value-checks).
+adds a few reductions over seq_lens and its block table and computes the schedule again: on
+an H200 a checked 61-layer step at b=128 (s_k 1024) took 1.5-1.9x the unchecked one, a
+53-layer one at s_k=4096 1.3-1.4x, the error thrown after each step
+(benchmarks/bench_step.py --value-checks).
 """
 import contextlib
 import contextvars
@@ -76,7 +77,7 @@ def lengths(where, seq_lens, max_pages=None):
                    value=seq_lens.reshape(-1)[i])
 
 
-def _bad_entries(block_table, seq_lens, num_pages):
+def bad_entries(block_table, seq_lens, num_pages):
     """(batch, max_pages): entries outside [0, num_pages) among those each request reads
     (ceil(seq_lens / 64) of them)."""
     pages_read = (seq_lens[:, None] + PAGE_SIZE - 1) // PAGE_SIZE
@@ -89,12 +90,12 @@ def bad_requests(block_table, seq_lens, num_pages):
     outside the cache."""
     capacity = block_table.shape[1] * PAGE_SIZE
     return ((seq_lens < 0) | (seq_lens > capacity)
-            | jnp.any(_bad_entries(block_table, jnp.clip(seq_lens, 0, capacity), num_pages),
+            | jnp.any(bad_entries(block_table, jnp.clip(seq_lens, 0, capacity), num_pages),
                       axis=1))
 
 
 def block_table_entries(where, block_table, seq_lens, num_pages):
-    bad = _bad_entries(block_table, seq_lens, num_pages)
+    bad = bad_entries(block_table, seq_lens, num_pages)
     flat = _first(bad)
     row, col = flat // block_table.shape[1], flat % block_table.shape[1]
     checkify.check(~jnp.any(bad), f"{where}: block_table[{{row}}, {{col}}] = {{value}} is not a "

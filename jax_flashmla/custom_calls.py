@@ -12,7 +12,7 @@ The decode's results are out, lse and FlashMLA's split-KV accumulators (out_accu
 scratch that XLA allocates so that the kernel allocates nothing itself. FlashMLA's FP8 decode
 (q and the cache in float8_e4m3fn, out bfloat16) is its own call: it takes the scales as (1,)
 float32 buffers, and reads copies of the block table and lengths that hand the kernel
-requests of length 0 as length 1 (decode_primitive.py), which it faults on.
+requests of length 0 as length 1 (fp8.guard_empty_requests), which it faults on.
 """
 import functools
 
@@ -238,7 +238,7 @@ pe.dce_rules[HOST_QUEUE_PUSH.primitive] = lambda used, eqn: ([True] * len(eqn.in
 
 def schedule(seq_lens, *, num_heads_q, num_q_tokens, num_sm_parts, fp8):
     """(tile_scheduler_metadata, num_splits) for seq_lens. The FP8 decode gives its kernel a
-    request of length 0 as length 1 (decode_primitive.py: the kernel faults on 0), so its
+    request of length 0 as length 1 (fp8.guard_empty_requests: the kernel faults on 0), so its
     schedule is planned over lengths of at least 1."""
     if fp8:
         seq_lens = jnp.maximum(seq_lens, 1)

@@ -25,8 +25,8 @@ from jax.interpreters import ad, mlir
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_flashmla import custom_calls, validation
-from jax_flashmla.fp8 import guard_empty_requests
 from jax_flashmla.custom_calls import FACTORS
+from jax_flashmla.fp8 import guard_empty_requests
 from jax_flashmla.reference import mla_decode_reference
 
 RESULTS = ("out", "lse")

@@ -218,12 +218,10 @@ def _under_carried_lengths(q, kv_cache, block_table, seq_lens, carried):
     the cache (a metadata of another table); those pages are read as page 0, so no table
     makes a kernel read outside the cache. The reduction over the table fuses with what
     computes the table (a layer's page offset), the rest into what computes q."""
-    in_cache = (block_table >= 0) & (block_table < kv_cache.shape[0])
-    pages_read = (carried + validation.PAGE_SIZE - 1) // validation.PAGE_SIZE
-    read = jnp.arange(block_table.shape[1])[None, :] < pages_read[:, None]
-    outside = jnp.any(read & ~in_cache, axis=1)
+    outside = jnp.any(checks.bad_entries(block_table, carried, kv_cache.shape[0]), axis=1)
     poisoned = ((seq_lens != carried) | outside) & (carried != 0)
     q = jnp.where(poisoned[:, None, None, None], jnp.asarray(jnp.nan, q.dtype), q)
+    in_cache = (block_table >= 0) & (block_table < kv_cache.shape[0])
     return q, jnp.where(in_cache, block_table, 0), carried
 
 

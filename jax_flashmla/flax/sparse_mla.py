@@ -321,7 +321,8 @@ def _check_caches(where, kv_cache, index_cache):
 
 def _check_batch_args(where, tokens_shape, block_table, **optional):
     """block_table (batch, max_pages) int32 and the given ones of seq_lens, prefix_lens,
-    lengths (batch,) and slots (batch, s) int32, for tokens of tokens_shape (batch, s) (project checks those)."""
+    lengths (batch,) and slots (batch, s) int32, for tokens of tokens_shape (batch, s)
+    (project checks those)."""
     batch = tokens_shape[0] if tokens_shape else None
     validation.check_rank(where, "block_table", block_table, 2, "(batch, max_pages)")
     validation.check_int32(where, "block_table", block_table)
