@@ -36,6 +36,9 @@
 #              how many modules its kernels come from; MODULES_ARGS
 #     nan      dev/probe_nan.py for FlashMLA and for the reference on the GPU
 #     sparse-probe  dev/probe_sparse.py: the sparse kernels' conventions and schedules
+#     sparse-prefill-probe  dev/probe_sparse_prefill_call.py (PREFILL_PROBE_ARGS) with
+#              CUDA_LAUNCH_BLOCKING=1; if a signal ends it, again under cuda-gdb (else gdb)
+#              for the native stack
 #     soak     benchmarks/soak_serving.py at its GPU sizes; SOAK_ARGS (default --steps 10000),
 #              SOAK_NAME (soak_h200)
 #     xla-flags  the command-buffer flags the installed XLA plugin knows
@@ -154,6 +157,21 @@ for mode in "${modes[@]}"; do
   sparse-probe)
     timeout 300 python3 dev/probe_sparse.py --out "$out/probe_sparse.json" > "$out/probe_sparse.txt" 2>&1
     echo "exit $?"; grep -v "^[IW][0-9]" "$out/probe_sparse.txt" | cut -c1-1200 | tail -30 ;;
+  sparse-prefill-probe)
+    log="$out/sparse_prefill_probe.txt"
+    # The interpreter's own file: a debugger cannot run a wrapper script in its place.
+    probe=("$(python3 -c 'import sys; print(sys.executable)')" dev/probe_sparse_prefill_call.py
+           ${PREFILL_PROBE_ARGS:-})
+    CUDA_LAUNCH_BLOCKING=1 PYTHONFAULTHANDLER=1 timeout 300 "${probe[@]}" > "$log" 2>&1
+    rc=$?
+    echo "exit $rc" >> "$log"
+    if [ "$rc" -gt 128 ]; then  # a signal (124 is the time limit)
+      debugger=$(PATH="$PATH:/usr/local/cuda/bin" bash -c 'command -v cuda-gdb || command -v gdb')
+      echo "==== again under ${debugger:-no debugger found}" >> "$log"
+      [ -n "$debugger" ] && CUDA_LAUNCH_BLOCKING=1 timeout 420 "$debugger" -batch -ex run \
+        -ex bt --args "${probe[@]}" >> "$log" 2>&1
+    fi
+    grep -v "^[IW][0-9]" "$log" | cut -c1-1500 | tail -80 ;;
   soak)
     timeout 540 python3 benchmarks/soak_serving.py ${SOAK_ARGS:---steps 10000} \
       --out "$out/${SOAK_NAME:-soak_h200}" > "$out/soak.txt" 2>&1

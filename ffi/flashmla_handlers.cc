@@ -4,6 +4,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <exception>
 #include <stdexcept>
@@ -76,11 +77,18 @@ OpArgs DecodeArgs(int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
   return args;
 }
 
-// Runs `op` with XLA's buffers `buffers` (tensors in the layouts the lowering declared; the
-// op's results first, then its scratch) lent to its allocations; fails if the op allocated
-// anything else (buffer_lending.h) or returned its results elsewhere than in those buffers.
+// A tensor the op returns, in the op's order: its name, and which lent buffer it must be.
+struct Returned {
+  const char* name;
+  size_t buffer;
+};
+
+// Runs `op` with XLA's buffers `buffers` (tensors in the layouts the lowering declared, in the
+// order the op allocates them: equal sizes are lent first come, first served) lent to its
+// allocations; fails if the op allocated anything else (buffer_lending.h) or returned one of
+// `returned` elsewhere than in its buffer.
 void RunInBuffers(std::string_view op, const OpArgs& args, const std::vector<at::Tensor>& buffers,
-                  const std::vector<const char*>& result_names) {
+                  const std::vector<Returned>& returned) {
   std::vector<at::Tensor> results;
   std::string refusal;
   {
@@ -89,18 +97,20 @@ void RunInBuffers(std::string_view op, const OpArgs& args, const std::vector<at:
     refusal = lending.Refusal();
   }
   if (!refusal.empty()) throw std::runtime_error(refusal);
-  if (results.size() < result_names.size())
+  if (results.size() < returned.size())
     throw std::runtime_error(std::string(op) + " returned " + std::to_string(results.size()) +
                              " tensors, fewer than jax_flashmla's " +
-                             std::to_string(result_names.size()) + " results");
-  for (size_t i = 0; i < result_names.size(); ++i)
-    if (!IsBuffer(results[i], buffers[i]))
-      throw std::runtime_error(std::string(op) + " returned its " + result_names[i] +
+                             std::to_string(returned.size()) + " results");
+  for (size_t i = 0; i < returned.size(); ++i) {
+    const at::Tensor& buffer = buffers[returned[i].buffer];
+    if (!IsBuffer(results[i], buffer))
+      throw std::runtime_error(std::string(op) + " returned its " + returned[i].name +
                                " elsewhere than in XLA's buffer, or in another layout (shape " +
                                c10::str(results[i].sizes()) + ", strides " +
                                c10::str(results[i].strides()) + "; XLA's buffer: shape " +
-                               c10::str(buffers[i].sizes()) + ", strides " +
-                               c10::str(buffers[i].strides()) + ")");
+                               c10::str(buffer.sizes()) + ", strides " +
+                               c10::str(buffer.strides()) + ")");
+  }
 }
 
 ffi::Error MlaMetadataCudaImpl(cudaStream_t stream, int32_t device,
@@ -117,7 +127,7 @@ ffi::Error MlaMetadataCudaImpl(cudaStream_t stream, int32_t device,
     Slot(args, OpArg::kNumHeadsQ) = num_heads_q;
     Slot(args, OpArg::kIsFp8) = false;
     RunInBuffers(op, args, {Wrap(*tile_scheduler_metadata, device), Wrap(*num_splits, device)},
-                 {"tile_scheduler_metadata", "num_splits"});
+                 {{"tile_scheduler_metadata", 0}, {"num_splits", 1}});
     // The scheduler leaves the rows' last fields unwritten (uninitialised memory); zeroing
     // them keeps XLA's buffer deterministic.
     const auto dims = tile_scheduler_metadata->dimensions();
@@ -164,7 +174,7 @@ ffi::Error MlaDecodeCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer
                              softmax_scale, causal, out->dimensions().back());
     Slot(args, OpArg::kIsFp8) = false;
     RunInBuffers(op, args, DecodeBuffers(device, out, lse, out_accum, lse_accum),
-                 {"out", "lse"});
+                 {{"out", 0}, {"lse", 1}});
   });
 }
 
@@ -190,7 +200,7 @@ ffi::Error MlaDecodeFp8CudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuf
     Slot(args, OpArg::kDescaleQ) = Wrap(descale_q, device);
     Slot(args, OpArg::kDescaleK) = Wrap(descale_k, device);
     RunInBuffers(op, args, DecodeBuffers(device, out, lse, out_accum, lse_accum),
-                 {"out", "lse"});
+                 {{"out", 0}, {"lse", 1}});
     const int64_t batch = seq_lens.element_count();
     if (batch > 0)
       ThrowOnError(LaunchClearEmptyRequests(seq_lens.typed_data(), batch, out->untyped_data(),
@@ -227,7 +237,32 @@ ffi::Error MlaSparseDecodeCudaImpl(cudaStream_t stream, int32_t device, ffi::Any
     RunInBuffers(op, args,
                  {Wrap(*out, device), LseBuffer(lse, device), Wrap(*lse_accum, device),
                   Wrap(*out_accum, device)},
-                 {"out", "lse"});
+                 {{"out", 0}, {"lse", 1}});
+  });
+}
+
+// DeepSeek-V3.2's sparse prefill (sparse_prefill_fwd) on bf16 rows; no scratch. It allocates
+// out, lse, max_logits (FlashMLA's sparse_fwd.h) and returns out, max_logits, lse. lse and
+// max_logits are the same size, so only the lending order tells them apart: a release that
+// allocated them the other way round fails the check on max_logits.
+ffi::Error MlaSparsePrefillCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
+                                    ffi::AnyBuffer kv, ffi::Buffer<ffi::S32> indices,
+                                    ffi::Buffer<ffi::F32> attn_sink, float softmax_scale,
+                                    bool with_sink, std::string_view op,
+                                    ffi::Result<ffi::AnyBuffer> out,
+                                    ffi::ResultBuffer<ffi::F32> lse_base2,
+                                    ffi::ResultBuffer<ffi::F32> max_logits) {
+  return OnXlaStream(stream, device, op, [&] {
+    OpArgs args;
+    Slot(args, OpArg::kQ) = Wrap(q, device);
+    Slot(args, OpArg::kKvCache) = Wrap(kv, device);
+    Slot(args, OpArg::kIndices) = Wrap(indices, device);
+    if (with_sink) Slot(args, OpArg::kAttnSink) = Wrap(attn_sink, device);
+    Slot(args, OpArg::kHeadDimV) = out->dimensions().back();
+    Slot(args, OpArg::kSoftmaxScale) = static_cast<double>(softmax_scale);
+    RunInBuffers(op, args,
+                 {Wrap(*out, device), Wrap(*lse_base2, device), Wrap(*max_logits, device)},
+                 {{"out", 0}, {"max_logits", 2}, {"lse", 1}});
   });
 }
 
@@ -252,6 +287,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaDecodeCuda, MlaDecodeCudaImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaSparseDecodeCuda, MlaSparseDecodeCudaImpl,
     BindDecodeResults(BindSparseDecodeOperands(CudaContext()).Attr<std::string_view>("op")),
+    {kCudaTargetTraits});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaSparsePrefillCuda, MlaSparsePrefillCudaImpl,
+    BindSparsePrefillResults(
+        BindSparsePrefillOperands(CudaContext()).Attr<std::string_view>("op")),
     {kCudaTargetTraits});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaDecodeFp8Cuda, MlaDecodeFp8CudaImpl,

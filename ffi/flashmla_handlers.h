@@ -1,5 +1,6 @@
-// XLA FFI handlers of FlashMLA's kernels: the decode, the FP8 decode and the scheduler, reached
-// through the torch ops of SGLang's kernel packages on XLA's stream and buffers.
+// XLA FFI handlers of FlashMLA's kernels: the decode, the FP8 decode, the scheduler and
+// DeepSeek-V3.2's sparse decode and prefill, reached through the torch ops of SGLang's kernel
+// packages on XLA's stream and buffers.
 #ifndef JAX_FLASHMLA_FFI_FLASHMLA_HANDLERS_H_
 #define JAX_FLASHMLA_FFI_FLASHMLA_HANDLERS_H_
 
@@ -12,11 +13,13 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaDecodeCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaDecodeFp8Cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaMetadataCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaSparseDecodeCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaSparsePrefillCuda);
 
 inline constexpr Target kFlashMlaTargets[] = {{kMlaDecodeTarget, kMlaDecodeCuda},
                                               {kMlaDecodeFp8Target, kMlaDecodeFp8Cuda},
                                               {kMlaMetadataTarget, kMlaMetadataCuda},
-                                              {kMlaSparseDecodeTarget, kMlaSparseDecodeCuda}};
+                                              {kMlaSparseDecodeTarget, kMlaSparseDecodeCuda},
+                                              {kMlaSparsePrefillTarget, kMlaSparsePrefillCuda}};
 
 }  // namespace jax_flashmla
 

@@ -80,9 +80,25 @@ auto BindSparseDecodeOperands(Binding binding) {
       .template Attr<bool>("with_sink");
 }
 
-// out, lse, the schedule the op makes for itself (tile_scheduler_metadata, num_splits), then
-// the split-KV accumulators: in the order the op allocates them.
+// DeepSeek-V3.2's sparse prefill: q (tokens, h_q, 576), kv (keys, 1, 576) and indices (tokens,
+// 1, topk) rows, the per-head sink logits (read only with with_sink).
+template <typename Binding>
+auto BindSparsePrefillOperands(Binding binding) {
+  return std::move(binding).template Arg<ffi::AnyBuffer>()          // q
+      .template Arg<ffi::AnyBuffer>()                    // kv
+      .template Arg<ffi::Buffer<ffi::S32>>()             // indices
+      .template Arg<ffi::Buffer<ffi::F32>>()             // attn_sink
+      .template Attr<float>("softmax_scale")
+      .template Attr<bool>("with_sink");
+}
 
+// out, the base-2 lse and the largest logits (tokens, h_q), in the order the op allocates them.
+template <typename Binding>
+auto BindSparsePrefillResults(Binding binding) {
+  return std::move(binding).template Ret<ffi::AnyBuffer>()          // out
+      .template Ret<ffi::Buffer<ffi::F32>>()             // lse_base2
+      .template Ret<ffi::Buffer<ffi::F32>>();            // max_logits
+}
 
 // host_queue.h's push: the array, and the queue by the id it was registered under.
 template <typename Binding>

@@ -34,7 +34,7 @@ enum class OpArg {
   kNumHeadsQ,
   kDescaleQ,  // the FP8 decode's per-tensor scales of q and the cache
   kDescaleK,
-  kIndices,  // the sparse decode's slots, and its sink logits
+  kIndices,  // the sparse ops' indices, and their sink logits
   kAttnSink,
   kCount,
 };

@@ -211,10 +211,9 @@ def _sparse_decode_types(q, tile_scheduler_metadata, **_):
             _f32(splits, h_q, s_q, v), _f32(splits, h_q, s_q))
 
 
-def _sparse_decode_attributes(platform, *, softmax_scale, with_sink):
+def _sparse_attributes(name, what, platform, *, softmax_scale, with_sink):
     return dict(softmax_scale=np.float32(softmax_scale), with_sink=bool(with_sink),
-                op=_kernel_op(kernels.ensure_cuda_targets(), "sparse_decode",
-                              "sparse decode (sparse_decode_fwd)"))
+                op=_kernel_op(kernels.ensure_cuda_targets(), name, what))
 
 
 # DeepSeek-V3.2's sparse decode over the 656-byte token cache (jax_flashmla.sparse): CUDA only
@@ -224,7 +223,24 @@ def _sparse_decode_attributes(platform, *, softmax_scale, with_sink):
 SPARSE_DECODE = CustomCall(
     "jax_flashmla_mla_sparse_decode",
     ("q", "kv_cache", "indices", "attn_sink", "tile_scheduler_metadata", "num_splits"),
-    _DECODE_RESULTS, _sparse_decode_types, _sparse_decode_attributes, _decode_layouts,
+    _DECODE_RESULTS, _sparse_decode_types,
+    functools.partial(_sparse_attributes, "sparse_decode", "sparse decode (sparse_decode_fwd)"),
+    _decode_layouts, platforms=("cuda",))
+
+
+def _sparse_prefill_types(q, **_):
+    tokens, h_q, _ = q.shape
+    return (jax.core.ShapedArray((tokens, h_q, validation.HEAD_DIM_V), jnp.bfloat16),
+            _f32(tokens, h_q), _f32(tokens, h_q))
+
+
+# Its sparse prefill on bf16 rows, CUDA only as well: q (tokens, h_q, 576), kv (keys, 1, 576),
+# indices (tokens, 1, topk). The results are in the order the op allocates them: out, lse in
+# base 2, and the largest logits (scratch to jax_flashmla.sparse, which drops them).
+SPARSE_PREFILL = CustomCall(
+    "jax_flashmla_mla_sparse_prefill", ("q", "kv", "indices", "attn_sink"),
+    ("out", "lse_base2", "max_logits"), _sparse_prefill_types,
+    functools.partial(_sparse_attributes, "sparse_prefill", "sparse prefill (sparse_prefill_fwd)"),
     platforms=("cuda",))
 
 # The host queue's push (serving/host_queue.py): no results, kept by its DCE rule in jaxprs

@@ -31,15 +31,16 @@ class KernelLibrary:
 @dataclasses.dataclass(frozen=True)
 class KernelOps:
     """Qualified torch op names the CUDA handlers call; their schemas are read at run time.
-    decode_fp8 and metadata_fp8 (the dense FP8 decode) and sparse_decode are None where the
-    library has none."""
+    decode_fp8 and metadata_fp8 (the dense FP8 decode), sparse_decode and sparse_prefill are
+    None where the library has none."""
 
     decode: str
     metadata: str
     library: KernelLibrary
     decode_fp8: str | None = None
     metadata_fp8: str | None = None
-    sparse_decode: str | None = None  # DeepSeek-V3.2's sparse decode, where the library has it
+    sparse_decode: str | None = None  # DeepSeek-V3.2's sparse ops, where the library has them
+    sparse_prefill: str | None = None
 
 
 def _package_dir(name):
@@ -124,8 +125,9 @@ def load_kernels():
             metadata=_first_registered("flash_mla_legacy", ["get_mla_decoding_metadata"]),
             library=library, **_fp8_ops("flash_mla_legacy"))
     torch.ops.load_library(library.path)
-    sparse = ({"sparse_decode": "sgl_kernel::sparse_decode_fwd"}
-              if hasattr(torch.ops.sgl_kernel, "sparse_decode_fwd") else {})
+    sparse = {role: f"sgl_kernel::{name}" for role, name in
+              (("sparse_decode", "sparse_decode_fwd"), ("sparse_prefill", "sparse_prefill_fwd"))
+              if hasattr(torch.ops.sgl_kernel, name)}
     return KernelOps(decode=_first_registered("sgl_kernel", ["fwd_kvcache_mla"]),
                      metadata=_first_registered("sgl_kernel", ["get_mla_decoding_metadata"]),
                      library=library, **_fp8_ops("sgl_kernel"), **sparse)

@@ -1,7 +1,7 @@
-"""FlashMLA's sparse decode as jax_flashmla's custom call on a Hopper GPU: bit-identical to
-sparse_decode_fwd called from torch on the same buffers (heads padded to the kernel's, invalid
-indices made -1), within tolerance of the pure-JAX reference, and the same when a jitted step
-is called again with new inputs."""
+"""FlashMLA's sparse decode and prefill as jax_flashmla's custom calls on a Hopper GPU:
+bit-identical to sparse_decode_fwd / sparse_prefill_fwd called from torch on the same buffers
+(heads padded to the kernels', invalid indices made -1, topk padded with -1), within tolerance
+of the pure-JAX reference, and the same when a jitted step is called again with new inputs."""
 import functools
 
 import jax
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from jax_flashmla import kernels
-from jax_flashmla.sparse import quantize_tokens, sparse_decode_metadata, sparse_mla_decode
+from jax_flashmla.sparse import (quantize_tokens, sparse_decode_metadata, sparse_mla_decode,
+                                 sparse_mla_prefill)
 from helpers import torch_view
 
 pytestmark = pytest.mark.gpu
@@ -76,7 +77,7 @@ def test_a_topk_the_kernel_does_not_take_is_padded_with_invalid_indices(topk):
     decode = jax.jit(functools.partial(sparse_mla_decode, softmax_scale=SCALE,
                                        implementation="custom_call"))
     out, lse = decode(q, cache, indices)
-    padded = jnp.pad(indices, ((0, 0), (0, 0), (0, 128 - topk)), constant_values=-1)
+    padded = jnp.pad(indices, ((0, 0), (0, 0), (0, -topk % 64)), constant_values=-1)
     t_out, t_lse = _torch_decode(q, cache, padded, None)
     np.testing.assert_array_equal(np.asarray(out, np.float32), t_out)
     np.testing.assert_array_equal(np.asarray(lse), t_lse)
@@ -150,3 +151,78 @@ def test_a_layered_step_sharing_one_schedule_replays_with_new_inputs(s_q, h_q):
             t_out, t_lse = _torch_decode(jnp.pad(qs[i], pad), cache, indices[i], None)
             np.testing.assert_array_equal(np.asarray(out, np.float32), t_out[:, :, :h_q])
             np.testing.assert_array_equal(np.asarray(lse), t_lse[:, :h_q])
+
+
+def _prefill_problem(seed, tokens, h_q, topk, keys=500):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.normal(0, 1, (tokens, h_q, 576)), jnp.bfloat16)
+    kv = jnp.asarray(rng.normal(0, 0.3, (keys, 576)), jnp.bfloat16)
+    indices = rng.integers(-3, keys + 3, (tokens, topk)).astype(np.int32)  # a few invalid
+    indices[1] = -1  # a query with no valid index
+    return q, kv, jnp.asarray(indices)
+
+
+def _torch_prefill(q, kv, indices, sink, lengths):
+    """sparse_prefill_fwd from torch on what the custom call hands the kernel: q's heads padded
+    to 64 or 128, invalid indices made -1, topk padded with -1 to a multiple of 128. Returns
+    out and the natural lse (h_q, tokens) of the real heads."""
+    import torch
+
+    h_q, keys, topk = q.shape[1], kv.shape[0], indices.shape[1]
+    heads = 64 if h_q <= 64 else 128
+    valid = (indices >= 0) & (indices < keys)
+    if lengths is not None:
+        valid &= jnp.arange(topk)[None, :] < lengths[:, None]
+    kernel_indices = jnp.pad(jnp.where(valid, indices, -1), ((0, 0), (0, -topk % 128)),
+                             constant_values=-1)
+    t_sink = None if sink is None else torch_view(torch, jnp.pad(sink, (0, heads - h_q)))
+    op = getattr(torch.ops.sgl_kernel, "sparse_prefill_fwd")
+    out, _, lse_base2 = op(torch_view(torch, jnp.pad(q, ((0, 0), (0, heads - h_q), (0, 0)))),
+                           torch_view(torch, kv)[:, None, :],
+                           torch_view(torch, kernel_indices)[:, None, :], SCALE, 512, t_sink,
+                           None)
+    torch.cuda.synchronize()
+    natural = lse_base2.cpu().numpy()[:, :h_q] * np.float32(np.log(2))
+    return out.float().cpu().numpy()[:, :h_q], natural.T
+
+
+@pytest.mark.parametrize("tokens,h_q,topk,with_sink,with_length", [
+    (70, 64, 128, False, False),  # dev/probe_sparse.py's sizes
+    (70, 128, 256, True, True), (33, 32, 100, False, True)])
+def test_the_prefill_is_flashmlas_op_with_a_natural_lse(tokens, h_q, topk, with_sink,
+                                                        with_length):
+    kernels.ensure_cuda_targets()
+    q, kv, indices = _prefill_problem(h_q, tokens, h_q, topk)
+    rng = np.random.default_rng(topk)
+    sink = jnp.asarray(rng.normal(0, 2, h_q), jnp.float32) if with_sink else None
+    lengths = (jnp.asarray(rng.integers(0, topk + 1, tokens), jnp.int32) if with_length
+               else None)
+    prefill = jax.jit(functools.partial(sparse_mla_prefill, softmax_scale=SCALE,
+                                        implementation="custom_call"))
+    assert "jax_flashmla_mla_sparse_prefill" in prefill.lower(
+        q, kv, indices, attn_sink=sink, topk_length=lengths).as_text()
+    out, lse = jax.block_until_ready(prefill(q, kv, indices, attn_sink=sink,
+                                             topk_length=lengths))
+    t_out, t_lse = _torch_prefill(q, kv, indices, sink, lengths)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), t_out)
+    np.testing.assert_array_equal(np.asarray(lse), t_lse)
+    ref_out, ref_lse = sparse_mla_prefill(q, kv, indices, softmax_scale=SCALE, attn_sink=sink,
+                                          topk_length=lengths, implementation="reference")
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32),
+                               rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-5, atol=1e-4)
+
+
+def test_a_float32_prefill_runs_the_kernel_in_bfloat16():
+    """The custom call casts a float32 q and kv to bfloat16 (exact for these values) and its
+    out back: the bfloat16 call's answer, and a second call with new inputs gives theirs."""
+    kernels.ensure_cuda_targets()
+    prefill = jax.jit(functools.partial(sparse_mla_prefill, softmax_scale=SCALE,
+                                        implementation="custom_call"))
+    for seed in (1, 2):
+        q, kv, indices = _prefill_problem(seed, 40, 16, 128)
+        out, lse = prefill(q.astype(jnp.float32), kv.astype(jnp.float32), indices)
+        assert out.dtype == jnp.float32
+        want_out, want_lse = prefill(q, kv, indices)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(want_out, np.float32))
+        np.testing.assert_array_equal(np.asarray(lse), np.asarray(want_lse))

@@ -12,6 +12,7 @@ import jax_flashmla as jf
 from jax_flashmla.sparse import (SparseKVCache, dequantize_tokens, quantize_tokens,
                                  sparse_decode_metadata, sparse_mla_decode, sparse_mla_prefill,
                                  write_sparse_kv)
+from jax_flashmla.sparse import ops as sparse_ops
 from jax_flashmla.sparse.cache import TOKEN_BYTES, tile_scales
 
 # out in bf16 from float32 arithmetic: a few bf16 ulps of the largest value; lse in float32.
@@ -187,6 +188,27 @@ def test_the_custom_call_off_the_gpu_is_refused():
     q, cache, indices = _decode_problem(7, h_q=64)
     with pytest.raises(RuntimeError, match="sparse_mla_decode: .* needs a Hopper GPU"):
         sparse_mla_decode(q, cache, indices, implementation="custom_call")
+    with pytest.raises(RuntimeError, match="sparse_mla_prefill: .* needs a Hopper GPU"):
+        sparse_mla_prefill(q[:, 0], jnp.zeros((9, 576), jnp.bfloat16), indices[:, 0],
+                           implementation="custom_call")
+
+
+def test_the_prefill_hands_its_kernel_padded_heads_and_topk():
+    """What the prefill's custom call is given and gives back, traced on any backend: heads
+    padded to 64, topk 100 to 128 with -1, kv as (keys, 1, 576) bfloat16; out in q's dtype,
+    lse (h_q, tokens)."""
+    q = jnp.zeros((5, 16, 576), jnp.float32)
+    kv, indices = jnp.zeros((9, 576), jnp.float32), jnp.zeros((5, 100), jnp.int32)
+    jaxpr = jax.make_jaxpr(sparse_ops._kernel_prefill, static_argnums=(3, 4))(
+        q, kv, indices, None, 0.1)
+    (call,) = [e for e in jaxpr.eqns if e.primitive.name == "jax_flashmla_mla_sparse_prefill"]
+    assert [(v.aval.shape, v.aval.dtype) for v in call.invars] == [
+        ((5, 64, 576), jnp.bfloat16), ((9, 1, 576), jnp.bfloat16), ((5, 1, 128), jnp.int32),
+        ((64,), jnp.float32)]
+    assert call.params == dict(softmax_scale=0.1, with_sink=False)
+    out, lse = (v.aval for v in jaxpr.jaxpr.outvars)
+    assert (out.shape, out.dtype, lse.shape, lse.dtype) == ((5, 16, 512), jnp.float32, (16, 5),
+                                                            jnp.float32)
 
 
 @pytest.mark.parametrize("change,exc,pattern", [

@@ -1,14 +1,16 @@
 """sparse_mla_decode and sparse_mla_prefill: DeepSeek-V3.2's sparse attention over MLA rows.
 
-jax_flashmla/sparse/reference.py states the semantics. On a Hopper GPU the decode runs
-FlashMLA's kernel as the custom call jax_flashmla_mla_sparse_decode: indices past the cache or
-past topk_length are made -1 first (the kernel reads any other), and q's heads are padded with
-zeros to the kernel's 64 or 128 (the padding heads' results are dropped; they cost what real
-heads cost). Its split-KV schedule depends on the shapes alone (every request has topk keys to
-the scheduler), so sparse_decode_metadata makes one per step that every layer shares.
-Elsewhere, and for the prefill, the pure-JAX reference runs."""
+jax_flashmla/sparse/reference.py states the semantics. On a Hopper GPU both run FlashMLA's
+kernels as custom calls (jax_flashmla_mla_sparse_decode, jax_flashmla_mla_sparse_prefill):
+indices past the keys or past topk_length are made -1 first (the kernels read any other), the
+indices are padded with -1 to the kernel's topk block, and q's heads are padded with zeros to
+the kernels' 64 or 128 (the padding heads' results are dropped; they cost what real heads
+cost). The decode's split-KV schedule depends on the shapes alone (every request has topk keys
+to the scheduler), so sparse_decode_metadata makes one per step that every layer shares.
+Elsewhere, or where the kernel library lacks the op, the pure-JAX reference runs."""
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -20,9 +22,10 @@ from jax_flashmla.sparse.cache import sparse_cache_array
 from jax_flashmla.validation import HEAD_DIM, PAGE_SIZE, _fail
 
 IMPLEMENTATIONS = ("custom_call", "reference")
-KERNEL_HEADS = (64, 128)  # what FlashMLA's sparse decode takes
-KERNEL_QUERY_TOKENS = (1, 2)
+KERNEL_HEADS = (64, 128)  # what FlashMLA's sparse kernels take
+KERNEL_QUERY_TOKENS = (1, 2)  # the sparse decode's
 KERNEL_TOPK_BLOCK = 64  # FlashMLA's sparse decode takes topk in multiples of this
+KERNEL_PREFILL_TOPK_BLOCK = 128  # and its sparse prefill in multiples of this
 
 
 def _check_common(where, q, indices, rows, topk_length, attn_sink, softmax_scale):
@@ -51,9 +54,12 @@ def _check_common(where, q, indices, rows, topk_length, attn_sink, softmax_scale
     return float(softmax_scale)
 
 
-def _implementation(where, implementation):
+def _implementation(where, implementation, kernel):
+    """The implementation to run; None picks the custom call where the kernel library has the
+    op `kernel` (a KernelOps field)."""
     if implementation is None:
-        return "custom_call" if kernels.flashmla_available() else "reference"
+        return ("custom_call" if kernels.flashmla_available()
+                and getattr(kernels.load_kernels(), kernel) is not None else "reference")
     if implementation not in IMPLEMENTATIONS:
         _fail(ValueError, where, f"implementation must be None or one of {IMPLEMENTATIONS}; got "
                                  f"{implementation!r}")
@@ -70,10 +76,10 @@ def _kernel_head_count(h_q):
     return next((h for h in KERNEL_HEADS if h >= h_q), h_q)
 
 
-def _kernel_topk(topk):
-    """The kernel's topk: topk rounded up to a multiple of KERNEL_TOPK_BLOCK (the indices
-    padded with -1, which it skips)."""
-    return -(-topk // KERNEL_TOPK_BLOCK) * KERNEL_TOPK_BLOCK
+def _kernel_topk(topk, block=KERNEL_TOPK_BLOCK):
+    """The kernel's topk: topk rounded up to a multiple of `block` (the indices padded with -1,
+    which it skips)."""
+    return -(-topk // block) * block
 
 
 def _kernel_heads(where, q, attn_sink):
@@ -81,9 +87,9 @@ def _kernel_heads(where, q, attn_sink):
     and whether a sink was given."""
     h_q = q.shape[-2]
     if q.dtype != jnp.bfloat16:
-        _fail(TypeError, where, f"FlashMLA's sparse decode takes a bfloat16 q; got {q.dtype}")
+        _fail(TypeError, where, f"FlashMLA's sparse kernels take a bfloat16 q; got {q.dtype}")
     if h_q > KERNEL_HEADS[-1]:
-        _fail(ValueError, where, f"FlashMLA's sparse decode takes at most {KERNEL_HEADS[-1]} "
+        _fail(ValueError, where, f"FlashMLA's sparse kernels take at most {KERNEL_HEADS[-1]} "
                                  f"heads; got h_q={h_q} (split the heads)")
     heads = _kernel_head_count(h_q)
     pad = [(0, 0)] * (q.ndim - 2) + [(0, heads - h_q), (0, 0)]
@@ -200,7 +206,7 @@ def sparse_mla_decode(q, kv_cache, indices, *, metadata=None, softmax_scale=None
                           softmax_scale)
     if metadata is not None:
         _check_metadata(where, metadata, q, indices)
-    if _implementation(where, implementation) == "reference":
+    if _implementation(where, implementation, "sparse_decode") == "reference":
         return reference.sparse_decode_reference(q, data, indices, softmax_scale=scale,
                                                  topk_length=topk_length, attn_sink=attn_sink)
     # The kernel skips -1 alone: it would read an index past the cache, and it takes no
@@ -209,10 +215,21 @@ def sparse_mla_decode(q, kv_cache, indices, *, metadata=None, softmax_scale=None
     return _kernel_decode(q, data, jnp.where(valid, indices, -1), attn_sink, scale, metadata)
 
 
+def _kernel_prefill(q, kv, indices, attn_sink, softmax_scale):
+    dtype, h_q = q.dtype, q.shape[1]
+    q, sink, with_sink = _kernel_heads("sparse_mla_prefill", q.astype(jnp.bfloat16), attn_sink)
+    topk = indices.shape[-1]
+    indices = jnp.pad(indices, ((0, 0), (0, _kernel_topk(topk, KERNEL_PREFILL_TOPK_BLOCK) - topk)),
+                      constant_values=-1)
+    out, lse_base2, _ = custom_calls.SPARSE_PREFILL(
+        q=q, kv=kv.astype(jnp.bfloat16)[:, None, :], indices=indices[:, None, :],
+        attn_sink=sink, softmax_scale=softmax_scale, with_sink=with_sink)
+    return out[:, :h_q].astype(dtype), (lse_base2[:, :h_q] * math.log(2)).T
+
+
 def sparse_mla_prefill(q, kv, indices, *, softmax_scale=None, topk_length=None,
-                       attn_sink=None):
-    """Sparse MLA prefill over rows of any float dtype (pure JAX; FlashMLA's sparse_prefill_fwd
-    computes the same).
+                       attn_sink=None, implementation=None):
+    """Sparse MLA prefill over MLA rows (FlashMLA's sparse_prefill_fwd).
 
     Args:
       q: (tokens, h_q, 576) bfloat16 (float16, float32).
@@ -220,6 +237,10 @@ def sparse_mla_prefill(q, kv, indices, *, softmax_scale=None, topk_length=None,
       indices: (tokens, topk) int32 rows of kv each query attends to; outside [0, keys) an
         index is invalid and never read.
       softmax_scale, attn_sink: as in sparse_mla_decode; topk_length: (tokens,) int32 or None.
+      implementation: as in sparse_mla_decode; "custom_call" is FlashMLA's sparse_prefill_fwd
+        (CUDA only; at most 128 heads; it computes in bfloat16, q and kv cast to it and out
+        back to q's dtype); "reference" is pure JAX, which gathers (tokens, topk, 576) float32
+        rows at once.
 
     Returns:
       out (tokens, h_q, 512) in q's dtype; lse (h_q, tokens) float32, natural log.
@@ -232,5 +253,9 @@ def sparse_mla_prefill(q, kv, indices, *, softmax_scale=None, topk_length=None,
                                  f"{kv.dtype} {tuple(kv.shape)}")
     scale = _check_common(where, q, indices, tuple(q.shape[:1]), topk_length, attn_sink,
                           softmax_scale)
-    return reference.sparse_prefill_reference(q, kv, indices, softmax_scale=scale,
-                                              topk_length=topk_length, attn_sink=attn_sink)
+    if _implementation(where, implementation, "sparse_prefill") == "reference":
+        return reference.sparse_prefill_reference(q, kv, indices, softmax_scale=scale,
+                                                  topk_length=topk_length, attn_sink=attn_sink)
+    # As in the decode: the kernel skips -1 alone.
+    valid = reference.valid_indices(indices, kv.shape[0], topk_length)
+    return _kernel_prefill(q, kv, jnp.where(valid, indices, -1), attn_sink, scale)
