@@ -65,7 +65,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jax_flashmla as jf  # noqa: E402
-from jax_flashmla import serving  # noqa: E402
+from jax_flashmla import kernels, serving  # noqa: E402
 from jax_flashmla.sparse import (IndexKeyCache, IndexQuery, indexer_decode,  # noqa: E402
                                  quantize_index_keys, sparse_decode_metadata, sparse_mla_decode,
                                  write_index_keys)
@@ -281,7 +281,9 @@ def main(argv=None):
     result = dict(meta=dict(
         device=jax.devices()[0].device_kind, jax=jax.__version__, host=platform.node(),
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        sparse_implementation=bench_sparse.sparse_implementation(), topk=grid["topk"],
+        sparse_implementation=bench_sparse.sparse_implementation(),
+        indexer_implementation="custom_call" if kernels.own_kernels_available() else "reference",
+        topk=grid["topk"],
         index_heads=grid["index_heads"], layers=grid["layers"], softmax_scale=SOFTMAX_SCALE,
         cache_gb=args.cache_gb, steps=grid["steps"], scan_unroll=bench_step.SCAN_UNROLL),
         step=[], not_run=[], failed={})

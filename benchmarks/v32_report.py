@@ -104,7 +104,8 @@ def markdown(result):
         f"{meta['date']}; {meta['layers']} layers a step under lax.scan "
         f"({meta['scan_unroll']} an iteration), each step called through AlternatingStep and "
         f"synced by its HostQueue; the indexer ({meta['index_heads']} heads, top "
-        f"{meta['topk']}) in pure JAX, sparse_mla_decode running "
+        f"{meta['topk']}) running {meta.get('indexer_implementation', 'reference')}, "
+        f"sparse_mla_decode running "
         f"{meta['sparse_implementation']}, mla_decode its custom call; {meta['steps']} turns, "
         "a step of each per turn.", "", "## Summary", "", *summary_lines(result)]
     if result["step"]:

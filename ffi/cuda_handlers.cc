@@ -1,6 +1,6 @@
-// The XLA FFI handler of our own small CUDA kernel, the host queue's push (host_queue.h). No
-// torch: this module links the CUDA runtime alone, so that a host queue needs neither torch
-// nor FlashMLA's kernels.
+// The XLA FFI handlers of our own CUDA kernels: the host queue's push (host_queue.h) and
+// DeepSeek-V3.2's indexer (index_topk.h). No torch: this module links the CUDA runtime alone,
+// so that neither needs torch nor FlashMLA's kernels.
 #include "cuda_handlers.h"
 
 #include <cuda_runtime_api.h>
@@ -10,6 +10,7 @@
 
 #include "host_queue.h"
 #include "host_queue_push.h"
+#include "index_topk.h"
 #include "operands.h"
 #include "targets.h"
 #include "xla/ffi/api/ffi.h"
@@ -27,6 +28,11 @@ ffi::Error OnDevice(int32_t device, const std::string& what) {
   return ffi::Error::Success();
 }
 
+ffi::Error CudaError(const char* target, cudaError_t status) {
+  if (status == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string(target) + ": " + cudaGetErrorString(status));
+}
+
 // host_queue.h's push: a kernel on XLA's stream, so that XLA captures it with the step.
 ffi::Error HostQueuePushCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer payload,
                                  uint64_t queue_id) {
@@ -35,11 +41,39 @@ ffi::Error HostQueuePushCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBu
   const HostQueue* queue = QueueForPush(queue_id, device, bytes, error);
   if (queue == nullptr) return ffi::Error::InvalidArgument(error);
   if (ffi::Error err = OnDevice(device, kHostQueuePushTarget); err.failure()) return err;
-  if (cudaError_t status = LaunchHostQueuePush(payload.untyped_data(), bytes, *queue, stream);
-      status != cudaSuccess)
-    return ffi::Error::Internal(std::string(kHostQueuePushTarget) + ": " +
-                                cudaGetErrorString(status));
-  return ffi::Error::Success();
+  return CudaError(kHostQueuePushTarget,
+                   LaunchHostQueuePush(payload.untyped_data(), bytes, *queue, stream));
+}
+
+// Shapes are jax_flashmla/custom_calls.py's, checked at trace time; checked again here
+// because a kernel reading past a buffer would fail silently.
+ffi::Error IndexTopkCudaImpl(cudaStream_t stream, int32_t device,
+                             ffi::AnyBuffer values, ffi::Buffer<ffi::F32> weights,
+                             ffi::Buffer<ffi::U8> cache, ffi::Buffer<ffi::S32> block_table,
+                             ffi::Buffer<ffi::S32> visible,
+                             ffi::ResultBuffer<ffi::S32> positions,
+                             ffi::ResultBuffer<ffi::F32> scores) {
+  const auto v = values.dimensions(), t = block_table.dimensions();
+  const auto p = positions->dimensions(), s = scores->dimensions();
+  if (values.element_type() != ffi::DataType::F8E4M3FN || v.size() != 3 || v[2] != 128 || v[1] < 1 || v[1] > kIndexMaxHeads ||
+      weights.element_count() != v[0] * v[1] || cache.dimensions().size() != 2 ||
+      cache.dimensions()[1] != 8448 || t.size() != 2 || t[0] != v[0] ||
+      visible.element_count() != v[0] || p.size() != 2 || p[0] != v[0] || s.size() != 2 ||
+      s[0] != v[0] || s[1] < t[1] * 64 || s[1] < p[1])
+    return ffi::Error::InvalidArgument(std::string(kIndexTopkTarget) +
+                                       ": operand shapes disagree");
+  if (ffi::Error err = OnDevice(device, kIndexTopkTarget); err.failure()) return err;
+  const int64_t rows = v[0];
+  if (ffi::Error err = CudaError(
+          kIndexTopkTarget,
+          LaunchIndexScores(static_cast<const uint8_t*>(values.untyped_data()),
+                            weights.typed_data(), rows, v[1], cache.typed_data(),
+                            cache.dimensions()[0], block_table.typed_data(), t[1],
+                            visible.typed_data(), scores->typed_data(), s[1], stream));
+      err.failure())
+    return err;
+  return CudaError(kIndexTopkTarget, LaunchTopkPositions(scores->typed_data(), rows, s[1], p[1],
+                                                         positions->typed_data(), stream));
 }
 
 auto CudaContext() {
@@ -50,5 +84,9 @@ auto CudaContext() {
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kHostQueuePushCuda, HostQueuePushCudaImpl,
                               BindHostQueuePushOperands(CudaContext()), {kCudaTargetTraits});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kIndexTopkCuda, IndexTopkCudaImpl,
+                              BindIndexTopkResults(BindIndexTopkOperands(CudaContext())),
+                              {kCudaTargetTraits});
 
 }  // namespace jax_flashmla

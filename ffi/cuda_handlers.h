@@ -1,5 +1,6 @@
-// The XLA FFI handler of the CUDA target that needs no torch: the host queue's push
-// (host_queue.h). FlashMLA's are in flashmla_handlers.h.
+// The XLA FFI handlers of the CUDA targets that need no torch: the host queue's push
+// (host_queue.h) and DeepSeek-V3.2's indexer (index_topk.h). FlashMLA's are in
+// flashmla_handlers.h.
 #ifndef JAX_FLASHMLA_FFI_CUDA_HANDLERS_H_
 #define JAX_FLASHMLA_FFI_CUDA_HANDLERS_H_
 
@@ -15,8 +16,10 @@ namespace jax_flashmla {
 inline constexpr xla::ffi::Traits kCudaTargetTraits = xla::ffi::Traits::kCmdBufferCompatible;
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kHostQueuePushCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kIndexTopkCuda);
 
-inline constexpr Target kCudaTargets[] = {{kHostQueuePushTarget, kHostQueuePushCuda}};
+inline constexpr Target kCudaTargets[] = {{kHostQueuePushTarget, kHostQueuePushCuda},
+                                          {kIndexTopkTarget, kIndexTopkCuda}};
 
 }  // namespace jax_flashmla
 

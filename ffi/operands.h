@@ -107,6 +107,26 @@ auto BindHostQueuePushOperands(Binding binding) {
       .template Attr<uint64_t>("queue_id");
 }
 
+// DeepSeek-V3.2's indexer (index_topk.h): query rows' e4m3 values (rows, heads, 128) and head
+// weights (rows, heads), the index-key cache (num_pages, 8448) bytes, each row's block table
+// (rows, max_pages) and visible tokens (rows,); the positions of each row's top k scores
+// (rows, k), then the scores themselves (rows, max(max_pages * 64, k)), which the selection
+// reads.
+template <typename Binding>
+auto BindIndexTopkOperands(Binding binding) {
+  return std::move(binding).template Arg<ffi::AnyBuffer>()          // values (e4m3)
+      .template Arg<ffi::Buffer<ffi::F32>>()             // weights
+      .template Arg<ffi::Buffer<ffi::U8>>()              // cache
+      .template Arg<ffi::Buffer<ffi::S32>>()             // block_table
+      .template Arg<ffi::Buffer<ffi::S32>>();            // visible
+}
+
+template <typename Binding>
+auto BindIndexTopkResults(Binding binding) {
+  return std::move(binding).template Ret<ffi::Buffer<ffi::S32>>()   // positions
+      .template Ret<ffi::Buffer<ffi::F32>>();            // scores
+}
+
 }  // namespace jax_flashmla
 
 #endif  // JAX_FLASHMLA_FFI_OPERANDS_H_

@@ -19,6 +19,7 @@ inline constexpr char kMlaMetadataTarget[] = "jax_flashmla_mla_metadata";
 inline constexpr char kMlaSparseDecodeTarget[] = "jax_flashmla_mla_sparse_decode";
 inline constexpr char kMlaSparsePrefillTarget[] = "jax_flashmla_mla_sparse_prefill";
 inline constexpr char kHostQueuePushTarget[] = "jax_flashmla_host_queue_push";
+inline constexpr char kIndexTopkTarget[] = "jax_flashmla_index_topk";
 
 }  // namespace jax_flashmla
 

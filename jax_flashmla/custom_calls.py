@@ -243,6 +243,18 @@ SPARSE_PREFILL = CustomCall(
     functools.partial(_sparse_attributes, "sparse_prefill", "sparse prefill (sparse_prefill_fwd)"),
     platforms=("cuda",))
 
+# DeepSeek-V3.2's indexer (ffi/index_topk.h): each query row's scores over its request's tokens
+# in the index-key cache, and the positions of its top k in ascending order. CUDA only (off
+# the GPU, jax_flashmla.sparse.indexer runs its pure-JAX reference). The scores are a result
+# so that XLA allocates them: the selection reads them, and tests compare them.
+INDEX_TOPK = CustomCall(
+    "jax_flashmla_index_topk", ("values", "weights", "cache", "block_table", "visible"),
+    ("positions", "scores"),
+    lambda values, block_table, *, topk, **_: (
+        _i32(values.shape[0], topk),
+        _f32(values.shape[0], max(block_table.shape[1] * validation.PAGE_SIZE, topk))),
+    lambda platform, *, topk: {}, platforms=("cuda",))
+
 # The host queue's push (serving/host_queue.py): no results, kept by its DCE rule in jaxprs
 # and by has_side_effect in XLA. It declares no JAX effect: an executable with effects is run
 # through JAX's slower Python dispatch, with a runtime token, at every call.

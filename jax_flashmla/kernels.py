@@ -155,8 +155,8 @@ def _register(module):
 
 @functools.cache
 def register_cuda_targets():
-    """Registers the CUDA target of jax_flashmla's own kernel (the host queue's push), which
-    needs neither torch nor FlashMLA's kernels; returns its module."""
+    """Registers the CUDA targets of jax_flashmla's own kernels (the host queue's push, the
+    indexer), which need neither torch nor FlashMLA's kernels; returns their module."""
     try:
         from jax_flashmla import _cuda
     except ImportError as e:
@@ -202,6 +202,14 @@ def _set_up_torch_cuda():
     torch.cuda.init()
     for index in range(torch.cuda.device_count()):
         torch.cuda.get_device_properties(index)
+
+
+@functools.cache
+def own_kernels_available():
+    """True where implementation=None should pick jax_flashmla's own CUDA kernels (the
+    indexer's): the default backend is a Hopper GPU and jax_flashmla._cuda was built."""
+    return (jax.default_backend() == "gpu" and bool(_hopper_gpus())
+            and importlib.util.find_spec("jax_flashmla._cuda") is not None)
 
 
 @functools.cache

@@ -27,7 +27,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf  # noqa: E402
 
-from jax_flashmla import PagedKVCache  # noqa: E402
+from jax_flashmla import PagedKVCache, kernels  # noqa: E402
 from jax_flashmla.flax import (MLAConfig, SparseMLAConfig,  # noqa: E402
                                SparseMultiHeadLatentAttention,
                                load_sparse_attention_safetensors, load_sparse_attention_weights,
@@ -40,6 +40,9 @@ from test_flax_mla import float32_matmuls, rel_err  # noqa: E402,F401
 from test_indexer import _assert_same_selection, _paged, _positions  # noqa: E402
 
 TOPK = 16
+# A long prompt's sparse attention against HF's in float32: the pure-JAX reference computes in
+# float32; FlashMLA's sparse prefill kernel, where it runs, takes q and the rows in bfloat16.
+SPARSE_PREFILL_TOL = 1e-2 if kernels.flashmla_available() else 2e-4
 _index_scores = jax.jit(index_scores)  # jitted: eagerly, each of their ops would compile alone
 _indexer_prefill = jax.jit(indexer_prefill, static_argnames="topk")
 _indexer_decode = jax.jit(indexer_decode, static_argnames="topk")
@@ -248,10 +251,11 @@ def test_prefill_matches_hf(lengths, rope):
         assert_selections(IndexQuery(*(a[rows] for a in query)), index, table[i], mine,
                           hf_selected, exact_scores(config, attn, x))
         forced, _ = hf_run(config, attn, x, [n], forced=mine)
-        np.testing.assert_allclose(np.asarray(out[i, :n]), forced, rtol=2e-4, atol=2e-4)
+        np.testing.assert_allclose(np.asarray(out[i, :n]), forced, rtol=SPARSE_PREFILL_TOL,
+                                   atol=SPARSE_PREFILL_TOL)
         same = [sorted(a) == sorted(h) for a, h in zip(mine, hf_selected)]
-        np.testing.assert_allclose(np.asarray(out[i, :n])[same], want[same], rtol=2e-4,
-                                   atol=2e-4)
+        np.testing.assert_allclose(np.asarray(out[i, :n])[same], want[same],
+                                   rtol=SPARSE_PREFILL_TOL, atol=SPARSE_PREFILL_TOL)
 
 
 def test_decode_matches_hf():

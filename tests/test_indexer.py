@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from helpers import SENTINEL_PAGE
-from jax_flashmla import token_slots
+from jax_flashmla import kernels, token_slots
 from jax_flashmla.sparse import (IndexerWeights, IndexKeyCache, IndexQuery,
                                  dequantize_index_keys, index_keys, index_query, index_scores,
                                  indexer_decode, indexer_prefill, quantize_index_keys,
@@ -21,6 +21,10 @@ PAGE = 64
 HEADS, HIDDEN, Q_LORA = 4, 64, 32
 # HF's default rope over qk_rope_head_dim 64: what DeepseekV32RotaryEmbedding's inv_freq holds.
 INV_FREQ = (1.0 / 10000.0 ** (np.arange(0, 64, 2, dtype=np.float32) / 64)).astype(np.float32)
+
+# The scores' float32 sums against float64: XLA's on CPU; on a Hopper GPU the indexer's kernel
+# accumulates FP8 products in the tensor cores, with fewer bits kept between additions.
+SCORE_RTOL, SCORE_ATOL = (2e-3, 5e-4) if kernels.own_kernels_available() else (1e-5, 1e-6)
 
 # Jitted (once per shape): called eagerly, JAX would dispatch them op by op.
 _keys = jax.jit(lambda weights, x, positions: index_keys(weights, x, positions, INV_FREQ))
@@ -234,7 +238,8 @@ def test_scores_follow_the_formula_over_the_stored_fp8_values():
     np.testing.assert_array_equal(np.isinf(got), np.isinf(stored))
     finite = np.isfinite(stored)
     scale = np.abs(stored[finite]).max()
-    np.testing.assert_allclose(got[finite], stored[finite], rtol=1e-5, atol=1e-6 * scale)
+    np.testing.assert_allclose(got[finite], stored[finite], rtol=SCORE_RTOL,
+                               atol=SCORE_ATOL * scale)
     # Against HF's formula in float64, unrotated and unquantized: within the FP8 rounding (3
     # mantissa bits: a few percent), where another rope or scale would miss by far more.
     for i, (r, p) in enumerate(rows):
@@ -259,7 +264,7 @@ def test_decode_is_lax_top_k_of_the_scores(topk, lengths):
     scores = _scores(rows, problem.cache, block_table, visible)
     scores = jnp.pad(scores, ((0, 0), (0, max(0, topk - scores.shape[1]))),
                      constant_values=-jnp.inf)
-    _, positions = jax.lax.top_k(scores, topk)
+    positions = jnp.sort(jax.lax.top_k(scores, topk)[1], axis=-1)  # in position order
     slots = token_slots(jnp.asarray(block_table), positions)
     expected = np.where(np.asarray(positions) < visible[:, None], slots, -1)
     np.testing.assert_array_equal(got.reshape(-1, topk), expected)
@@ -269,7 +274,8 @@ def test_decode_is_lax_top_k_of_the_scores(topk, lengths):
     # The float64 top-k of the formula over the stored values, but for float32 near-ties.
     stored = _stored_scores_f64(rows, problem.cache, block_table, visible)
     mine = [_positions(s, row) for s, row in zip(got.reshape(-1, topk), block_table)]
-    slack = np.full(len(stored), 1e-5 * np.abs(stored[np.isfinite(stored)]).max())
+    slack = np.full(len(stored), 2 * max(SCORE_ATOL, 5e-6)
+                    * np.abs(stored[np.isfinite(stored)]).max())
     _assert_same_selection(mine, _top(stored, topk), stored, slack)
 
 

@@ -180,7 +180,7 @@ class SparseMultiHeadLatentAttention(MultiHeadLatentAttention):
             so a slot must be its token's there (or -1, not written).
           metadata: SparseMetadata from sparse_decode_metadata(b, num_heads_q=num_heads,
             topk=index_topk, num_q_tokens=s_q), made once per step and shared by the layers.
-          implementation: as in sparse_mla_decode.
+          implementation: as in sparse_mla_decode, for the indexer too.
 
         Returns:
           (out (b, s_q, hidden_size) in the compute dtype, kv_cache, index_cache), the caches
@@ -196,7 +196,8 @@ class SparseMultiHeadLatentAttention(MultiHeadLatentAttention):
         kv_cache, index_cache = self._write(kv_cache, index_cache, slots, hidden_states,
                                             positions, latent, k_pe)
         indices = indexer_decode(self.index_query(hidden_states, positions), index_cache,
-                                 block_table, seq_lens, topk=self.config.index_topk)
+                                 block_table, seq_lens, topk=self.config.index_topk,
+                                 implementation=implementation)
         # FlashMLA's sparse decode takes q in bf16.
         q = self.absorbed_query(q_nope, q_pe).astype(jnp.bfloat16)
         out_latent, _ = sparse_mla_decode(q, kv_cache, indices, metadata=metadata,
@@ -271,7 +272,7 @@ class SparseMultiHeadLatentAttention(MultiHeadLatentAttention):
           lengths: optional (b,) int32 new tokens per request (default s); tokens past them
             are padding: they write nothing and attend to nothing (their attention 0 before
             o_proj). A length outside [0, s] makes its row empty.
-          implementation: as in sparse_mla_decode.
+          implementation: as in sparse_mla_decode, for the indexer too.
 
         Returns:
           (out (b, s, hidden_size) in the compute dtype, kv_cache, index_cache), as decode's.
@@ -287,7 +288,7 @@ class SparseMultiHeadLatentAttention(MultiHeadLatentAttention):
         # Row r's tokens are rows [r s, r s + s); token j sees prefix_lens[r] + j + 1 tokens.
         chosen = indexer_prefill(query, index_cache, block_table, prefix_lens + s,
                                  jnp.arange(b + 1, dtype=jnp.int32) * s,
-                                 topk=self.config.index_topk)
+                                 topk=self.config.index_topk, implementation=implementation)
         chosen = jnp.where(real.reshape(b * s, 1), chosen, -1)  # padding attends to nothing
         q = self.absorbed_query(q_nope, q_pe).astype(jnp.bfloat16)  # the sparse decode's dtype
         out_latent, _ = sparse_mla_decode(q.reshape(b * s, 1, *q.shape[2:]), kv_cache,

@@ -11,8 +11,12 @@ As DeepSeek's inference/model.py (Indexer, act_quant, fp8_index) and HF's Deepse
   - score(m, n) = k_scale(n) * sum_h relu(q_h(m) . k(n)) * w_h(m) over the e4m3 values of
     q_h(m) and k(n), their products summed in float32;
   - a query keeps its top min(topk, visible) tokens, visible = those of its request up to and
-    including itself. Of equal scores the earlier token comes first (lax.top_k keeps the lower
-    index first), so for given inputs on a backend the selection is deterministic.
+    including itself. Of equal scores the earlier token is kept (as lax.top_k keeps them), so
+    for given inputs on a backend the selection is deterministic; it is returned in position
+    order.
+On a Hopper GPU one CUDA kernel scores query rows straight from the paged cache (FP8 tensor-core
+products, the relu-weighted sum over heads in registers) and another selects each row's top
+positions by a radix select (ffi/index_topk.h); elsewhere pure JAX computes the same.
 HF skips the rotation and the quantization: its scores are these but for FP8 rounding. Up to
 the quantization this runs in float32 (DeepSeek's rounds to bfloat16 between steps).
 """
@@ -24,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flashmla import validation
+from jax_flashmla import custom_calls, kernels, validation
 from jax_flashmla.cache import token_slots
 from jax_flashmla.sparse.index_cache import (INDEX_HEAD_DIM, index_cache_array,
                                              quantize_index_keys, read_index_keys)
@@ -33,6 +37,8 @@ from jax_flashmla.validation import PAGE_SIZE, _fail
 INDEX_TOPK = 2048
 LAYER_NORM_EPS = 1e-6
 ROWS_PER_BLOCK = 16  # query rows scored at once: memory grows with rows * context * heads
+SCORES_PER_CALL = 2 ** 26  # the custom call's scores buffer: at most 256 MB a call
+IMPLEMENTATIONS = ("custom_call", "reference")
 HIGHEST = jax.lax.Precision.HIGHEST  # float32 matmuls in float32, not TF32 or bf16 passes
 # Sylvester's order, [[H, H], [H, -H]], as fast_hadamard_transform computes it.
 HADAMARD = functools.reduce(np.kron, [np.array([[1, 1], [1, -1]], np.float32)] * 7)
@@ -170,18 +176,54 @@ def _scores(query, data, block_table, visible):
     return jax.lax.map(row, (*query, block_table, visible), batch_size=ROWS_PER_BLOCK)
 
 
-def _select(query, data, block_table, visible, topk):
-    """(n, topk) int32 slots of each row's top tokens; -1 past its visible tokens and where its
-    block table names no page of the cache."""
+def _kernel_select(query, data, block_table, visible, topk):
+    """(n, topk) positions and (n, max(max_pages * 64, topk)) scores from the custom call, in
+    calls of at most SCORES_PER_CALL scores (the scores are a buffer of XLA's)."""
+    width = max(block_table.shape[1] * PAGE_SIZE, topk)
+    call = lambda rows: custom_calls.INDEX_TOPK(
+        values=rows[0], weights=rows[1], cache=data, block_table=rows[2], visible=rows[3],
+        topk=topk)
+    rows = (*query, block_table, visible)
+    n, per_call = visible.shape[0], max(1, SCORES_PER_CALL // width)
+    if n <= per_call:
+        return call(rows)
+    calls = -(-n // per_call)  # padding rows see nothing
+    rows = [jnp.pad(x, [(0, calls * per_call - n)] + [(0, 0)] * (x.ndim - 1))
+            .reshape(calls, per_call, *x.shape[1:]) for x in rows]
+    positions, scores = jax.lax.map(call, rows)
+    return positions.reshape(-1, topk)[:n], scores.reshape(-1, width)[:n]
+
+
+def _select(query, data, block_table, visible, topk, implementation):
+    """(n, topk) int32 slots of each row's top tokens in ascending position order; -1 for
+    positions past its visible tokens and where its block table names no page of the cache."""
     if visible.shape[0] == 0:  # token_slots cannot reshape no rows
         return jnp.zeros((0, topk), jnp.int32)
-    scores = _scores(query, data, block_table, visible)
-    if scores.shape[1] < topk:  # positions past the table are never visible
-        scores = jnp.pad(scores, ((0, 0), (0, topk - scores.shape[1])), constant_values=-jnp.inf)
-    _, positions = jax.lax.top_k(scores, topk)
+    if implementation == "custom_call":
+        positions, _ = _kernel_select(query, data, block_table, visible, topk)
+    else:
+        scores = _scores(query, data, block_table, visible)
+        if scores.shape[1] < topk:  # positions past the table are never visible
+            scores = jnp.pad(scores, ((0, 0), (0, topk - scores.shape[1])),
+                             constant_values=-jnp.inf)
+        positions = jnp.sort(jax.lax.top_k(scores, topk)[1], axis=-1)
     slots = token_slots(block_table, positions)
-    valid = (positions < visible[:, None]) & (slots >= 0) & (slots < data.shape[0] * PAGE_SIZE)
+    valid = ((positions >= 0) & (positions < visible[:, None]) & (slots >= 0)
+             & (slots < data.shape[0] * PAGE_SIZE))
     return jnp.where(valid, slots, -1)
+
+
+def _implementation(where, implementation):
+    if implementation is None:
+        return "custom_call" if kernels.own_kernels_available() else "reference"
+    if implementation not in IMPLEMENTATIONS:
+        _fail(ValueError, where, f"implementation must be None or one of {IMPLEMENTATIONS}; got "
+                                 f"{implementation!r}")
+    if implementation == "custom_call" and jax.default_backend() != "gpu":
+        _fail(RuntimeError, where, "the custom call is jax_flashmla's CUDA kernel, which needs a "
+                                   f"Hopper GPU; JAX's default backend is "
+                                   f"{jax.default_backend()} (pass implementation='reference')")
+    return implementation
 
 
 def _check_rows(where, query, cache, block_table, rows):
@@ -222,7 +264,7 @@ def _check_topk(where, topk):
         _fail(ValueError, where, f"topk must be a positive Python int; got {topk!r}")
 
 
-def index_scores(query, cache, block_table, visible):
+def index_scores(query, cache, block_table, visible, *, implementation=None):
     """The indexer's scores of query rows over their requests' tokens in the cache.
 
     Args:
@@ -231,17 +273,26 @@ def index_scores(query, cache, block_table, visible):
       block_table: (n, max_pages) int32, each row's request's pages (negative entries and
         pages past the cache hold no tokens).
       visible: (n,) int32, how many of its request's first tokens each row sees.
+      implementation: None picks "custom_call" on a Hopper GPU where jax_flashmla's CUDA
+        kernels were built, else "reference" (pure JAX). The two sum the same float32
+        products in different orders.
 
     Returns:
       (n, max_pages * 64) float32: position p of row i its score (module doc); -inf where
       p >= visible[i] or p's page is not in the cache.
     """
-    data = _check_rows("index_scores", query, cache, block_table, ("n",))
-    visible = _check_lengths("index_scores", "visible", visible, tuple(query.values.shape[:1]))
-    return _scores(query, data, jnp.asarray(block_table), visible)
+    where = "index_scores"
+    data = _check_rows(where, query, cache, block_table, ("n",))
+    visible = _check_lengths(where, "visible", visible, tuple(query.values.shape[:1]))
+    block_table = jnp.asarray(block_table)
+    if _implementation(where, implementation) == "reference":
+        return _scores(query, data, block_table, visible)
+    _, scores = _kernel_select(query, data, block_table, visible, 1)
+    return scores.reshape(scores.shape[0], -1)[:, :block_table.shape[1] * PAGE_SIZE]
 
 
-def indexer_decode(query, cache, block_table, seq_lens, *, topk=INDEX_TOPK):
+def indexer_decode(query, cache, block_table, seq_lens, *, topk=INDEX_TOPK,
+                   implementation=None):
     """The tokens each decoding request's new tokens attend to.
 
     Args:
@@ -252,24 +303,32 @@ def indexer_decode(query, cache, block_table, seq_lens, *, topk=INDEX_TOPK):
       block_table: (batch, max_pages) int32; seq_lens: (batch,) int32, each request's tokens
         including the new ones. New token j sees seq_lens - s_q + j + 1 tokens.
       topk: a Python int, index_topk (2048 in V3.2).
+      implementation: None picks "custom_call" (one CUDA kernel scoring the rows from the
+        paged cache, one selecting their top positions) on a Hopper GPU where jax_flashmla's
+        CUDA kernels were built, else "reference" (pure JAX, scores then lax.top_k). Given
+        equal scores they select the same tokens; their scores may differ in the last bits.
 
     Returns:
-      (batch, s_q, topk) int32 slots (page * 64 + offset, sparse_mla_decode's indices), in
-      descending score order; -1 after a token's min(topk, visible) selected ones (and for
-      visible positions whose block-table entry names no page of the cache).
+      (batch, s_q, topk) int32 slots (page * 64 + offset, sparse_mla_decode's indices) of a
+      token's min(topk, visible) selected positions in ascending position order, -1 after
+      them (and in place of visible positions whose block-table entry names no page of the
+      cache).
     """
     where = "indexer_decode"
     data = _check_rows(where, query, cache, block_table, ("batch", "s_q"))
     batch, s_q = query.values.shape[:2]
     seq_lens = _check_lengths(where, "seq_lens", seq_lens, (batch,))
     _check_topk(where, topk)
+    implementation = _implementation(where, implementation)
     visible = seq_lens[:, None] - s_q + 1 + jnp.arange(s_q, dtype=jnp.int32)
     rows = IndexQuery(*(x.reshape(batch * s_q, *x.shape[2:]) for x in query))
     block_table = jnp.repeat(jnp.asarray(block_table), s_q, axis=0)
-    return _select(rows, data, block_table, visible.reshape(-1), topk).reshape(batch, s_q, topk)
+    return _select(rows, data, block_table, visible.reshape(-1), topk,
+                   implementation).reshape(batch, s_q, topk)
 
 
-def indexer_prefill(query, cache, block_table, seq_lens, cu_seqlens, *, topk=INDEX_TOPK):
+def indexer_prefill(query, cache, block_table, seq_lens, cu_seqlens, *, topk=INDEX_TOPK,
+                    implementation=None):
     """The tokens each new token of a prefill or extend attends to, causally.
 
     Args:
@@ -281,7 +340,7 @@ def indexer_prefill(query, cache, block_table, seq_lens, cu_seqlens, *, topk=IND
         including the new ones; cu_seqlens: (batch + 1,) int32, non-decreasing from 0.
         New token j of request r sees seq_lens[r] - (cu_seqlens[r + 1] - cu_seqlens[r]) + j + 1
         tokens; rows from cu_seqlens[batch] on (padding) see none.
-      topk: as indexer_decode's.
+      topk, implementation: as indexer_decode's.
 
     Returns:
       (tokens, topk) int32 slots, as indexer_decode's.
@@ -292,9 +351,11 @@ def indexer_prefill(query, cache, block_table, seq_lens, cu_seqlens, *, topk=IND
     seq_lens = _check_lengths(where, "seq_lens", seq_lens, (batch,))
     cu_seqlens = _check_lengths(where, "cu_seqlens", cu_seqlens, (batch + 1,))
     _check_topk(where, topk)
+    implementation = _implementation(where, implementation)
     row = jnp.arange(query.values.shape[0], dtype=jnp.int32)
     request = jnp.clip(jnp.searchsorted(cu_seqlens[1:], row, side="right"), 0, batch - 1)
     start, end = cu_seqlens[request], cu_seqlens[request + 1]
     visible = seq_lens[request] - (end - start) + (row - start) + 1
     visible = jnp.where(row < cu_seqlens[batch], visible, 0).astype(jnp.int32)
-    return _select(query, data, jnp.asarray(block_table)[request], visible, topk)
+    return _select(query, data, jnp.asarray(block_table)[request], visible, topk,
+                   implementation)

@@ -1,0 +1,41 @@
+// DeepSeek-V3.2's lightning indexer on the GPU: each query row's scores over its request's
+// tokens in the paged index-key cache, then the positions of its top k scores.
+//
+// The arithmetic is jax_flashmla/sparse/indexer.py's (its module doc):
+//   score(row, p) = k_scale(p) * sum_h relu(q_h(row) . k(p)) * w_h(row)
+// over the e4m3 values of q and k, each product exact in float32 and summed in float32 (in the
+// tensor cores' order, not XLA's). The cache is index_cache.py's: pages of 64 tokens, 8448
+// bytes each, the 64 keys' 128 e4m3 values, then their float32 scales.
+#ifndef JAX_FLASHMLA_FFI_INDEX_TOPK_H_
+#define JAX_FLASHMLA_FFI_INDEX_TOPK_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace jax_flashmla {
+
+// The most query heads the scoring kernel keeps in shared memory at once.
+inline constexpr int64_t kIndexMaxHeads = 256;
+
+// scores (rows, score_width) float32: position p < max_pages * 64 of row r its score where
+// p < visible[r] and its page block_table[r, p / 64] lies in [0, num_pages); -inf elsewhere,
+// including every p >= max_pages * 64 (score_width may exceed max_pages * 64).
+//   q (rows, heads, 128) e4m3 bytes; weights (rows, heads) float32; cache (num_pages, 8448)
+//   bytes; block_table (rows, max_pages) and visible (rows,) int32. heads <= kIndexMaxHeads.
+cudaError_t LaunchIndexScores(const uint8_t* q, const float* weights, int64_t rows,
+                              int64_t heads, const uint8_t* cache, int64_t num_pages,
+                              const int32_t* block_table, int64_t max_pages,
+                              const int32_t* visible, float* scores, int64_t score_width,
+                              cudaStream_t stream);
+
+// positions (rows, k) int32: the positions of each row's k largest scores (of score_width),
+// in ascending order. Scores are ordered as IEEE totalOrder is (NaN above +inf, -NaN below
+// -inf); of equal scores the lower position is taken first, as lax.top_k takes them. Where
+// score_width < k, every position, then -1.
+cudaError_t LaunchTopkPositions(const float* scores, int64_t rows, int64_t score_width,
+                                int64_t k, int32_t* positions, cudaStream_t stream);
+
+}  // namespace jax_flashmla
+
+#endif  // JAX_FLASHMLA_FFI_INDEX_TOPK_H_

@@ -1,0 +1,119 @@
+"""DeepSeek-V3.2's indexer as jax_flashmla's CUDA kernels on a Hopper GPU: the scores within
+the tensor cores' float32 accumulation of the pure-JAX reference's, the selection exactly
+lax.top_k's over the kernel's own scores (position order, equal scores to the earlier token,
+NaN above everything), at V3.2's 64 heads with NaN in unused pages, sentinel block-table
+entries, rows that see nothing and rows split over several calls."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import SENTINEL_PAGE
+from jax_flashmla import token_slots
+from jax_flashmla.sparse import (IndexKeyCache, IndexQuery, index_scores, indexer_decode,
+                                 indexer_prefill, quantize_index_keys, write_index_keys)
+from jax_flashmla.sparse import indexer
+from jax_flashmla.sparse.index_cache import PAGE_BYTES
+
+pytestmark = pytest.mark.gpu
+HEADS, PAGE = 64, 64
+# The tensor cores sum each 32 products with fewer bits than float32 keeps: the error follows
+# the largest scores of a row, not each score's own size.
+SCORE_RTOL, SCORE_ATOL = 2e-3, 5e-4
+
+
+def _problem(seed, lengths, heads=HEADS, s_q=1):
+    """(query (batch, s_q, heads), cache, block_table, seq_lens): keys written at random pages,
+    every unwritten byte 0xFF (NaN), SENTINEL_PAGE past each request's pages."""
+    rng = np.random.default_rng(seed)
+    pages = [-(-n // PAGE) for n in lengths]
+    num_pages = sum(pages) + 3
+    perm = rng.permutation(num_pages).astype(np.int32)
+    table = np.full((len(lengths), max(max(pages), 1) + 1), SENTINEL_PAGE, np.int32)
+    for i, n in enumerate(pages):
+        table[i, :n], perm = perm[:n], perm[n:]
+    positions = np.concatenate([np.arange(n) for n in lengths]).astype(np.int32)
+    requests = np.repeat(np.arange(len(lengths)), lengths)
+    slots = token_slots(jnp.asarray(table[requests]), jnp.asarray(positions[:, None]))[:, 0]
+    cache = write_index_keys(IndexKeyCache(jnp.full((num_pages, PAGE_BYTES), 0xFF, jnp.uint8)),
+                             slots, jnp.asarray(rng.normal(0, 1, (len(slots), 128)), jnp.float32))
+    values, scales = quantize_index_keys(jnp.asarray(rng.normal(0, 1, (len(lengths), s_q, heads,
+                                                                       128)), jnp.float32))
+    weights = jnp.asarray(rng.normal(0, 1, (len(lengths), s_q, heads)), jnp.float32) * scales
+    return (IndexQuery(values, weights), cache, jnp.asarray(table),
+            jnp.asarray(lengths, jnp.int32))
+
+
+def _rows(query, table, seq_lens):
+    s_q = query.values.shape[1]
+    visible = (seq_lens[:, None] - s_q + 1 + jnp.arange(s_q, dtype=jnp.int32)).reshape(-1)
+    return (IndexQuery(*(x.reshape(-1, *x.shape[2:]) for x in query)),
+            jnp.repeat(table, s_q, axis=0), visible)
+
+
+def _expected(scores, table, visible, topk):
+    """lax.top_k's positions over `scores`, in position order, as the indexer returns slots."""
+    scores = jnp.pad(scores, ((0, 0), (0, max(0, topk - scores.shape[1]))),
+                     constant_values=-jnp.inf)
+    positions = jnp.sort(jax.lax.top_k(scores, topk)[1], axis=-1)
+    slots = token_slots(table, positions)
+    valid = (positions < visible[:, None]) & (slots >= 0)
+    return np.asarray(jnp.where(valid, slots, -1))
+
+
+@pytest.mark.parametrize("lengths,s_q,topk", [([5000, 2047, 0, 64, 130], 1, 2048),
+                                              ([3000, 1], 2, 2048), ([900, 77, 640], 1, 100),
+                                              ([70], 2, 2048)])
+def test_the_kernels_select_lax_top_k_of_their_scores(lengths, s_q, topk):
+    query, cache, table, seq_lens = _problem(len(lengths) + s_q, lengths, s_q=s_q)
+    rows, row_table, visible = _rows(query, table, seq_lens)
+    call = functools.partial(index_scores, implementation="custom_call")
+    assert "jax_flashmla_index_topk" in jax.jit(call).lower(rows, cache, row_table,
+                                                            visible).as_text()
+    scores = jax.jit(call)(rows, cache, row_table, visible)
+    reference = jax.jit(functools.partial(index_scores, implementation="reference"))(
+        rows, cache, row_table, visible)
+    np.testing.assert_array_equal(np.isneginf(scores), np.isneginf(reference))
+    finite = np.isfinite(np.asarray(reference))
+    peak = np.abs(np.asarray(reference)[finite]).max()
+    np.testing.assert_allclose(np.asarray(scores)[finite], np.asarray(reference)[finite],
+                               rtol=SCORE_RTOL, atol=SCORE_ATOL * peak)
+    decode = jax.jit(functools.partial(indexer_decode, topk=topk, implementation="custom_call"))
+    got = np.asarray(decode(query, cache, table, seq_lens)).reshape(-1, topk)
+    np.testing.assert_array_equal(got, _expected(scores, row_table, visible, topk))
+
+
+def test_equal_scores_keep_the_earlier_tokens_and_nan_comes_first():
+    cache = IndexKeyCache.create(40)  # every key 0: every score 0
+    table = jnp.asarray([np.r_[np.arange(39, 0, -1), SENTINEL_PAGE]], jnp.int32)
+    query = IndexQuery(jnp.ones((1, 1, HEADS, 128), jnp.float8_e4m3fn),
+                       jnp.ones((1, 1, HEADS), jnp.float32))
+    nan_position = 35 * PAGE + 5  # a NaN key (e4m3 0x7F) past the first 2048 tokens
+    data = cache.data.at[int(table[0, 35]), 5 * 128].set(0x7F)
+    decode = jax.jit(functools.partial(indexer_decode, topk=2048, implementation="custom_call"))
+    got = np.asarray(decode(query, IndexKeyCache(data), table, jnp.asarray([2400], jnp.int32)))
+    positions = np.r_[np.arange(2047), nan_position]
+    np.testing.assert_array_equal(got[0, 0], np.asarray(token_slots(table, positions[None]))[0])
+
+
+def test_a_prefill_over_several_calls_selects_as_one(monkeypatch):
+    query, cache, table, _ = _problem(7, [1500, 700])
+    tokens = 300  # the last 300 of the first request, then 100 of the second
+    seq_lens = jnp.asarray([1500, 700], jnp.int32)
+    values = jnp.concatenate([jnp.tile(query.values[0], (200, 1, 1)),
+                              jnp.tile(query.values[1], (100, 1, 1))])
+    weights = jnp.asarray(np.random.default_rng(3).normal(0, 1, (tokens, HEADS)), jnp.float32)
+    cu_seqlens = jnp.asarray([0, 200, 300], jnp.int32)
+    prefill = functools.partial(indexer_prefill, topk=512)
+    one = jax.jit(functools.partial(prefill, implementation="custom_call"))(
+        IndexQuery(values, weights), cache, table, seq_lens, cu_seqlens)
+    monkeypatch.setattr(indexer, "SCORES_PER_CALL", 32 * 2048)  # 32 rows a call
+    split = jax.jit(functools.partial(prefill, implementation="custom_call"))(
+        IndexQuery(values, weights), cache, table, seq_lens, cu_seqlens)
+    np.testing.assert_array_equal(np.asarray(split), np.asarray(one))
+    reference = jax.jit(functools.partial(prefill, implementation="reference"))(
+        IndexQuery(values, weights), cache, table, seq_lens, cu_seqlens)
+    same = np.mean([set(a) == set(b) for a, b in zip(np.asarray(one), np.asarray(reference))])
+    assert same >= 0.9, same  # all but float32 near-ties
