@@ -303,16 +303,9 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kTopkThreads)
       bool valid[kPerThread];
       TileKeys(row_scores, begin, end, tile, keys, valid);
 #pragma unroll
-      for (int e = 0; e < kPerThread; ++e) {
-        const bool counted = valid[e] && (keys[e] & mask) == prefix;
-        const uint32_t digit = (keys[e] >> shift) & digit_mask;
-        // Scores of one row share their top bits: lanes adding to one bin add once.
-        const unsigned int active = __ballot_sync(0xffffffff, counted);
-        if (counted) {
-          const unsigned int same = __match_any_sync(active, digit);
-          if ((__ffs(same) - 1) == (tid % 32)) atomicAdd(&shared.bins[digit], __popc(same));
-        }
-      }
+      for (int e = 0; e < kPerThread; ++e)
+        if (valid[e] && (keys[e] & mask) == prefix)  // plain atomics: __match_any_sync is slower
+          atomicAdd(&shared.bins[(keys[e] >> shift) & digit_mask], 1u);
     }
     cluster.sync();  // every block's histogram is complete
     // Thread t owns bins kBins - 1 - kBinsPerThread t downwards; the row's count of each is
