@@ -211,8 +211,9 @@ class SparseMultiHeadLatentAttention(MultiHeadLatentAttention):
         selects among the prompt's up to itself; writes both caches.
 
         s <= index_topk takes mla_prefill's dense attention (every visible token would be
-        selected). Longer prompts go through indexer_prefill and sparse_mla_prefill, which
-        gathers (b * s, index_topk, 576) float32 rows at once.
+        selected). Longer prompts go through indexer_prefill and sparse_mla_prefill (FlashMLA's
+        kernel in bfloat16 on a Hopper GPU; elsewhere the reference, which gathers
+        (b * s, index_topk, 576) float32 rows at once).
 
         Args:
           hidden_states: (b, s, hidden_size), prompts right-padded to s.
