@@ -55,11 +55,12 @@ ffi::Error IndexTopkCudaImpl(cudaStream_t stream, int32_t device,
                              ffi::ResultBuffer<ffi::F32> scores) {
   const auto v = values.dimensions(), t = block_table.dimensions();
   const auto p = positions->dimensions(), s = scores->dimensions();
-  if (values.element_type() != ffi::DataType::F8E4M3FN || v.size() != 3 || v[2] != 128 || v[1] < 1 || v[1] > kIndexMaxHeads ||
-      weights.element_count() != v[0] * v[1] || cache.dimensions().size() != 2 ||
-      cache.dimensions()[1] != 8448 || t.size() != 2 || t[0] != v[0] ||
-      visible.element_count() != v[0] || p.size() != 2 || p[0] != v[0] || s.size() != 2 ||
-      s[0] != v[0] || s[1] < t[1] * 64 || s[1] < p[1])
+  const auto count = [](auto buffer) { return static_cast<int64_t>(buffer.element_count()); };
+  if (values.element_type() != ffi::DataType::F8E4M3FN || v.size() != 3 || v[2] != 128 ||
+      v[1] < 1 || v[1] > kIndexMaxHeads || count(weights) != v[0] * v[1] ||
+      cache.dimensions().size() != 2 || cache.dimensions()[1] != 8448 || t.size() != 2 ||
+      t[0] != v[0] || count(visible) != v[0] || p.size() != 2 || p[0] != v[0] ||
+      s.size() != 2 || s[0] != v[0] || s[1] < t[1] * 64 || s[1] < p[1])
     return ffi::Error::InvalidArgument(std::string(kIndexTopkTarget) +
                                        ": operand shapes disagree");
   if (ffi::Error err = OnDevice(device, kIndexTopkTarget); err.failure()) return err;

@@ -78,7 +78,7 @@ def test_torch_bridge_host_side(tmp_path):
         "ok unknown_argument"], run.stdout
 
 
-@pytest.mark.parametrize("kernel", ["empty_requests", "host_queue_push"])
+@pytest.mark.parametrize("kernel", ["empty_requests", "host_queue_push", "index_topk"])
 def test_bridge_kernels_compile(tmp_path, kernel):
     nvcc = find_nvcc()
     if nvcc is None:
