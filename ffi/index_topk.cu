@@ -18,7 +18,7 @@ constexpr int kPageBytes = kPageTokens * (kDim + 4);      // 8448: values, then 
 constexpr int kRowStride = kDim + 16;
 constexpr int kScoreWarps = 4;  // 16 of a page's 64 tokens each
 constexpr int kPagesPerBlock = 8;
-constexpr int kStages = 3;  // pages a block has in shared memory: one scored, two in flight
+constexpr int kStages = 4;  // pages a block has in shared memory: one scored, three in flight
 constexpr int kChunkTiles = 8;  // tiles of 8 heads whose q a lane holds at once
 constexpr float kNegInf = -__builtin_huge_valf();
 
@@ -221,6 +221,7 @@ constexpr int kTile = kTopkThreads * kPerThread;
 constexpr int kRadixBits = 11;  // three passes over a 32-bit key: 11, 11, 10 bits
 constexpr int kBins = 1 << kRadixBits;
 constexpr int kBinsPerThread = kBins / kTopkThreads;
+constexpr int kHeldTiles = 8;  // a slice of up to 16384 scores (a 131072-token row) in registers
 
 // A score as an unsigned key of the same order (totalOrder): flip the sign bit of positives,
 // every bit of negatives.
@@ -239,26 +240,25 @@ struct TopkShared {
   };
 };
 
-// This thread's kPerThread keys of tile `tile` of [begin, end) (valid false past end).
-__device__ __forceinline__ void TileKeys(const float* row, int64_t begin, int64_t end,
-                                         int64_t tile, uint32_t (&keys)[kPerThread],
-                                         bool (&valid)[kPerThread]) {
-  const int64_t start = begin + tile * kTile + static_cast<int64_t>(threadIdx.x) * kPerThread;
+// The first of this thread's kPerThread positions in tile `tile` of a slice from `begin`.
+__device__ __forceinline__ int64_t TileStart(int64_t begin, int64_t tile) {
+  return begin + tile * kTile + static_cast<int64_t>(threadIdx.x) * kPerThread;
+}
+
+// This thread's kPerThread keys of tile `tile` of [begin, end) (0 past end).
+__device__ __forceinline__ void LoadTile(const float* row, int64_t begin, int64_t end,
+                                         int64_t tile, uint32_t (&keys)[kPerThread]) {
+  const int64_t start = TileStart(begin, tile);
   if (start + kPerThread <= end && reinterpret_cast<uintptr_t>(row + start) % 16 == 0) {
     const float4 v = *reinterpret_cast<const float4*>(row + start);
-    const float values[kPerThread] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int e = 0; e < kPerThread; ++e) {
-      keys[e] = OrderedKey(values[e]);
-      valid[e] = true;
-    }
+    keys[0] = OrderedKey(v.x);
+    keys[1] = OrderedKey(v.y);
+    keys[2] = OrderedKey(v.z);
+    keys[3] = OrderedKey(v.w);
     return;
   }
 #pragma unroll
-  for (int e = 0; e < kPerThread; ++e) {
-    valid[e] = start + e < end;
-    keys[e] = valid[e] ? OrderedKey(row[start + e]) : 0;
-  }
+  for (int e = 0; e < kPerThread; ++e) keys[e] = start + e < end ? OrderedKey(row[start + e]) : 0;
 }
 
 // A cluster of kCluster blocks per row, each over one slice of it. A radix select finds the
@@ -290,6 +290,28 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kTopkThreads)
   const int64_t tiles = (end - begin + kTile - 1) / kTile;
   if (tid == 0) shared.greater = 0;
 
+  // A slice of up to kHeldTiles tiles is read once and kept in registers for every pass.
+  uint32_t held[kHeldTiles][kPerThread];
+  const bool holds = tiles <= kHeldTiles;
+  if (holds) {
+#pragma unroll
+    for (int t = 0; t < kHeldTiles; ++t)
+      if (t < tiles) LoadTile(row_scores, begin, end, t, held[t]);
+  }
+  auto for_each_tile = [&](auto&& body) {
+    if (holds) {
+#pragma unroll
+      for (int t = 0; t < kHeldTiles; ++t)
+        if (t < tiles) body(t, held[t]);
+    } else {
+      for (int64_t t = 0; t < tiles; ++t) {
+        uint32_t keys[kPerThread];
+        LoadTile(row_scores, begin, end, t, keys);
+        body(t, keys);
+      }
+    }
+  };
+
   uint32_t prefix = 0, mask = 0;  // the bits of the k-th key fixed so far
   int64_t remaining = k;          // of the k, those among the keys matching prefix
   for (int shift = 32 - kRadixBits; mask != 0xffffffffu;
@@ -298,15 +320,14 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kTopkThreads)
     const uint32_t digit_mask = (1u << bits) - 1;
     for (int i = tid; i < kBins; i += blockDim.x) shared.bins[i] = 0;
     __syncthreads();
-    for (int64_t tile = 0; tile < tiles; ++tile) {
-      uint32_t keys[kPerThread];
-      bool valid[kPerThread];
-      TileKeys(row_scores, begin, end, tile, keys, valid);
+    // Plain shared atomics: aggregating equal digits first (__match_any_sync) cost more.
+    for_each_tile([&](int64_t tile, const uint32_t (&keys)[kPerThread]) {
+      const int64_t start = TileStart(begin, tile);
 #pragma unroll
       for (int e = 0; e < kPerThread; ++e)
-        if (valid[e] && (keys[e] & mask) == prefix)  // plain atomics: __match_any_sync is slower
+        if (start + e < end && (keys[e] & mask) == prefix)
           atomicAdd(&shared.bins[(keys[e] >> shift) & digit_mask], 1u);
-    }
+    });
     cluster.sync();  // every block's histogram is complete
     // Thread t owns bins kBins - 1 - kBinsPerThread t downwards; the row's count of each is
     // the sum over the cluster's blocks; a scan gives the count above them.
@@ -358,15 +379,13 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kTopkThreads)
   cluster.sync();  // no block leaves while another reads its counts
   const int64_t equal_left = Max(remaining - equal_before, 0);
   int64_t written = greater_before + Min(equal_before, remaining), equal_seen = 0;
-  for (int64_t tile = 0; tile < tiles; ++tile) {
-    uint32_t keys[kPerThread];
-    bool valid[kPerThread];
-    TileKeys(row_scores, begin, end, tile, keys, valid);
+  for_each_tile([&](int64_t tile, const uint32_t (&keys)[kPerThread]) {
+    const int64_t start = TileStart(begin, tile);
     int greater = 0, equal = 0;
 #pragma unroll
     for (int e = 0; e < kPerThread; ++e) {
-      greater += valid[e] && keys[e] > prefix;
-      equal += valid[e] && keys[e] == prefix;
+      greater += start + e < end && keys[e] > prefix;
+      equal += start + e < end && keys[e] == prefix;
     }
     // Packed: counts of a tile fit in 16 bits (kTile <= 4096).
     int before = 0, total = 0;
@@ -375,10 +394,9 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kTopkThreads)
     __syncthreads();  // the scan's storage is reused by the next tile's
     const int64_t left = Max(equal_left - equal_seen, 0);
     int64_t greater_here = before & 0xffff, equal_here = before >> 16;
-    const int64_t start = begin + tile * kTile + static_cast<int64_t>(tid) * kPerThread;
 #pragma unroll
     for (int e = 0; e < kPerThread; ++e) {
-      if (!valid[e]) continue;
+      if (start + e >= end) continue;
       const bool is_greater = keys[e] > prefix, is_equal = keys[e] == prefix;
       if (is_greater || (is_equal && equal_here < left))
         out[written + greater_here + Min(equal_here, left)] = static_cast<int32_t>(start + e);
@@ -387,7 +405,7 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kTopkThreads)
     }
     written += (total & 0xffff) + Min(total >> 16, left);
     equal_seen += total >> 16;
-  }
+  });
 }
 
 }  // namespace
