@@ -28,6 +28,25 @@ def _fail(exc, where, message):
     raise exc(f"{where}: {message}")
 
 
+CUSTOM_CALL_OR_REFERENCE = ("custom_call", "reference")
+
+
+def custom_call_or_reference(where, implementation, available, kernel):
+    """implementation, checked: "custom_call" or "reference"; None picks "custom_call" where
+    available() says the custom call can run. kernel names the call's kernel in the error of
+    "custom_call" off the GPU."""
+    if implementation is None:
+        return "custom_call" if available() else "reference"
+    if implementation not in CUSTOM_CALL_OR_REFERENCE:
+        _fail(ValueError, where, f"implementation must be None or one of "
+                                 f"{CUSTOM_CALL_OR_REFERENCE}; got {implementation!r}")
+    if implementation == "custom_call" and jax.default_backend() != "gpu":
+        _fail(RuntimeError, where, f"the custom call is {kernel}, which needs a Hopper GPU; "
+                                   f"JAX's default backend is {jax.default_backend()} (pass "
+                                   "implementation='reference')")
+    return implementation
+
+
 def check_rank(where, name, x, rank, layout):
     if not (hasattr(x, "ndim") and hasattr(x, "dtype")):
         _fail(TypeError, where, f"{name} must be an array {layout} (a jax or NumPy array); got "

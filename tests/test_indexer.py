@@ -418,6 +418,9 @@ def test_decode_after_the_prompt_selects_what_hf_selects():
      ValueError, r"write_index_keys: keys must be floating with shape \(3, 128\)"),
     (lambda q, c, bt, sl: write_index_keys(c, np.zeros((3,), np.int64), jnp.zeros((3, 128))),
      TypeError, r"write_index_keys: slots must be int32; got int64"),
+    (lambda q, c, bt, sl: indexer_decode(q, c, bt, sl, implementation="triton"), ValueError,
+     r"indexer_decode: implementation must be None or one of \('custom_call', 'reference'\); "
+     r"got 'triton'"),
 ])
 def test_bad_arguments_are_named(call, exc, pattern):
     query = IndexQuery(jnp.zeros((2, 1, HEADS, 128), jnp.float8_e4m3fn),
@@ -425,6 +428,17 @@ def test_bad_arguments_are_named(call, exc, pattern):
     with pytest.raises(exc, match=pattern):
         call(query, IndexKeyCache.create(2), jnp.zeros((2, 2), jnp.int32),
              jnp.ones((2,), jnp.int32))
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the custom call runs on a GPU")
+def test_the_custom_call_off_the_gpu_says_so():
+    query = IndexQuery(jnp.zeros((1, 1, HEADS, 128), jnp.float8_e4m3fn),
+                       jnp.zeros((1, 1, HEADS), jnp.float32))
+    with pytest.raises(RuntimeError, match=r"index_scores: the custom call is jax_flashmla's "
+                                           r"CUDA kernel, which needs a Hopper GPU"):
+        index_scores(IndexQuery(*(x[0] for x in query)), IndexKeyCache.create(1),
+                     jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32),
+                     implementation="custom_call")
 
 
 @pytest.mark.parametrize("change,exc,pattern", [

@@ -38,7 +38,6 @@ INDEX_TOPK = 2048
 LAYER_NORM_EPS = 1e-6
 ROWS_PER_BLOCK = 16  # query rows scored at once: memory grows with rows * context * heads
 SCORES_PER_CALL = 2 ** 26  # the custom call's scores buffer: at most 256 MB a call
-IMPLEMENTATIONS = ("custom_call", "reference")
 HIGHEST = jax.lax.Precision.HIGHEST  # float32 matmuls in float32, not TF32 or bf16 passes
 # Sylvester's order, [[H, H], [H, -H]], as fast_hadamard_transform computes it.
 HADAMARD = functools.reduce(np.kron, [np.array([[1, 1], [1, -1]], np.float32)] * 7)
@@ -214,16 +213,9 @@ def _select(query, data, block_table, visible, topk, implementation):
 
 
 def _implementation(where, implementation):
-    if implementation is None:
-        return "custom_call" if kernels.own_kernels_available() else "reference"
-    if implementation not in IMPLEMENTATIONS:
-        _fail(ValueError, where, f"implementation must be None or one of {IMPLEMENTATIONS}; got "
-                                 f"{implementation!r}")
-    if implementation == "custom_call" and jax.default_backend() != "gpu":
-        _fail(RuntimeError, where, "the custom call is jax_flashmla's CUDA kernel, which needs a "
-                                   f"Hopper GPU; JAX's default backend is "
-                                   f"{jax.default_backend()} (pass implementation='reference')")
-    return implementation
+    return validation.custom_call_or_reference(where, implementation,
+                                               kernels.own_kernels_available,
+                                               "jax_flashmla's CUDA kernel")
 
 
 def _check_rows(where, query, cache, block_table, rows):

@@ -21,7 +21,6 @@ from jax_flashmla.sparse import reference
 from jax_flashmla.sparse.cache import sparse_cache_array
 from jax_flashmla.validation import HEAD_DIM, PAGE_SIZE, _fail
 
-IMPLEMENTATIONS = ("custom_call", "reference")
 KERNEL_HEADS = (64, 128)  # what FlashMLA's sparse kernels take
 KERNEL_QUERY_TOKENS = (1, 2)  # the sparse decode's
 KERNEL_TOPK_BLOCK = 64  # FlashMLA's sparse decode takes topk in multiples of this
@@ -57,17 +56,9 @@ def _check_common(where, q, indices, rows, topk_length, attn_sink, softmax_scale
 def _implementation(where, implementation, kernel):
     """The implementation to run; None picks the custom call where the kernel library has the
     op `kernel` (a KernelOps field)."""
-    if implementation is None:
-        return ("custom_call" if kernels.flashmla_available()
-                and getattr(kernels.load_kernels(), kernel) is not None else "reference")
-    if implementation not in IMPLEMENTATIONS:
-        _fail(ValueError, where, f"implementation must be None or one of {IMPLEMENTATIONS}; got "
-                                 f"{implementation!r}")
-    if implementation == "custom_call" and jax.default_backend() != "gpu":
-        _fail(RuntimeError, where, "the custom call is FlashMLA's kernel, which needs a Hopper "
-                                   f"GPU; JAX's default backend is {jax.default_backend()} (pass "
-                                   "implementation='reference')")
-    return implementation
+    return validation.custom_call_or_reference(
+        where, implementation, lambda: kernels.flashmla_available()
+        and getattr(kernels.load_kernels(), kernel) is not None, "FlashMLA's kernel")
 
 
 def _kernel_head_count(h_q):
