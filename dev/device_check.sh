@@ -36,6 +36,13 @@
 #              how many modules its kernels come from; MODULES_ARGS
 #     nan      dev/probe_nan.py for FlashMLA and for the reference on the GPU
 #     sparse-probe  dev/probe_sparse.py: the sparse kernels' conventions and schedules
+#     v32      DeepSeek-V3.2's tests on the GPU: the indexer's kernels, the sparse ops, the layer
+#              against HF (tests/test_gpu_indexer.py, test_indexer.py, test_gpu_sparse.py,
+#              test_flax_sparse_mla.py). HF's oracle needs transformers >= 5.24; where the
+#              machine's is older carry .device/transformers.tar.xz (`tar --exclude=__pycache__
+#              -cJf .device/transformers.tar.xz -C <site-packages> transformers`)
+#     indexer-probe  dev/probe_indexer_kernels.py: where the indexer's custom call spends its
+#              time; INDEXER_PROBE_ARGS
 #     sparse-prefill-probe  dev/probe_sparse_prefill_call.py (PREFILL_PROBE_ARGS) with
 #              CUDA_LAUNCH_BLOCKING=1; if a signal ends it, again under cuda-gdb (else gdb)
 #              for the native stack
@@ -154,6 +161,21 @@ for mode in "${modes[@]}"; do
         > "$out/nan_$impl.txt" 2>&1 || tail -20 "$out/nan_$impl.txt"
     done
     grep -v "same=True" "$out/nan_custom_call.txt" | cut -c1-200 | head -70 ;;
+  v32)
+    hf=()
+    if [ -f .device/transformers.tar.xz ]; then
+      mkdir -p /tmp/carried && tar xJf .device/transformers.tar.xz -C /tmp/carried
+      hf=(env PYTHONPATH=/tmp/carried)
+    fi
+    "${hf[@]}" python3 -c 'import transformers; print("transformers", transformers.__version__)'
+    log=pytest_v32.txt
+    "${hf[@]}" timeout 400 python3 -m pytest -q -rfEs -p no:cacheprovider \
+      tests/test_gpu_indexer.py tests/test_indexer.py tests/test_gpu_sparse.py \
+      tests/test_flax_sparse_mla.py > "$out/$log" 2>&1
+    tail -15 "$out/$log" ;;
+  indexer-probe)
+    timeout 200 python3 dev/probe_indexer_kernels.py --out "$out/probe_indexer.json" \
+      ${INDEXER_PROBE_ARGS:-} 2>&1 | grep -v "^[IW][0-9]" | tail -12 ;;
   sparse-probe)
     timeout 300 python3 dev/probe_sparse.py --out "$out/probe_sparse.json" > "$out/probe_sparse.txt" 2>&1
     echo "exit $?"; grep -v "^[IW][0-9]" "$out/probe_sparse.txt" | cut -c1-1200 | tail -30 ;;
