@@ -38,6 +38,7 @@ INDEX_TOPK = 2048
 LAYER_NORM_EPS = 1e-6
 ROWS_PER_BLOCK = 16  # query rows scored at once: memory grows with rows * context * heads
 SCORES_PER_CALL = 2 ** 26  # the custom call's scores buffer: at most 256 MB a call
+KERNEL_MAX_HEADS = 256  # the heads whose q the scoring kernel holds in shared memory
 HIGHEST = jax.lax.Precision.HIGHEST  # float32 matmuls in float32, not TF32 or bf16 passes
 # Sylvester's order, [[H, H], [H, -H]], as fast_hadamard_transform computes it.
 HADAMARD = functools.reduce(np.kron, [np.array([[1, 1], [1, -1]], np.float32)] * 7)
@@ -212,10 +213,17 @@ def _select(query, data, block_table, visible, topk, implementation):
     return jnp.where(valid, slots, -1)
 
 
-def _implementation(where, implementation):
-    return validation.custom_call_or_reference(where, implementation,
-                                               kernels.own_kernels_available,
-                                               "jax_flashmla's CUDA kernel")
+def _implementation(where, implementation, query):
+    """The indexer's implementation for query; None picks the custom call where it can run it
+    (a Hopper GPU, jax_flashmla._cuda built, at most KERNEL_MAX_HEADS heads)."""
+    heads = query.values.shape[-2]
+    implementation = validation.custom_call_or_reference(
+        where, implementation, lambda: kernels.own_kernels_available()
+        and heads <= KERNEL_MAX_HEADS, "jax_flashmla's CUDA kernel")
+    if implementation == "custom_call" and heads > KERNEL_MAX_HEADS:
+        _fail(ValueError, where, f"the custom call takes at most {KERNEL_MAX_HEADS} heads; "
+                                 f"query has {heads} (pass implementation='reference')")
+    return implementation
 
 
 def _check_rows(where, query, cache, block_table, rows):
@@ -277,7 +285,7 @@ def index_scores(query, cache, block_table, visible, *, implementation=None):
     data = _check_rows(where, query, cache, block_table, ("n",))
     visible = _check_lengths(where, "visible", visible, tuple(query.values.shape[:1]))
     block_table = jnp.asarray(block_table)
-    if _implementation(where, implementation) == "reference":
+    if _implementation(where, implementation, query) == "reference":
         return _scores(query, data, block_table, visible)
     _, scores = _kernel_select(query, data, block_table, visible, 1)
     return scores.reshape(scores.shape[0], -1)[:, :block_table.shape[1] * PAGE_SIZE]
@@ -311,7 +319,7 @@ def indexer_decode(query, cache, block_table, seq_lens, *, topk=INDEX_TOPK,
     batch, s_q = query.values.shape[:2]
     seq_lens = _check_lengths(where, "seq_lens", seq_lens, (batch,))
     _check_topk(where, topk)
-    implementation = _implementation(where, implementation)
+    implementation = _implementation(where, implementation, query)
     visible = seq_lens[:, None] - s_q + 1 + jnp.arange(s_q, dtype=jnp.int32)
     rows = IndexQuery(*(x.reshape(batch * s_q, *x.shape[2:]) for x in query))
     block_table = jnp.repeat(jnp.asarray(block_table), s_q, axis=0)
@@ -343,7 +351,7 @@ def indexer_prefill(query, cache, block_table, seq_lens, cu_seqlens, *, topk=IND
     seq_lens = _check_lengths(where, "seq_lens", seq_lens, (batch,))
     cu_seqlens = _check_lengths(where, "cu_seqlens", cu_seqlens, (batch + 1,))
     _check_topk(where, topk)
-    implementation = _implementation(where, implementation)
+    implementation = _implementation(where, implementation, query)
     row = jnp.arange(query.values.shape[0], dtype=jnp.int32)
     request = jnp.clip(jnp.searchsorted(cu_seqlens[1:], row, side="right"), 0, batch - 1)
     start, end = cu_seqlens[request], cu_seqlens[request + 1]
