@@ -63,11 +63,14 @@ def _expected(scores, table, visible, topk):
     return np.asarray(jnp.where(valid, slots, -1))
 
 
-@pytest.mark.parametrize("lengths,s_q,topk", [([5000, 2047, 0, 64, 130], 1, 2048),
-                                              ([3000, 1], 2, 2048), ([900, 77, 640], 1, 100),
-                                              ([70], 2, 2048)])
-def test_the_kernels_select_lax_top_k_of_their_scores(lengths, s_q, topk):
-    query, cache, table, seq_lens = _problem(len(lengths) + s_q, lengths, s_q=s_q)
+@pytest.mark.parametrize("lengths,s_q,topk,heads", [
+    ([5000, 2047, 0, 64, 130], 1, 2048, HEADS), ([3000, 1], 2, 2048, HEADS),
+    ([900, 77, 640], 1, 100, HEADS), ([70], 2, 2048, HEADS),
+    ([1500, 300], 1, 512, 100),  # two chunks of heads, the last padded to 8
+    ([140000, 5], 1, 2048, HEADS),  # a row longer than the top-k holds in registers
+])
+def test_the_kernels_select_lax_top_k_of_their_scores(lengths, s_q, topk, heads):
+    query, cache, table, seq_lens = _problem(len(lengths) + s_q, lengths, heads=heads, s_q=s_q)
     rows, row_table, visible = _rows(query, table, seq_lens)
     call = functools.partial(index_scores, implementation="custom_call")
     assert "jax_flashmla_index_topk" in jax.jit(call).lower(rows, cache, row_table,
