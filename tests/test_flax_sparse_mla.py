@@ -37,7 +37,8 @@ from jax_flashmla.sparse import (IndexKeyCache, IndexQuery, SparseKVCache,  # no
 from jax_flashmla.sparse.cache import TOKEN_BYTES  # noqa: E402
 from jax_flashmla.sparse.index_cache import PAGE_BYTES  # noqa: E402
 from test_flax_mla import float32_matmuls, rel_err  # noqa: E402,F401
-from test_indexer import _assert_same_selection, _paged, _positions  # noqa: E402
+from indexer_cases import (assert_same_selection, paged_block_table,  # noqa: E402
+                           selected_positions)
 
 TOPK = 16
 # A long prompt's sparse attention against HF's in float32: the pure-JAX reference computes in
@@ -160,7 +161,7 @@ def assert_selections(query, index_cache, table_row, mine, hf_selected, exact):
     error = np.where(finite, np.abs(fp8 - np.where(finite, exact, 0)), 0).max(-1)
     peak = np.abs(exact[finite]).max()
     assert np.all(error <= 0.15 * peak), (error, peak)  # FP8 rounding, nothing more
-    _assert_same_selection(mine, hf_selected, exact, 2 * error + 1e-6 * peak)
+    assert_same_selection(mine, hf_selected, exact, 2 * error + 1e-6 * peak)
 
 
 def assert_after_prompt_as_hf(config, attn, x, sizes, query, index_cache, table_row, mine, got):
@@ -185,7 +186,7 @@ def prefilled(layer, rng, prompts, xs):
     """(block table, caches) of requests xs (each its prompt, then tokens for later) with
     their prompts (lengths `prompts`) prefilled by the layer into fresh NaN caches."""
     b, s = len(prompts), max(prompts)
-    table, num_pages = _paged(rng, [len(x) for x in xs])
+    table, num_pages = paged_block_table(rng, [len(x) for x in xs])
     prefill = jax.jit(lambda x, kv, index: layer.prefill(
         x, jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)), kv, index, table,
         lengths=jnp.asarray(prompts, jnp.int32)), donate_argnums=(1, 2))
@@ -224,7 +225,7 @@ def test_prefill_matches_hf(lengths, rope):
     rng = np.random.default_rng(2)
     xs = [rng.standard_normal((n, config.hidden_size)).astype(np.float32) for n in lengths]
     b, s = len(lengths), max(lengths)
-    table, num_pages = _paged(rng, lengths)
+    table, num_pages = paged_block_table(rng, lengths)
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     lens = jnp.asarray(lengths, jnp.int32)
     prefill = jax.jit(lambda x, kv, index: layer.prefill(x, positions, kv, index, table,
@@ -247,7 +248,7 @@ def test_prefill_matches_hf(lengths, rope):
             np.testing.assert_allclose(np.asarray(out[i, :n]), want, rtol=2e-4, atol=2e-4)
             continue
         rows = slice(i * s, i * s + n)
-        mine = [_positions(slots, table[i]) for slots in chosen[rows]]
+        mine = [selected_positions(slots, table[i]) for slots in chosen[rows]]
         assert_selections(IndexQuery(*(a[rows] for a in query)), index, table[i], mine,
                           hf_selected, exact_scores(config, attn, x))
         forced, _ = hf_run(config, attn, x, [n], forced=mine)
@@ -286,7 +287,7 @@ def test_decode_matches_hf():
                                                  topk=TOPK)))
     for i, (n, x) in enumerate(zip(prompts, xs)):
         got = np.concatenate([out[i] for out in outs])
-        mine = [_positions(slots, table[i]) for step in chosen for slots in step[i]]
+        mine = [selected_positions(slots, table[i]) for step in chosen for slots in step[i]]
         query = IndexQuery(*(jnp.concatenate([q[k][i] for q in queries]) for k in range(2)))
         assert_after_prompt_as_hf(config, attn, x, [n] + steps, query, caches[1], table[i],
                                   mine, got)
@@ -332,7 +333,7 @@ def test_extend_matches_hf():
                                           np.broadcast_to(zero, (width - lens[i], zero.size)))
             got[i].append(np.asarray(out[i, :lens[i]]))
             rows = slice(i * width, i * width + lens[i])
-            mine[i] += [_positions(slots, table[i]) for slots in chosen[rows]]
+            mine[i] += [selected_positions(slots, table[i]) for slots in chosen[rows]]
             queries[i].append(IndexQuery(*(a[rows] for a in query)))
         prefix = prefix + lens
     for i, (n, x) in enumerate(zip(prompts, xs)):

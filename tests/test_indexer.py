@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from helpers import SENTINEL_PAGE
+from indexer_cases import assert_same_selection, paged_block_table, selected_positions
 from jax_flashmla import kernels, token_slots
 from jax_flashmla.sparse import (IndexerWeights, IndexKeyCache, IndexQuery,
                                  dequantize_index_keys, index_keys, index_query, index_scores,
@@ -44,19 +44,6 @@ def _weights(rng):
                           weights_proj=normal((HEADS, HIDDEN), HIDDEN ** -0.5))
 
 
-def _paged(rng, lengths, extra_pages=2):
-    """(block_table (batch, max_pages) int32, num_pages): a random permutation of the pages,
-    SENTINEL_PAGE past each request's last page."""
-    pages = [-(-int(n) // PAGE) for n in lengths]
-    max_pages = max(1, max(pages))
-    num_pages = sum(pages) + extra_pages
-    perm = rng.permutation(num_pages).astype(np.int32)
-    block_table = np.full((len(lengths), max_pages), SENTINEL_PAGE, np.int32)
-    for i, n in enumerate(pages):
-        block_table[i, :n], perm = perm[:n], perm[n:]
-    return block_table, num_pages
-
-
 def _nan_cache(num_pages):
     """Every byte 0xFF: NaN as an e4m3 value and as a float32 scale, wherever nothing is written."""
     return IndexKeyCache(jnp.full((num_pages, PAGE_BYTES), 0xFF, jnp.uint8))
@@ -81,7 +68,7 @@ class Problem:
         rng = np.random.default_rng(seed)
         self.weights = _weights(rng) if weights is None else weights
         self.lengths = np.asarray(lengths, np.int32)
-        self.block_table, num_pages = _paged(rng, lengths)
+        self.block_table, num_pages = paged_block_table(rng, lengths)
         self.x = [rng.normal(0, 1, (n + 2, HIDDEN)).astype(np.float32) for n in lengths]
         self.q_lora = [rng.normal(0, 1, (n + 2, Q_LORA)).astype(np.float32) for n in lengths]
         written = lengths if written is None else written
@@ -161,26 +148,6 @@ def _stored_scores_f64(query, cache, block_table, visible):
                                         + positions % PAGE)
             out[row, :n] = scales * (weights[row] @ np.maximum(values[row] @ keys.T, 0))
     return out
-
-
-def _positions(slots, block_table_row):
-    """Token positions of a row's selected slots (-1 dropped), through its block table."""
-    page_of = {int(p): j for j, p in enumerate(block_table_row)}
-    return [page_of[int(s) // PAGE] * PAGE + int(s) % PAGE for s in slots if s >= 0]
-
-
-def _assert_same_selection(got, want, exact, slack):
-    """got and want (lists of position lists) select the same tokens but for near-ties: a token
-    only one of them keeps scores (exact, float64) within slack of one only the other keeps."""
-    agree = total = 0
-    for row, (a, b) in enumerate(zip(got, want)):
-        assert len(a) == len(set(a)) == len(b), (row, a, b)
-        only_got, only_want = sorted(set(a) - set(b)), sorted(set(b) - set(a))
-        if only_got:
-            gap = exact[row, only_want].max() - exact[row, only_got].min()
-            assert gap <= slack[row], (row, only_got, only_want, gap, slack[row])
-        agree, total = agree + len(a) - len(only_got), total + len(a)
-    assert agree >= 0.9 * total, (agree, total)
 
 
 def test_quantize_round_trip_is_exact_on_the_fp8_grid():
@@ -273,10 +240,10 @@ def test_decode_is_lax_top_k_of_the_scores(topk, lengths):
     assert np.all(got.reshape(-1, topk)[np.arange(topk) >= kept[:, None]] == -1)
     # The float64 top-k of the formula over the stored values, but for float32 near-ties.
     stored = _stored_scores_f64(rows, problem.cache, block_table, visible)
-    mine = [_positions(s, row) for s, row in zip(got.reshape(-1, topk), block_table)]
+    mine = [selected_positions(s, row) for s, row in zip(got.reshape(-1, topk), block_table)]
     slack = np.full(len(stored), 2 * max(SCORE_ATOL, 5e-6)
                     * np.abs(stored[np.isfinite(stored)]).max())
-    _assert_same_selection(mine, _top(stored, topk), stored, slack)
+    assert_same_selection(mine, _top(stored, topk), stored, slack)
 
 
 def test_equal_scores_keep_the_earlier_tokens():
@@ -307,7 +274,7 @@ def test_prefill_is_causal_over_a_cached_prefix_and_matches_decode():
         mine = got[rows]
         np.testing.assert_array_equal((mine >= 0).sum(-1), np.minimum(16, positions + 1))
         exact, slack = problem.exact_and_slack(r, positions, IndexQuery(*(x[rows] for x in query)))
-        _assert_same_selection([_positions(s, problem.block_table[r]) for s in mine],
+        assert_same_selection([selected_positions(s, problem.block_table[r]) for s in mine],
                                _top(exact, 16), exact, slack)
         # The last new token, decoded alone, selects the same.
         last = _decode(IndexQuery(*(x[rows][-1:][None] for x in query)), problem.cache,
@@ -362,10 +329,10 @@ def test_prefill_selects_what_hf_selects():
                                                IndexQuery(*(x[rows] for x in query)))
         # HF selects the float64 formula's top tokens (this test's oracle is HF's) ...
         float32_rounding = 1e-5 * np.abs(exact[np.isfinite(exact)]).max()
-        _assert_same_selection(hf, _top(exact, 16), exact, np.full(n, float32_rounding))
+        assert_same_selection(hf, _top(exact, 16), exact, np.full(n, float32_rounding))
         # ... and the FP8 indexer what HF selects, but for tokens FP8 rounding can reorder.
-        mine = [_positions(s, problem.block_table[r]) for s in got[rows]]
-        _assert_same_selection(mine, hf, exact, slack)
+        mine = [selected_positions(s, problem.block_table[r]) for s in got[rows]]
+        assert_same_selection(mine, hf, exact, slack)
 
 
 def test_decode_after_the_prompt_selects_what_hf_selects():
@@ -390,8 +357,8 @@ def test_decode_after_the_prompt_selects_what_hf_selects():
     for r, n in enumerate(lengths):
         exact, slack = problem.exact_and_slack(r, np.arange(n - s_q, n),
                                                IndexQuery(*(x[r] for x in query)))
-        mine = [_positions(s, problem.block_table[r]) for s in got[r]]
-        _assert_same_selection(mine, hf[r], exact, slack)
+        mine = [selected_positions(s, problem.block_table[r]) for s in got[r]]
+        assert_same_selection(mine, hf[r], exact, slack)
 
 
 @pytest.mark.parametrize("call,exc,pattern", [
