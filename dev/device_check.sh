@@ -43,6 +43,8 @@
 #              -cJf .device/transformers.tar.xz -C <site-packages> transformers`)
 #     indexer-probe  dev/probe_indexer_kernels.py: where the indexer's custom call spends its
 #              time; INDEXER_PROBE_ARGS
+#     indexer-ncu  ncu's sections for the indexer's two kernels over one call of
+#              probe_indexer_kernels.py --single; INDEXER_PROBE_ARGS
 #     sparse-prefill-probe  dev/probe_sparse_prefill_call.py (PREFILL_PROBE_ARGS) with
 #              CUDA_LAUNCH_BLOCKING=1; if a signal ends it, again under cuda-gdb (else gdb)
 #              for the native stack
@@ -176,6 +178,15 @@ for mode in "${modes[@]}"; do
   indexer-probe)
     timeout 200 python3 dev/probe_indexer_kernels.py --out "$out/probe_indexer.json" \
       ${INDEXER_PROBE_ARGS:-} 2>&1 | grep -v "^[IW][0-9]" | tail -12 ;;
+  indexer-ncu)
+    ncu=$(PATH="$PATH:/usr/local/cuda/bin" command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+    sections=(SpeedOfLight LaunchStats Occupancy WarpStateStats SchedulerStats
+              MemoryWorkloadAnalysis ComputeWorkloadAnalysis SourceCounters)
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 300 "$ncu" --clock-control none \
+      -k regex:'IndexScores|TopkPositions' -c 2 "${sections[@]/#/--section=}" \
+      python3 dev/probe_indexer_kernels.py --single ${INDEXER_PROBE_ARGS:-} \
+      > "$out/indexer_ncu.txt" 2>&1
+    echo "exit $?"; grep -v "^[IW][0-9]" "$out/indexer_ncu.txt" | cut -c1-300 | tail -150 ;;
   sparse-probe)
     timeout 300 python3 dev/probe_sparse.py --out "$out/probe_sparse.json" > "$out/probe_sparse.txt" 2>&1
     echo "exit $?"; grep -v "^[IW][0-9]" "$out/probe_sparse.txt" | cut -c1-1200 | tail -30 ;;

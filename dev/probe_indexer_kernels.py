@@ -4,6 +4,8 @@ page), fewer heads (the scoring's tensor-core work over the same bytes), and an 
 over the same cache bytes (what the memory gives).
 
     python dev/probe_indexer_kernels.py [--batch 16] [--context 131072] [--out probe.json]
+
+With --single it makes one call at 64 heads and exits: the run to profile under ncu.
 """
 import argparse
 import json
@@ -40,6 +42,7 @@ def main():
     parser.add_argument("--context", type=int, default=131072)
     parser.add_argument("--topk", type=int, default=2048)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--single", action="store_true")
     args = parser.parse_args()
     b, pages = args.batch, args.context // 64
     rng = np.random.default_rng(0)
@@ -55,6 +58,13 @@ def main():
             topk=args.topk)[0][0, 0].astype(jnp.float32)
         return _time(fn, (values, weights, cache, table, visible))
 
+    if args.single:
+        values = jnp.asarray(rng.normal(0, 1, (b, 64, 128)), jnp.float8_e4m3fn)
+        weights = jnp.asarray(rng.normal(0, 1, (b, 64)), jnp.float32)
+        jax.block_until_ready(jax.jit(lambda *a: custom_calls.INDEX_TOPK(
+            values=a[0], weights=a[1], cache=a[2], block_table=a[3], visible=a[4],
+            topk=args.topk))(values, weights, cache, table, full))
+        return
     result = dict(batch=b, context=args.context, topk=args.topk,
                   device=jax.devices()[0].device_kind,
                   us={"scores and top-k, 64 heads": call(64, full),
