@@ -11,36 +11,25 @@ namespace jax_flashmla {
 namespace {
 
 constexpr int kPageTokens = 64;
-constexpr int kDim = 128;                                 // an index key's e4m3 values
-constexpr int kPageBytes = kPageTokens * (kDim + 4);      // 8448: values, then scales
-// Shared rows padded from 128 to 144 bytes: the 8 rows of one mma fragment then start in 8
-// different banks, so that its 32 four-byte loads hit 32 banks.
-constexpr int kRowStride = kDim + 16;
-constexpr int kScoreWarps = 4;  // 16 of a page's 64 tokens each
-constexpr int kPagesPerBlock = 8;
+constexpr int kDim = 128;                             // an index key's e4m3 values: 128 bytes
+constexpr int kKeyBytes = kPageTokens * kDim;         // 8192: a page's values, then
+constexpr int kPageBytes = kKeyBytes + kPageTokens * 4;  // its 64 float32 scales
+constexpr int kHeadChunk = 64;  // heads per wgmma (its N); q is padded with zero heads
+constexpr int kScoreThreads = 128;  // one warpgroup: each warp 16 of a page's 64 tokens
 constexpr int kStages = 4;  // pages a block has in shared memory: one scored, three in flight
-constexpr int kChunkTiles = 8;  // tiles of 8 heads whose q a lane holds at once
 constexpr float kNegInf = -__builtin_huge_valf();
 
 __host__ __device__ inline int64_t Min(int64_t a, int64_t b) { return a < b ? a : b; }
 __host__ __device__ inline int64_t Max(int64_t a, int64_t b) { return a > b ? a : b; }
 
-// A 16 x 8 tile of q . k over 32 columns: a (16 heads x 32) and b (32 x 8 tokens) as e4m3,
-// accumulated in float32 by the tensor cores.
-__device__ __forceinline__ void MmaE4m3(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                        uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // relu that keeps NaN, as jax.nn.relu does (fmaxf(NaN, 0) would give 0).
 __device__ __forceinline__ float Relu(float x) { return x < 0.f ? 0.f : x; }
 
-__device__ __forceinline__ uint32_t Load32(const uint8_t* p) {
-  return *reinterpret_cast<const uint32_t*>(p);
+// The byte offset of 16-byte chunk `chunk` of 128-byte row `row` in a tile of rows stored with
+// the 128-byte swizzle the wgmma descriptors below name: chunk c of row r sits at c ^ (r % 8),
+// so that the 8 rows of a core matrix lie in 8 different bank groups.
+__device__ __forceinline__ int Swizzled(int row, int chunk) {
+  return row * kDim + ((chunk ^ (row % 8)) << 4);
 }
 
 // Copies 16 bytes from global to shared memory without holding registers (completed by
@@ -50,167 +39,156 @@ __device__ __forceinline__ void CopyAsync16(void* shared_dst, const void* global
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(global_src));
 }
 
-// The shared memory of IndexScoresKernel: the row's q rows, kStages buffers of a page's key
-// rows (one read while the next pages' copies are in flight), the head weights, the buffers'
-// key scales.
+// A wgmma shared-memory descriptor of a K-major tile of 128-byte rows in the 128-byte swizzle
+// (a 1024-byte aligned tile; 8 rows, 1024 bytes, between core matrices). Adding 2 moves it 32
+// bytes (one k step of e4m3) along the rows.
+__device__ __forceinline__ uint64_t TileDescriptor(const uint8_t* tile) {
+  const uint64_t address = static_cast<uint32_t>(__cvta_generic_to_shared(tile));
+  return ((address & 0x3FFFF) >> 4) | (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
+}
+
+// d (64 keys x 64 heads, float32) = a (64 keys x 32) . b (64 heads x 32)^T + (accumulate ? d :
+// 0), e4m3 from shared memory, issued by the whole warpgroup. Thread t of the warpgroup holds
+// rows 16 (t / 32) + (t % 32) / 4 (+ 8 in d[4 j + 2..3]), columns 8 j + 2 (t % 4) (+ 1 in
+// d[4 j + 1], d[4 j + 3]), j < 8.
+__device__ __forceinline__ void WgmmaE4m3(float (&d)[32], uint64_t a, uint64_t b,
+                                          int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
+      "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
+        "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// The shared memory of IndexScoresKernel, 1024-byte aligned: kStages buffers of a page's keys
+// (swizzled), the row's q in chunks of kHeadChunk heads (swizzled), the buffers' key scales,
+// the head weights.
 struct ScoreLayout {
   uint8_t* base;
-  int heads_padded;
-  __device__ uint8_t* q_rows() const { return base; }
-  __device__ uint8_t* keys(int stage) const {
-    return base + (heads_padded + stage * kPageTokens) * kRowStride;
+  int chunks;
+  __device__ ScoreLayout(uint8_t* raw, int chunks_)
+      : base(reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) &
+                                        ~uintptr_t{1023})),
+        chunks(chunks_) {}
+  __device__ uint8_t* keys(int stage) const { return base + stage * kKeyBytes; }
+  __device__ uint8_t* q(int chunk) const {
+    return base + (kStages + chunk) * kKeyBytes;  // kHeadChunk * kDim == kKeyBytes
   }
-  __device__ float* w() const {
-    return reinterpret_cast<float*>(base + (heads_padded + kStages * kPageTokens) * kRowStride);
+  __device__ float* scales(int stage) const {
+    return reinterpret_cast<float*>(q(chunks)) + stage * kPageTokens;
   }
-  __device__ float* scales(int stage) const { return w() + heads_padded + stage * kPageTokens; }
-  static size_t Bytes(int heads_padded) {
-    return (heads_padded + kStages * kPageTokens) * (kRowStride + sizeof(float));
+  __device__ float* w() const { return scales(kStages); }
+  static size_t Bytes(int chunks) {
+    return 1024 + (kStages + chunks) * kKeyBytes + (kStages * kPageTokens +
+                                                    chunks * kHeadChunk) * sizeof(float);
   }
 };
 
-// One block per (row, kPagesPerBlock pages): the row's q in shared memory, then in each lane's
-// registers as mma operands; page by page (the next ones copied while one is scored) each warp
-// a quarter of the page's 64 tokens x heads logits, their relu-weighted sum over heads kept in
-// the lanes.
-__global__ void __launch_bounds__(kScoreWarps * 32, 3)
-    IndexScoresKernel(const uint8_t* q, const float* weights, int heads, int heads_padded,
+// One block (a warpgroup) per row and run of pages_per_block pages: the row's q in shared
+// memory, then page by page (the next ones copied while one is scored) the page's 64 tokens x
+// heads logits by wgmma, each thread the relu-weighted sum over its heads of two tokens, the 4
+// threads sharing a token summed by shuffles.
+__global__ void __launch_bounds__(kScoreThreads)
+    IndexScoresKernel(const uint8_t* q, const float* weights, int heads, int chunks,
                       const uint8_t* cache, int64_t num_pages, const int32_t* block_table,
                       int64_t max_pages, const int32_t* visible, float* scores,
-                      int64_t score_width) {
-  extern __shared__ __align__(16) uint8_t shared[];
-  const ScoreLayout smem{shared, heads_padded};
+                      int64_t score_width, int64_t pages_per_block) {
+  extern __shared__ uint8_t shared[];
+  const ScoreLayout smem(shared, chunks);
   const int64_t row = blockIdx.x;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int group = lane / 4, in_group = lane % 4;  // an mma fragment's row and column pair
+  const int group = lane / 4, in_group = lane % 4;  // a fragment's row and column pair
   float* row_scores = scores + row * score_width;
-  const int64_t row_visible = visible[row];
+  const int64_t row_visible = Max(visible[row], 0);
   const int32_t* row_pages = block_table + row * max_pages;
-  // Tokens of page j the row sees (0 where its table entry names no page of the cache).
-  auto seen = [&](int64_t j) -> int64_t {
-    const int64_t page = row_pages[j];
-    if (page < 0 || page >= num_pages) return 0;
-    return Min(Max(row_visible - j * kPageTokens, 0), kPageTokens);
-  };
-  auto copy_page = [&](int64_t j, int buffer) {
-    const uint8_t* bytes = cache + static_cast<int64_t>(row_pages[j]) * kPageBytes;
-    for (int i = tid; i < kPageTokens * (kDim / 16); i += blockDim.x)
-      CopyAsync16(smem.keys(buffer) + (i / (kDim / 16)) * kRowStride + (i % (kDim / 16)) * 16,
-                  bytes + i * 16);
-    if (tid < kPageTokens * 4 / 16)
-      CopyAsync16(smem.scales(buffer) + tid * 4, bytes + kPageTokens * kDim + tid * 16);
-  };
 
-  // The pages of this block the row sees, their copies issued kStages - 1 ahead; the others
-  // are -inf.
-  const int64_t first = static_cast<int64_t>(blockIdx.y) * kPagesPerBlock;
-  const int64_t last = Min(first + kPagesPerBlock, max_pages);
-  int64_t ready[kPagesPerBlock];
-  int count = 0;
-  for (int64_t j = first; j < last; ++j) {
-    if (seen(j) > 0) {
-      ready[count++] = j;
-    } else if (tid < kPageTokens) {
-      row_scores[j * kPageTokens + tid] = kNegInf;
-    }
-  }
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < count) copy_page(ready[s], s);
-    asm volatile("cp.async.commit_group;");
-  }
-
-  const uint8_t* row_q = q + row * heads * kDim;
-  for (int i = tid; i < heads_padded * (kDim / 16); i += blockDim.x) {
-    const int h = i / (kDim / 16), chunk = i % (kDim / 16);
-    const uint4 v = h < heads ? reinterpret_cast<const uint4*>(row_q + h * kDim)[chunk]
-                              : make_uint4(0, 0, 0, 0);
-    *reinterpret_cast<uint4*>(smem.q_rows() + h * kRowStride + chunk * 16) = v;
-  }
-  for (int h = tid; h < heads_padded; h += blockDim.x)
-    smem.w()[h] = h < heads ? weights[row * heads + h] : 0.f;
-  // The positions past the table's pages (score_width > max_pages * 64 where k is larger).
+  // Pages [first, scored) the row sees tokens of; the rest of the block's are -inf, as are the
+  // positions past the table's pages (score_width > max_pages * 64 where k is larger).
+  const int64_t first = static_cast<int64_t>(blockIdx.y) * pages_per_block;
+  const int64_t last = Min(first + pages_per_block, max_pages);
+  const int64_t scored = Max(first, Min(last, (row_visible + kPageTokens - 1) / kPageTokens));
+  for (int64_t p = scored * kPageTokens + tid; p < last * kPageTokens; p += blockDim.x)
+    row_scores[p] = kNegInf;
   if (blockIdx.y == 0)
     for (int64_t p = max_pages * kPageTokens + tid; p < score_width; p += blockDim.x)
       row_scores[p] = kNegInf;
-  __syncthreads();
+  const int count = static_cast<int>(scored - first);
+  if (count <= 0) return;  // uniform across the block, before any barrier
 
-  // This lane's mma operands of q (b: 8 heads x 32 columns a tile) and its heads' weights,
-  // kChunkTiles tiles of 8 heads at a time: kept in registers over every page where the heads
-  // fit in one chunk.
-  const int head_tiles = heads_padded / 8, chunks = (head_tiles + kChunkTiles - 1) / kChunkTiles;
-  uint32_t b[kChunkTiles][kDim / 32][2];
-  float w[kChunkTiles][2];
-  auto load_heads = [&](int chunk) {
-#pragma unroll
-    for (int n = 0; n < kChunkTiles; ++n) {
-      const int tile = min(chunk * kChunkTiles + n, head_tiles - 1);
-      const uint8_t* q_row = smem.q_rows() + (tile * 8 + group) * kRowStride + in_group * 4;
-#pragma unroll
-      for (int ks = 0; ks < kDim / 32; ++ks) {
-        b[n][ks][0] = Load32(q_row + ks * 32);
-        b[n][ks][1] = Load32(q_row + ks * 32 + 16);
-      }
-      w[n][0] = smem.w()[tile * 8 + 2 * in_group];
-      w[n][1] = smem.w()[tile * 8 + 2 * in_group + 1];
-    }
+  auto in_cache = [&](int64_t j) { return row_pages[j] >= 0 && row_pages[j] < num_pages; };
+  // A page outside the cache is not copied: its buffer's stale bytes give scores that are
+  // replaced by -inf.
+  auto copy_page = [&](int64_t j, int stage) {
+    if (!in_cache(j)) return;
+    const uint8_t* bytes = cache + static_cast<int64_t>(row_pages[j]) * kPageBytes;
+    for (int i = tid; i < kKeyBytes / 16; i += blockDim.x)
+      CopyAsync16(smem.keys(stage) + Swizzled(i / 8, i % 8), bytes + i * 16);
+    if (tid < kPageTokens * 4 / 16)
+      CopyAsync16(smem.scales(stage) + tid * 4, bytes + kKeyBytes + tid * 16);
   };
-  if (chunks == 1) load_heads(0);
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < count) copy_page(first + s, s);
+    asm volatile("cp.async.commit_group;");
+  }
+  const uint8_t* row_q = q + row * heads * kDim;
+  for (int i = tid; i < chunks * kHeadChunk * (kDim / 16); i += blockDim.x) {
+    const int h = i / (kDim / 16), c = i % (kDim / 16);
+    const uint4 v = h < heads ? reinterpret_cast<const uint4*>(row_q + h * kDim)[c]
+                              : make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(smem.q(h / kHeadChunk) + Swizzled(h % kHeadChunk, c)) = v;
+  }
+  for (int h = tid; h < chunks * kHeadChunk; h += blockDim.x)
+    smem.w()[h] = h < heads ? weights[row * heads + h] : 0.f;
 
   for (int i = 0; i < count; ++i) {
-    const int buffer = i % kStages;
-    if (i + kStages - 1 < count) copy_page(ready[i + kStages - 1], (i + kStages - 1) % kStages);
-    asm volatile("cp.async.commit_group;");
-    // All but the kStages - 1 copies issued after this page's.
-    asm volatile("cp.async.wait_group %0;" ::"n"(kStages - 1) : "memory");
+    const int stage = i % kStages;
+    // This page's copies are done (all but the kStages - 2 issued after it), then made visible
+    // to the wgmma's reads (the async proxy) and to every thread; every thread is past the
+    // previous page, so that its buffer can be refilled.
+    asm volatile("cp.async.wait_group %0;" ::"n"(kStages - 2) : "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     __syncthreads();
-    const int64_t base = ready[i] * kPageTokens, page_seen = seen(ready[i]);
+    if (i + kStages - 1 < count) copy_page(first + i + kStages - 1, (i + kStages - 1) % kStages);
+    asm volatile("cp.async.commit_group;");
 
-    // Warp w scores tokens [16 w, 16 w + 16): the keys are the mma's rows, the heads its
-    // columns, so that the sum over heads stays in each lane but for the 4 lanes sharing a
-    // token.
-    const uint8_t* k0 = smem.keys(buffer) + (warp * 16 + group) * kRowStride + in_group * 4;
-    const uint8_t* k8 = k0 + 8 * kRowStride;
-    uint32_t a[kDim / 32][4];
-#pragma unroll
-    for (int ks = 0; ks < kDim / 32; ++ks) {
-      a[ks][0] = Load32(k0 + ks * 32);
-      a[ks][1] = Load32(k8 + ks * 32);
-      a[ks][2] = Load32(k0 + ks * 32 + 16);
-      a[ks][3] = Load32(k8 + ks * 32 + 16);
-    }
-    float sum0 = 0.f, sum8 = 0.f;  // tokens group and group + 8
+    float sum0 = 0.f, sum8 = 0.f;  // tokens 16 warp + group and + 8
     for (int chunk = 0; chunk < chunks; ++chunk) {
-      if (chunks > 1) load_heads(chunk);
+      float d[32];
 #pragma unroll
-      for (int n = 0; n < kChunkTiles; ++n) {
-        if (chunk * kChunkTiles + n >= head_tiles) break;
-        // Each 32 columns' products summed by the tensor cores, which keep fewer bits than
-        // float32 between additions; the four partial sums added here in float32.
-        float dot[4] = {};
+      for (int r = 0; r < 32; ++r) d[r] = 0.f;
+      const uint64_t a = TileDescriptor(smem.keys(stage)), b = TileDescriptor(smem.q(chunk));
+      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
-        for (int ks = 0; ks < kDim / 32; ++ks) {
-          float part[4] = {};
-          MmaE4m3(part, a[ks], b[n][ks][0], b[n][ks][1]);
+      for (int ks = 0; ks < kDim / 32; ++ks) WgmmaE4m3(d, a + 2 * ks, b + 2 * ks, ks);
+      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+      asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+      const float2* w = reinterpret_cast<const float2*>(smem.w() + chunk * kHeadChunk) + in_group;
 #pragma unroll
-          for (int c = 0; c < 4; ++c) dot[c] += part[c];
-        }
-        // dot: tokens group and group + 8, heads 8 n + 2 in_group + {0, 1}.
-        sum0 += Relu(dot[0]) * w[n][0] + Relu(dot[1]) * w[n][1];
-        sum8 += Relu(dot[2]) * w[n][0] + Relu(dot[3]) * w[n][1];
+      for (int j = 0; j < kHeadChunk / 8; ++j) {
+        const float2 wj = w[4 * j];  // heads 8 j + 2 in_group and the next
+        sum0 += Relu(d[4 * j]) * wj.x + Relu(d[4 * j + 1]) * wj.y;
+        sum8 += Relu(d[4 * j + 2]) * wj.x + Relu(d[4 * j + 3]) * wj.y;
       }
     }
 #pragma unroll
-    for (int offset = 1; offset < 4; offset *= 2) {  // over the lanes sharing the tokens
+    for (int offset = 1; offset < 4; offset *= 2) {  // over the threads sharing the tokens
       sum0 += __shfl_xor_sync(0xffffffff, sum0, offset);
       sum8 += __shfl_xor_sync(0xffffffff, sum8, offset);
     }
     if (in_group == 0) {
+      const int64_t j = first + i, base = j * kPageTokens;
+      const int64_t seen = in_cache(j) ? Min(row_visible - base, kPageTokens) : 0;
       const int t = warp * 16 + group;
-      const float* scales = smem.scales(buffer);
-      row_scores[base + t] = t < page_seen ? sum0 * scales[t] : kNegInf;
-      row_scores[base + t + 8] = t + 8 < page_seen ? sum8 * scales[t + 8] : kNegInf;
+      const float* key_scales = smem.scales(stage);
+      row_scores[base + t] = t < seen ? sum0 * key_scales[t] : kNegInf;
+      row_scores[base + t + 8] = t + 8 < seen ? sum8 * key_scales[t + 8] : kNegInf;
     }
-    __syncthreads();  // this buffer is read before it is refilled
   }
 }
 
@@ -416,22 +394,36 @@ cudaError_t LaunchIndexScores(const uint8_t* q, const float* weights, int64_t ro
                               const int32_t* visible, float* scores, int64_t score_width,
                               cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  const int heads_padded = static_cast<int>((heads + 7) / 8 * 8);
-  const size_t shared_bytes = ScoreLayout::Bytes(heads_padded);
-  if (shared_bytes > 48 * 1024) {
-    if (cudaError_t status = cudaFuncSetAttribute(
-            IndexScoresKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-            static_cast<int>(shared_bytes));
-        status != cudaSuccess)
-      return status;
-  }
-  // Rows in x (up to 2**31 - 1 blocks), pages in y (65535 blocks: 33M tokens a row).
+  const int chunks = static_cast<int>(Max((heads + kHeadChunk - 1) / kHeadChunk, 1));
+  const size_t shared_bytes = ScoreLayout::Bytes(chunks);
+  if (cudaError_t status = cudaFuncSetAttribute(
+          IndexScoresKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+          static_cast<int>(shared_bytes));
+      status != cudaSuccess)
+    return status;
+  // One wave of blocks: each row split into as many runs of pages as fill the GPU once with
+  // the rows' blocks, so that a block's start (its q, its first copies) is paid a few times
+  // per multiprocessor, not per 8 pages.
+  int device = 0, sms = 0, per_sm = 0;
+  if (cudaError_t status = cudaGetDevice(&device); status != cudaSuccess) return status;
+  if (cudaError_t status =
+          cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+      status != cudaSuccess)
+    return status;
+  if (cudaError_t status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+          &per_sm, IndexScoresKernel, kScoreThreads, shared_bytes);
+      status != cudaSuccess)
+    return status;
+  const int64_t runs_per_row = Max(static_cast<int64_t>(sms) * Max(per_sm, 1) / rows, 1);
+  // Pages in y: at most 65535 runs a row.
+  const int64_t pages_per_block =
+      Max(Max((max_pages + runs_per_row - 1) / runs_per_row, (max_pages + 65534) / 65535), 1);
   const dim3 grid(static_cast<unsigned>(rows),
-                  static_cast<unsigned>(Max((max_pages + kPagesPerBlock - 1) /
-                                                     kPagesPerBlock, 1)));
-  IndexScoresKernel<<<grid, kScoreWarps * 32, shared_bytes, stream>>>(
-      q, weights, static_cast<int>(heads), heads_padded, cache, num_pages, block_table,
-      max_pages, visible, scores, score_width);
+                  static_cast<unsigned>(Max((max_pages + pages_per_block - 1) /
+                                                pages_per_block, 1)));
+  IndexScoresKernel<<<grid, kScoreThreads, shared_bytes, stream>>>(
+      q, weights, static_cast<int>(heads), chunks, cache, num_pages, block_table, max_pages,
+      visible, scores, score_width, pages_per_block);
   return cudaGetLastError();
 }
 

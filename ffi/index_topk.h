@@ -3,9 +3,10 @@
 //
 // The arithmetic is jax_flashmla/sparse/indexer.py's (its module doc):
 //   score(row, p) = k_scale(p) * sum_h relu(q_h(row) . k(p)) * w_h(row)
-// over the e4m3 values of q and k, each product exact in float32 and summed in float32 (in the
-// tensor cores' order, not XLA's). The cache is index_cache.py's: pages of 64 tokens, 8448
-// bytes each, the 64 keys' 128 e4m3 values, then their float32 scales.
+// over the e4m3 values of q and k, the 128 products of q_h . k summed by the tensor cores (wgmma,
+// whose float32 accumulator keeps fewer bits between additions), the rest in float32. The cache
+// is index_cache.py's: pages of 64 tokens, 8448 bytes each, the 64 keys' 128 e4m3 values, then
+// their float32 scales. Built for sm_90a (wgmma).
 #ifndef JAX_FLASHMLA_FFI_INDEX_TOPK_H_
 #define JAX_FLASHMLA_FFI_INDEX_TOPK_H_
 

@@ -85,7 +85,7 @@ def test_bridge_kernels_compile(tmp_path, kernel):
         if os.environ.get("CI"):
             pytest.fail("CI must compile the CUDA bridge's kernels, but nvcc is not found")
         pytest.skip("nvcc is not found")
-    command = [nvcc, "-std=c++17", "-O3", "-arch=sm_90", "-Xcompiler", "-fPIC,-Wall,-Werror",
+    command = [nvcc, "-std=c++17", "-O3", "-gencode", "arch=compute_90a,code=sm_90a", "-Xcompiler", "-fPIC,-Wall,-Werror",
                "-Werror", "all-warnings", "-I", str(FFI_DIR), "-c", str(FFI_DIR / f"{kernel}.cu"),
                "-o", str(tmp_path / f"{kernel}.o")]
     result = subprocess.run(command, capture_output=True, text=True)

@@ -19,8 +19,8 @@ from jax_flashmla.sparse.index_cache import PAGE_BYTES
 
 pytestmark = pytest.mark.gpu
 HEADS, PAGE = 64, 64
-# The tensor cores sum each 32 products with fewer bits than float32 keeps: the error follows
-# the largest scores of a row, not each score's own size.
+# The tensor cores sum each q_h . k with fewer bits than float32 keeps: the error follows the
+# largest scores of a row, not each score's own size.
 SCORE_RTOL, SCORE_ATOL = 2e-3, 5e-4
 
 
