@@ -193,13 +193,14 @@ __global__ void __launch_bounds__(kScoreThreads)
 }
 
 constexpr int kTopkThreads = 512;
-constexpr int kCluster = 8;     // blocks per row, one slice of it each
-constexpr int kPerThread = 4;   // consecutive scores a thread reads at once
-constexpr int kTile = kTopkThreads * kPerThread;
+constexpr int kTopkWarps = kTopkThreads / 32;
+constexpr int kMaxCluster = 8;  // blocks per row at most (the portable cluster size)
+constexpr int kPerLane = 4;     // consecutive scores a lane reads at once
+constexpr int kStep = 32 * kPerLane;  // consecutive scores a warp reads at once
 constexpr int kRadixBits = 11;  // three passes over a 32-bit key: 11, 11, 10 bits
 constexpr int kBins = 1 << kRadixBits;
 constexpr int kBinsPerThread = kBins / kTopkThreads;
-constexpr int kHeldTiles = 8;  // a slice of up to 16384 scores (a 131072-token row) in registers
+constexpr int kHeldSteps = 8;  // a block's slice of up to 16384 scores held in registers
 
 // A score as an unsigned key of the same order (totalOrder): flip the sign bit of positives,
 // every bit of negatives.
@@ -212,22 +213,17 @@ struct TopkShared {
   unsigned int bins[kBins];  // this block's histogram of its slice, read by the whole cluster
   int chosen_bin, above;     // the bin holding the k-th key; keys of the row in bins above it
   int greater, equal;        // keys of this slice above the k-th key, and equal to it
+  int warp_greater[kTopkWarps], warp_equal[kTopkWarps];  // the same per warp's segment
   union {
     typename cub::BlockScan<int, kTopkThreads>::TempStorage scan;
     typename cub::BlockReduce<int, kTopkThreads>::TempStorage reduce;
   };
 };
 
-// The first of this thread's kPerThread positions in tile `tile` of a slice from `begin`.
-__device__ __forceinline__ int64_t TileStart(int64_t begin, int64_t tile) {
-  return begin + tile * kTile + static_cast<int64_t>(threadIdx.x) * kPerThread;
-}
-
-// This thread's kPerThread keys of tile `tile` of [begin, end) (0 past end).
-__device__ __forceinline__ void LoadTile(const float* row, int64_t begin, int64_t end,
-                                         int64_t tile, uint32_t (&keys)[kPerThread]) {
-  const int64_t start = TileStart(begin, tile);
-  if (start + kPerThread <= end && reinterpret_cast<uintptr_t>(row + start) % 16 == 0) {
+// This lane's kPerLane keys of the scores from `start` that lie before `end` (0 past it).
+__device__ __forceinline__ void LoadKeys(const float* row, int64_t start, int64_t end,
+                                         uint32_t (&keys)[kPerLane]) {
+  if (start + kPerLane <= end && reinterpret_cast<uintptr_t>(row + start) % 16 == 0) {
     const float4 v = *reinterpret_cast<const float4*>(row + start);
     keys[0] = OrderedKey(v.x);
     keys[1] = OrderedKey(v.y);
@@ -236,25 +232,27 @@ __device__ __forceinline__ void LoadTile(const float* row, int64_t begin, int64_
     return;
   }
 #pragma unroll
-  for (int e = 0; e < kPerThread; ++e) keys[e] = start + e < end ? OrderedKey(row[start + e]) : 0;
+  for (int e = 0; e < kPerLane; ++e) keys[e] = start + e < end ? OrderedKey(row[start + e]) : 0;
 }
 
-// A cluster of kCluster blocks per row, each over one slice of it. A radix select finds the
-// k-th largest key, most significant bits first: per pass each block counts the keys of its
-// slice that share the bits fixed so far, and every block sums the cluster's counts (read from
-// the others' shared memory) to fix the next bits. Then each block writes its slice's keys
-// above the k-th and, of those equal to it, the first ones, in position order, after the
-// earlier slices'.
-__global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kTopkThreads)
+// A cluster of blocks per row (as many as fit the rows in one wave, up to kMaxCluster), each
+// over one slice of it, each of its warps over one segment of the slice. A radix select finds
+// the k-th largest key, most significant bits first: per pass each block counts the keys of
+// its slice that share the bits fixed so far, and every block sums the cluster's counts (read
+// from the others' shared memory) to fix the next bits. Then each warp writes its segment's
+// keys above the k-th and, of those equal to it, the first ones, in position order, after the
+// earlier segments' and slices'.
+__global__ void __launch_bounds__(kTopkThreads)
     TopkPositionsKernel(const float* scores, int64_t width, int64_t k, int32_t* positions) {
   namespace cg = cooperative_groups;
   __shared__ TopkShared shared;
   cg::cluster_group cluster = cg::this_cluster();
+  const int blocks = static_cast<int>(cluster.num_blocks());
   const int rank = static_cast<int>(cluster.block_rank());
-  const int64_t row = blockIdx.x / kCluster;
+  const int64_t row = blockIdx.x / blocks;
   const float* row_scores = scores + row * width;
   int32_t* out = positions + row * k;
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
 
   if (width <= k) {  // uniform across the cluster: no block waits on another
     if (rank == 0)
@@ -262,30 +260,35 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kTopkThreads)
         out[i] = i < width ? static_cast<int32_t>(i) : -1;
     return;
   }
-  const int64_t slice =
-      (width + kCluster * kPerThread - 1) / (kCluster * kPerThread) * kPerThread;
-  const int64_t begin = Min(rank * slice, width), end = Min(begin + slice, width);
-  const int64_t tiles = (end - begin + kTile - 1) / kTile;
+  constexpr int64_t kSliceUnit = kTopkWarps * kStep;
+  const int64_t slice = (width + blocks * kSliceUnit - 1) / (blocks * kSliceUnit) * kSliceUnit;
+  const int64_t segment = slice / kTopkWarps, steps = segment / kStep;
+  const int64_t end = Min(Min(rank * slice, width) + slice, width);
+  const int64_t begin = Min(Min(rank * slice, width) + warp * segment, end);  // this warp's
+  const int64_t warp_end = Min(begin + segment, end);
   if (tid == 0) shared.greater = 0;
 
-  // A slice of up to kHeldTiles tiles is read once and kept in registers for every pass.
-  uint32_t held[kHeldTiles][kPerThread];
-  const bool holds = tiles <= kHeldTiles;
+  // A slice of up to kHeldSteps steps a warp is read once and kept in registers for every
+  // pass; a longer one is read again each pass.
+  uint32_t held[kHeldSteps][kPerLane];
+  const bool holds = steps <= kHeldSteps;
+  auto lane_start = [&](int64_t step) { return begin + step * kStep + lane * kPerLane; };
   if (holds) {
 #pragma unroll
-    for (int t = 0; t < kHeldTiles; ++t)
-      if (t < tiles) LoadTile(row_scores, begin, end, t, held[t]);
+    for (int s = 0; s < kHeldSteps; ++s)
+      if (s < steps) LoadKeys(row_scores, lane_start(s), warp_end, held[s]);
   }
-  auto for_each_tile = [&](auto&& body) {
+  // body(start, keys): this lane's keys from position start, in position order.
+  auto for_each_step = [&](auto&& body) {
     if (holds) {
 #pragma unroll
-      for (int t = 0; t < kHeldTiles; ++t)
-        if (t < tiles) body(t, held[t]);
+      for (int s = 0; s < kHeldSteps; ++s)
+        if (s < steps) body(lane_start(s), held[s]);
     } else {
-      for (int64_t t = 0; t < tiles; ++t) {
-        uint32_t keys[kPerThread];
-        LoadTile(row_scores, begin, end, t, keys);
-        body(t, keys);
+      for (int64_t s = 0; s < steps; ++s) {
+        uint32_t keys[kPerLane];
+        LoadKeys(row_scores, lane_start(s), warp_end, keys);
+        body(lane_start(s), keys);
       }
     }
   };
@@ -299,11 +302,10 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kTopkThreads)
     for (int i = tid; i < kBins; i += blockDim.x) shared.bins[i] = 0;
     __syncthreads();
     // Plain shared atomics: aggregating equal digits first (__match_any_sync) cost more.
-    for_each_tile([&](int64_t tile, const uint32_t (&keys)[kPerThread]) {
-      const int64_t start = TileStart(begin, tile);
+    for_each_step([&](int64_t start, const uint32_t (&keys)[kPerLane]) {
 #pragma unroll
-      for (int e = 0; e < kPerThread; ++e)
-        if (start + e < end && (keys[e] & mask) == prefix)
+      for (int e = 0; e < kPerLane; ++e)
+        if (start + e < warp_end && (keys[e] & mask) == prefix)
           atomicAdd(&shared.bins[(keys[e] >> shift) & digit_mask], 1u);
     });
     cluster.sync();  // every block's histogram is complete
@@ -314,7 +316,7 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kTopkThreads)
 #pragma unroll
     for (int i = 0; i < kBinsPerThread; ++i) {
       counts[i] = 0;
-      for (int r = 0; r < kCluster; ++r)
+      for (int r = 0; r < blocks; ++r)
         counts[i] += cluster.map_shared_rank(shared.bins, r)[high - i];
       total += counts[i];
     }
@@ -347,42 +349,62 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kTopkThreads)
     cluster.sync();  // the cluster has read every histogram before the next pass clears them
   }
 
-  // This slice's place in the row's selection: after the earlier slices' keys above the k-th
-  // and their share of the `remaining` equal ones.
+  // Each warp's counts of keys above the k-th and equal to it, in its segment.
+  int greater = 0, equal = 0;
+  for_each_step([&](int64_t start, const uint32_t (&keys)[kPerLane]) {
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) {
+      greater += start + e < warp_end && keys[e] > prefix;
+      equal += start + e < warp_end && keys[e] == prefix;
+    }
+  });
+  greater = __reduce_add_sync(0xffffffff, greater);
+  equal = __reduce_add_sync(0xffffffff, equal);
+  if (lane == 0) {
+    shared.warp_greater[warp] = greater;
+    shared.warp_equal[warp] = equal;
+  }
+  // Of the row, the keys above the k-th and equal to it before this warp's segment: the
+  // earlier slices' (their blocks' totals), then this slice's earlier warps'.
   int64_t greater_before = 0, equal_before = 0;
   for (int r = 0; r < rank; ++r) {
     greater_before += cluster.map_shared_rank(&shared.greater, r)[0];
     equal_before += cluster.map_shared_rank(&shared.equal, r)[0];
   }
-  cluster.sync();  // no block leaves while another reads its counts
-  const int64_t equal_left = Max(remaining - equal_before, 0);
-  int64_t written = greater_before + Min(equal_before, remaining), equal_seen = 0;
-  for_each_tile([&](int64_t tile, const uint32_t (&keys)[kPerThread]) {
-    const int64_t start = TileStart(begin, tile);
-    int greater = 0, equal = 0;
+  cluster.sync();  // no block leaves while another reads its counts; the warps' are written
+  for (int w = 0; w < warp; ++w) {
+    greater_before += shared.warp_greater[w];
+    equal_before += shared.warp_equal[w];
+  }
+  // Position p is taken where its key is above the k-th, or equal to it with fewer than
+  // `remaining` equal ones before it; it goes to out[greater before p + min(equal before p,
+  // remaining)].
+  for_each_step([&](int64_t start, const uint32_t (&keys)[kPerLane]) {
+    int mine = 0;  // this lane's greater | equal << 16 (a warp's step counts fit 16 bits)
 #pragma unroll
-    for (int e = 0; e < kPerThread; ++e) {
-      greater += start + e < end && keys[e] > prefix;
-      equal += start + e < end && keys[e] == prefix;
-    }
-    // Packed: counts of a tile fit in 16 bits (kTile <= 4096).
-    int before = 0, total = 0;
-    cub::BlockScan<int, kTopkThreads>(shared.scan).ExclusiveSum(greater | (equal << 16), before,
-                                                                total);
-    __syncthreads();  // the scan's storage is reused by the next tile's
-    const int64_t left = Max(equal_left - equal_seen, 0);
-    int64_t greater_here = before & 0xffff, equal_here = before >> 16;
+    for (int e = 0; e < kPerLane; ++e)
+      mine += start + e < warp_end ? (keys[e] > prefix) | ((keys[e] == prefix) << 16) : 0;
+    int scan = mine;  // inclusive over the warp's lanes
 #pragma unroll
-    for (int e = 0; e < kPerThread; ++e) {
-      if (start + e >= end) continue;
-      const bool is_greater = keys[e] > prefix, is_equal = keys[e] == prefix;
-      if (is_greater || (is_equal && equal_here < left))
-        out[written + greater_here + Min(equal_here, left)] = static_cast<int32_t>(start + e);
-      greater_here += is_greater;
-      equal_here += is_equal;
+    for (int offset = 1; offset < 32; offset *= 2) {
+      const int other = __shfl_up_sync(0xffffffff, scan, offset);
+      if (lane >= offset) scan += other;
     }
-    written += (total & 0xffff) + Min(total >> 16, left);
-    equal_seen += total >> 16;
+    const int step_total = __shfl_sync(0xffffffff, scan, 31), before = scan - mine;
+    int64_t g = greater_before + (before & 0xffff), q = equal_before + (before >> 16);
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) {
+      if (start + e >= warp_end) continue;
+      if (keys[e] > prefix) {
+        out[g + Min(q, remaining)] = static_cast<int32_t>(start + e);
+        ++g;
+      } else if (keys[e] == prefix) {
+        if (q < remaining) out[g + q] = static_cast<int32_t>(start + e);
+        ++q;
+      }
+    }
+    greater_before += step_total & 0xffff;
+    equal_before += step_total >> 16;
   });
 }
 
@@ -430,9 +452,29 @@ cudaError_t LaunchIndexScores(const uint8_t* q, const float* weights, int64_t ro
 cudaError_t LaunchTopkPositions(const float* scores, int64_t rows, int64_t score_width,
                                 int64_t k, int32_t* positions, cudaStream_t stream) {
   if (rows == 0 || k == 0) return cudaSuccess;
-  TopkPositionsKernel<<<static_cast<unsigned>(rows * kCluster), kTopkThreads, 0, stream>>>(
-      scores, score_width, k, positions);
-  return cudaGetLastError();
+  cudaLaunchAttribute cluster_dims[1];
+  cluster_dims[0].id = cudaLaunchAttributeClusterDimension;
+  cudaLaunchConfig_t config = {};
+  config.blockDim = dim3(kTopkThreads);
+  config.stream = stream;
+  config.attrs = cluster_dims;
+  config.numAttrs = 1;
+  // The most blocks per row with which every row's cluster runs at once: at 16 rows, 8 blocks
+  // a row would leave one cluster to a second wave (15 clusters of 8 fit an H200).
+  int blocks = kMaxCluster;
+  for (;; blocks /= 2) {
+    cluster_dims[0].val.clusterDim.x = blocks;
+    cluster_dims[0].val.clusterDim.y = cluster_dims[0].val.clusterDim.z = 1;
+    config.gridDim = dim3(static_cast<unsigned>(rows * blocks));
+    if (blocks == 1) break;
+    int active = 0;
+    if (cudaError_t status =
+            cudaOccupancyMaxActiveClusters(&active, TopkPositionsKernel, &config);
+        status != cudaSuccess)
+      return status;
+    if (rows <= active) break;
+  }
+  return cudaLaunchKernelEx(&config, TopkPositionsKernel, scores, score_width, k, positions);
 }
 
 }  // namespace jax_flashmla
