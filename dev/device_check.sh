@@ -186,7 +186,13 @@ for mode in "${modes[@]}"; do
       -k regex:'IndexScores|TopkPositions' -c 2 "${sections[@]/#/--section=}" \
       python3 dev/probe_indexer_kernels.py --single ${INDEXER_PROBE_ARGS:-} \
       > "$out/indexer_ncu.txt" 2>&1
-    echo "exit $?"; grep -v "^[IW][0-9]" "$out/indexer_ncu.txt" | cut -c1-300 | tail -150 ;;
+    echo "exit $?"; grep -v "^[IW][0-9]" "$out/indexer_ncu.txt" | cut -c1-300 | tail -150
+    # Per SASS instruction (warp stall samples among them) of the top-k kernel, as CSV.
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 300 "$ncu" --clock-control none \
+      -k regex:TopkPositions -c 1 --section SourceCounters --section WarpStateStats \
+      --page source --print-source sass --csv \
+      python3 dev/probe_indexer_kernels.py --single ${INDEXER_PROBE_ARGS:-} \
+      > "$out/indexer_ncu_topk_sass.csv" 2>&1 ;;
   sparse-probe)
     timeout 300 python3 dev/probe_sparse.py --out "$out/probe_sparse.json" > "$out/probe_sparse.txt" 2>&1
     echo "exit $?"; grep -v "^[IW][0-9]" "$out/probe_sparse.txt" | cut -c1-1200 | tail -30 ;;

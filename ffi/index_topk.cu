@@ -209,8 +209,10 @@ __device__ __forceinline__ uint32_t OrderedKey(float x) {
   return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
 
+static_assert(kBinsPerThread == 4, "a thread reads its bins of each block as one uint4");
+
 struct TopkShared {
-  unsigned int bins[kBins];  // this block's histogram of its slice, read by the whole cluster
+  alignas(16) unsigned int bins[kBins];  // this block's histogram, read by the whole cluster
   int chosen_bin, above;     // the bin holding the k-th key; keys of the row in bins above it
   int greater, equal;        // keys of this slice above the k-th key, and equal to it
   int warp_greater[kTopkWarps], warp_equal[kTopkWarps];  // the same per warp's segment
@@ -235,13 +237,13 @@ __device__ __forceinline__ void LoadKeys(const float* row, int64_t start, int64_
   for (int e = 0; e < kPerLane; ++e) keys[e] = start + e < end ? OrderedKey(row[start + e]) : 0;
 }
 
-// A cluster of blocks per row (as many as fit the rows in one wave, up to kMaxCluster), each
-// over one slice of it, each of its warps over one segment of the slice. A radix select finds
-// the k-th largest key, most significant bits first: per pass each block counts the keys of
-// its slice that share the bits fixed so far, and every block sums the cluster's counts (read
-// from the others' shared memory) to fix the next bits. Then each warp writes its segment's
-// keys above the k-th and, of those equal to it, the first ones, in position order, after the
-// earlier segments' and slices'.
+// A cluster of blocks per row (those that hold its scores in registers, as many as fit the
+// rows in one wave, up to kMaxCluster), each over one slice of it, each of its warps over one
+// segment of the slice. A radix select finds the k-th largest key, most significant bits
+// first: per pass each block counts the keys of its slice that share the bits fixed so far,
+// and every block sums the cluster's counts (read from the others' shared memory) to fix the
+// next bits. Then each warp writes its segment's keys above the k-th and, of those equal to
+// it, the first ones, in position order, after the earlier segments' and slices'.
 __global__ void __launch_bounds__(kTopkThreads)
     TopkPositionsKernel(const float* scores, int64_t width, int64_t k, int32_t* positions) {
   namespace cg = cooperative_groups;
@@ -310,16 +312,19 @@ __global__ void __launch_bounds__(kTopkThreads)
     });
     cluster.sync();  // every block's histogram is complete
     // Thread t owns bins kBins - 1 - kBinsPerThread t downwards; the row's count of each is
-    // the sum over the cluster's blocks; a scan gives the count above them.
+    // the sum over the cluster's blocks (16 bytes read from each: one request per block, where
+    // 4-byte reads of the others' shared memory made the top-k wait on them); a scan gives the
+    // count above them.
     const int high = kBins - 1 - kBinsPerThread * tid;
-    int counts[kBinsPerThread], total = 0;
-#pragma unroll
-    for (int i = 0; i < kBinsPerThread; ++i) {
-      counts[i] = 0;
-      for (int r = 0; r < blocks; ++r)
-        counts[i] += cluster.map_shared_rank(shared.bins, r)[high - i];
-      total += counts[i];
+    uint4 sum = make_uint4(0, 0, 0, 0);
+    for (int r = 0; r < blocks; ++r) {
+      const uint4 c = *reinterpret_cast<const uint4*>(
+          cluster.map_shared_rank(shared.bins, r) + high - (kBinsPerThread - 1));
+      sum = make_uint4(sum.x + c.x, sum.y + c.y, sum.z + c.z, sum.w + c.w);
     }
+    const int counts[kBinsPerThread] = {static_cast<int>(sum.w), static_cast<int>(sum.z),
+                                        static_cast<int>(sum.y), static_cast<int>(sum.x)};
+    const int total = counts[0] + counts[1] + counts[2] + counts[3];
     int above = 0;
     cub::BlockScan<int, kTopkThreads>(shared.scan).ExclusiveSum(total, above);
 #pragma unroll
@@ -459,9 +464,13 @@ cudaError_t LaunchTopkPositions(const float* scores, int64_t rows, int64_t score
   config.stream = stream;
   config.attrs = cluster_dims;
   config.numAttrs = 1;
-  // The most blocks per row with which every row's cluster runs at once: at 16 rows, 8 blocks
-  // a row would leave one cluster to a second wave (15 clusters of 8 fit an H200).
-  int blocks = kMaxCluster;
+  // Blocks per row: enough to hold a row's scores in registers (a cluster's barriers and
+  // reads of the others' histograms cost more than a block's own passes over 16384 scores),
+  // fewer where every row's cluster would not run at once: at 16 rows, 8 blocks a row would
+  // leave one cluster to a second wave (15 clusters of 8 fit an H200).
+  constexpr int64_t kHeldScores = int64_t{kHeldSteps} * kStep * kTopkWarps;
+  int blocks = 1;
+  while (blocks < kMaxCluster && blocks * kHeldScores < score_width) blocks *= 2;
   for (;; blocks /= 2) {
     cluster_dims[0].val.clusterDim.x = blocks;
     cluster_dims[0].val.clusterDim.y = cluster_dims[0].val.clusterDim.z = 1;
