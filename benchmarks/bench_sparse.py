@@ -73,6 +73,7 @@ from jax_flashmla import kernels, serving  # noqa: E402
 from jax_flashmla.sparse import (quantize_tokens, sparse_decode_metadata,  # noqa: E402
                                  sparse_mla_decode)
 from jax_flashmla.sparse.cache import TOKEN_BYTES  # noqa: E402
+from jax_flashmla.sparse.ops import KERNEL_HEADS  # noqa: E402
 
 import sparse_report  # noqa: E402
 from device_time import device_time_in_turns, spin_blockers  # noqa: E402
@@ -250,7 +251,7 @@ def run_call_group(context, b, shapes, grid, torch_sparse, blockers, device_repe
                 qs[i % rot], work.kv, work.block_tables[i % rot], work.seq_lens,
                 metadata=mds[i % rot]),
             sync)
-        if torch_sparse is not None:
+        if torch_sparse is not None and h_q in KERNEL_HEADS:  # the op takes no other count
             calls = [torch_sparse.call(q, cache, idx, sparse_md) for q, idx in zip(qs, indices)]
             variants[h_q, s_q, "torch"] = (lambda i, calls=calls: calls[i % rot](),
                                            torch_sparse.sync)
@@ -422,6 +423,10 @@ def main(argv=None):
     parser.add_argument("--no-shared-schedule", action="store_true",
                         help="leave out the torch graph with one get_mla_decoding_metadata per "
                              "step (SGLang's way; not yet run: for a run where it faults)")
+    parser.add_argument("--call-h-q", type=int, nargs="+", default=None, metavar="H",
+                        help="the per-call head counts (default 64 128); others than FlashMLA's "
+                             "64 and 128 are padded to them, timed without torch: their cost "
+                             "against 64 or 128 heads is the padding's")
     parser.add_argument("--deadline-s", type=float, default=None,
                         help="start no point after this many seconds; the report is still "
                              "written (default: none)")
@@ -430,6 +435,8 @@ def main(argv=None):
     parser.add_argument("--out", default=None, help="path prefix of the .json/.md/.png results")
     args = parser.parse_args(argv)
     grid = TINY if args.tiny else dict(GPU, layers=args.layers, steps=args.steps)
+    if args.call_h_q:
+        grid = dict(grid, call_h_q=tuple(args.call_h_q))
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     torch_sparse = None if args.tiny else TorchSparse()
