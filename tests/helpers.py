@@ -304,9 +304,10 @@ def split_for_dcp(kv, bt, sl, n, layout, tokens_per_device):
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-def run_tiny_benchmark(script, prefix):
-    """Runs benchmarks/<script> --tiny --out prefix in a child process; its JSON report."""
+def run_tiny_benchmark(script, prefix, *arguments):
+    """Runs benchmarks/<script> --tiny --out prefix [arguments] in a child process; its JSON
+    report."""
     run = subprocess.run([sys.executable, str(BENCHMARKS / script), "--tiny", "--out",
-                          str(prefix)], capture_output=True, text=True, timeout=600)
+                          str(prefix), *arguments], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(prefix.with_suffix(".json").read_text())

@@ -35,6 +35,15 @@ def test_the_tiny_run_writes_its_report(tmp_path):
     assert prefix.with_suffix(".png").stat().st_size > 0
 
 
+def test_other_head_counts_are_timed_padded_without_torch(tmp_path):
+    result = run_tiny_benchmark("bench_sparse.py", tmp_path / "heads", "--call-h-q", "16", "32",
+                                "--points", "call/*/s1")
+    assert [r["label"] for r in result["per_call"]] == ["call/b2/ctx128/h16/s1",
+                                                        "call/b2/ctx128/h32/s1"]
+    assert result["step"] == []
+    assert all(set(r["impls"]) == {"sparse", "dense"} for r in result["per_call"])
+
+
 def _call(b, sparse, torch, dense=(400.0, 400.0, 400.0)):
     impls = {name: dict(us=statistics.median(times), us_repeats=list(times),
                         device_us=statistics.median(times), device_us_repeats=list(times))
