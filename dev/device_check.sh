@@ -195,6 +195,7 @@ for mode in "${modes[@]}"; do
     # Per SASS instruction (warp stall samples among them) of the top-k kernel, as CSV.
     XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 300 "$ncu" --clock-control none \
       -k regex:TopkPositions -c 1 --section SourceCounters --section WarpStateStats \
+      --warp-sampling-interval 0 \
       --page source --print-source sass --csv \
       python3 dev/probe_indexer_kernels.py --single ${INDEXER_PROBE_ARGS:-} \
       > "$out/indexer_ncu_topk_sass.csv" 2>&1 ;;
