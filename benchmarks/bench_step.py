@@ -330,24 +330,31 @@ def cost_in_turns(plain, other, steps):
     return statistics.median(ratios) - 1
 
 
-def gpu_span_us(runs):
-    """{name: median GPU span (µs) of a step}: PROFILED_STEPS of each run, under one trace, each
-    inside a host annotation; a step's span is its first GPU activity's start to its last's
-    end."""
+def step_activities(runs):
+    """{name: the GPU activities of each of PROFILED_STEPS steps}: each run's steps under one
+    trace, each inside a host annotation; a step's activities are those starting inside it."""
     def all_runs():
         for name, run in runs.items():
             for k in range(PROFILED_STEPS):
                 with jax.profiler.TraceAnnotation(f"step {name} {k}"):
                     run()
     gpu, _, host = traced(all_runs, profile_options())
-    spans = {}
+    steps = {}
     for name in runs:
-        per_step = []
+        steps[name] = []
         for k in range(PROFILED_STEPS):
             (window,) = [(e.start, e.end) for e in host if e.name == f"step {name} {k}"]
-            inside = [e for e in gpu if window[0] <= e.start < window[1]]
-            if inside:
-                per_step.append((max(e.end for e in inside) - min(e.start for e in inside)) / 1e3)
+            steps[name].append([e for e in gpu if window[0] <= e.start < window[1]])
+    return steps
+
+
+def gpu_span_us(runs):
+    """{name: median GPU span (µs) of a step}: step_activities' steps, a step's span its first
+    GPU activity's start to its last's end."""
+    spans = {}
+    for name, steps in step_activities(runs).items():
+        per_step = [(max(e.end for e in inside) - min(e.start for e in inside)) / 1e3
+                    for inside in steps if inside]
         spans[name] = statistics.median(per_step) if per_step else None
     return spans
 

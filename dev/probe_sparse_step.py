@@ -1,6 +1,6 @@
 """What bench_sparse.py's 61-layer sparse step runs on the GPU, kernel by kernel: for the jax
-steps (scanned and unrolled, through AlternatingStep) and the torch CUDA graphs, one profiled
-step each, its kernels grouped by name (count and µs a step), the GPU's busy time and its
+steps (scanned and unrolled, through AlternatingStep) and the torch CUDA graphs, profiled
+steps of each (bench_step.step_activities), their kernels grouped by name (count and µs a step), the GPU's busy time and its
 span. The difference between a jax step and the graph with one schedule per step is where the
 step bar's margin goes.
 
@@ -17,11 +17,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import bench_sparse  # noqa: E402
 import bench_step  # noqa: E402
 import jax  # noqa: E402
-from device_time import profile_options, traced  # noqa: E402
 
 from jax_flashmla import serving  # noqa: E402
-
-PROFILED_STEPS = 3
 
 
 def kernel_table(events, steps):
@@ -77,21 +74,11 @@ def main():
         for run in runs.values():  # AlternatingStep records its graphs over the first calls
             for _ in range(4):
                 run()
-
-        def all_runs():
-            for name, run in runs.items():
-                for k in range(PROFILED_STEPS):
-                    with jax.profiler.TraceAnnotation(f"step {name} {k}"):
-                        run()
-        gpu, _, host = traced(all_runs, profile_options())
         point = result["points"][f"b{b}"] = dict(skipped=skipped, variants={})
-        for name in runs:
-            windows = [(e.start, e.end) for e in host if e.name.startswith(f"step {name} ")]
-            inside = [e for e in gpu if any(lo <= e.start < hi for lo, hi in windows)]
-            spans = [max((e.end for e in gpu if lo <= e.start < hi), default=lo)
-                     - min((e.start for e in gpu if lo <= e.start < hi), default=lo)
-                     for lo, hi in windows]
-            table, busy = kernel_table(inside, len(windows))
+        for name, steps in bench_step.step_activities(runs).items():
+            spans = [max(e.end for e in step) - min(e.start for e in step)
+                     for step in steps if step]
+            table, busy = kernel_table([e for step in steps for e in step], len(steps))
             point["variants"][name] = dict(
                 span_us_per_layer=sorted(spans)[len(spans) // 2] / 1e3 / args.layers,
                 busy_us_per_layer=busy / args.layers,

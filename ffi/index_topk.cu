@@ -6,6 +6,9 @@
 #include <cub/block/block_scan.cuh>
 
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <utility>
 
 namespace jax_flashmla {
 namespace {
@@ -15,6 +18,7 @@ constexpr int kDim = 128;                             // an index key's e4m3 val
 constexpr int kKeyBytes = kPageTokens * kDim;         // 8192: a page's values, then
 constexpr int kPageBytes = kKeyBytes + kPageTokens * 4;  // its 64 float32 scales
 constexpr int kHeadChunk = 64;  // heads per wgmma (its N); q is padded with zero heads
+static_assert(kIndexMaxHeads % kHeadChunk == 0, "the most heads fill whole chunks");
 constexpr int kScoreThreads = 128;  // one warpgroup: each warp 16 of a page's 64 tokens
 constexpr int kStages = 4;  // pages a block has in shared memory: one scored, three in flight
 constexpr float kNegInf = -__builtin_huge_valf();
@@ -413,6 +417,27 @@ __global__ void __launch_bounds__(kTopkThreads)
   });
 }
 
+// *value = what ask(value) gives for (device, key), asked once per process: device attributes,
+// occupancy and kernel attributes are fixed per device and launch shape, and each query costs
+// the host microseconds, at every launch outside a command buffer. Each call site (each Ask
+// type) keeps its own answers.
+template <typename Ask>
+cudaError_t AskedOnce(int device, int key, int* value, Ask ask) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, int>, int> answers;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (auto it = answers.find({device, key}); it != answers.end()) {
+      *value = it->second;
+      return cudaSuccess;
+    }
+  }
+  if (cudaError_t status = ask(value); status != cudaSuccess) return status;
+  std::lock_guard<std::mutex> lock(mutex);
+  answers[{device, key}] = *value;
+  return cudaSuccess;
+}
+
 }  // namespace
 
 cudaError_t LaunchIndexScores(const uint8_t* q, const float* weights, int64_t rows,
@@ -423,22 +448,29 @@ cudaError_t LaunchIndexScores(const uint8_t* q, const float* weights, int64_t ro
   if (rows == 0) return cudaSuccess;
   const int chunks = static_cast<int>(Max((heads + kHeadChunk - 1) / kHeadChunk, 1));
   const size_t shared_bytes = ScoreLayout::Bytes(chunks);
-  if (cudaError_t status = cudaFuncSetAttribute(
-          IndexScoresKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-          static_cast<int>(shared_bytes));
+  int device = 0, attribute_set = 0, sms = 0, per_sm = 0;
+  if (cudaError_t status = cudaGetDevice(&device); status != cudaSuccess) return status;
+  // The kernel may use the shared memory of the most heads it takes, set once per device.
+  if (cudaError_t status = AskedOnce(device, 0, &attribute_set, [](int* done) {
+        *done = 1;
+        return cudaFuncSetAttribute(
+            IndexScoresKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+            static_cast<int>(ScoreLayout::Bytes(kIndexMaxHeads / kHeadChunk)));
+      });
       status != cudaSuccess)
     return status;
   // One wave of blocks: each row split into as many runs of pages as fill the GPU once with
   // the rows' blocks, so that a block's start (its q, its first copies) is paid a few times
   // per multiprocessor, not per 8 pages.
-  int device = 0, sms = 0, per_sm = 0;
-  if (cudaError_t status = cudaGetDevice(&device); status != cudaSuccess) return status;
-  if (cudaError_t status =
-          cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (cudaError_t status = AskedOnce(device, 0, &sms, [device](int* value) {
+        return cudaDeviceGetAttribute(value, cudaDevAttrMultiProcessorCount, device);
+      });
       status != cudaSuccess)
     return status;
-  if (cudaError_t status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-          &per_sm, IndexScoresKernel, kScoreThreads, shared_bytes);
+  if (cudaError_t status = AskedOnce(device, chunks, &per_sm, [shared_bytes](int* value) {
+        return cudaOccupancyMaxActiveBlocksPerMultiprocessor(value, IndexScoresKernel,
+                                                             kScoreThreads, shared_bytes);
+      });
       status != cudaSuccess)
     return status;
   const int64_t runs_per_row = Max(static_cast<int64_t>(sms) * Max(per_sm, 1) / rows, 1);
@@ -457,6 +489,8 @@ cudaError_t LaunchIndexScores(const uint8_t* q, const float* weights, int64_t ro
 cudaError_t LaunchTopkPositions(const float* scores, int64_t rows, int64_t score_width,
                                 int64_t k, int32_t* positions, cudaStream_t stream) {
   if (rows == 0 || k == 0) return cudaSuccess;
+  int device = 0;
+  if (cudaError_t status = cudaGetDevice(&device); status != cudaSuccess) return status;
   cudaLaunchAttribute cluster_dims[1];
   cluster_dims[0].id = cudaLaunchAttributeClusterDimension;
   cudaLaunchConfig_t config = {};
@@ -477,8 +511,9 @@ cudaError_t LaunchTopkPositions(const float* scores, int64_t rows, int64_t score
     config.gridDim = dim3(static_cast<unsigned>(rows * blocks));
     if (blocks == 1) break;
     int active = 0;
-    if (cudaError_t status =
-            cudaOccupancyMaxActiveClusters(&active, TopkPositionsKernel, &config);
+    if (cudaError_t status = AskedOnce(device, blocks, &active, [&config](int* value) {
+          return cudaOccupancyMaxActiveClusters(value, TopkPositionsKernel, &config);
+        });
         status != cudaSuccess)
       return status;
     if (rows <= active) break;
