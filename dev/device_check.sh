@@ -182,7 +182,7 @@ for mode in "${modes[@]}"; do
       ${INDEXER_PROBE_ARGS:-} 2>&1 | grep -v "^[IW][0-9]" | tail -12 ;;
   sparse-step-probe)
     timeout 400 python3 dev/probe_sparse_step.py --out "$out/probe_sparse_step.json" \
-      ${SPARSE_STEP_ARGS:-} 2>&1 | grep -v "^[IW][0-9]" | cut -c1-200 | tail -80 ;;
+      ${SPARSE_STEP_ARGS:-} 2>&1 | grep -v "^[IW][0-9]" | cut -c1-200 | tail -120 ;;
   indexer-ncu)
     ncu=$(PATH="$PATH:/usr/local/cuda/bin" command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
     sections=(SpeedOfLight LaunchStats Occupancy WarpStateStats SchedulerStats

@@ -1,11 +1,14 @@
 """What bench_sparse.py's 61-layer sparse step runs on the GPU, kernel by kernel: for the jax
 steps (scanned and unrolled, through AlternatingStep) and the torch CUDA graphs, profiled
-steps of each (bench_step.step_activities), their kernels grouped by name (count and µs a step), the GPU's busy time and its
-span. The difference between a jax step and the graph with one schedule per step is where the
-step bar's margin goes.
+steps of each (bench_step.step_activities), their kernels grouped by name (count and µs a
+step), the GPU's busy time and its span. The difference between a jax step and the graph with
+one schedule per step is where the step bar's margin goes. The same for single calls
+(--call-batches): sparse_mla_decode jitted as bench_sparse.py times it, the kernel call alone
+without the indices' mask, and sparse_decode_fwd from torch, CALLS of each queued then waited
+for.
 
     python dev/probe_sparse_step.py [--batches 1 16 64] [--context 32768] [--layers 61]
-                                    [--out probe_sparse_step.json]
+                                    [--call-batches 1 128] [--out probe_sparse_step.json]
 """
 import argparse
 import collections
@@ -16,9 +19,16 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 import bench_sparse  # noqa: E402
 import bench_step  # noqa: E402
+import functools  # noqa: E402
+
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 from jax_flashmla import serving  # noqa: E402
+from jax_flashmla.sparse import ops as sparse_ops  # noqa: E402
+from jax_flashmla.sparse import sparse_decode_metadata, sparse_mla_decode  # noqa: E402
+
+CALLS = 10  # calls queued a profiled run
 
 
 def kernel_table(events, steps):
@@ -57,12 +67,65 @@ def launches_of(inp, torch_sparse):
     return runs, skipped
 
 
+def call_runs(b, context, torch_sparse, h_q=128, s_q=1, topk=2048):
+    """{name: queue CALLS calls and wait}: the jitted op, the kernel call without the mask,
+    and the op from torch, on one set of inputs."""
+    work = bench_sparse.Workload(b, context, False, s_q, 1, seed=b)
+    cache = bench_sparse.sparse_cache(work.kv.shape[0], jax.random.key(b))
+    (q,) = work.queries(h_q, s_q, 1)
+    indices = bench_sparse.sparse_indices(np.random.default_rng(b), work.block_tables[0], s_q,
+                                          topk, context)
+    md = jax.block_until_ready(sparse_decode_metadata(b, num_heads_q=h_q, topk=topk,
+                                                      num_q_tokens=s_q))
+    scale = bench_sparse.SOFTMAX_SCALE
+    lse_layout = (jax.sharding.SingleDeviceSharding(jax.devices()[0]),
+                  serving.lse_format(s_q, jax.devices()[0]))
+    jitted = {
+        "sparse": jax.jit(functools.partial(sparse_mla_decode, metadata=md, softmax_scale=scale,
+                                            implementation="custom_call"),
+                          out_shardings=lse_layout),
+        "kernel_unmasked": jax.jit(
+            lambda q, cache, idx: sparse_ops._kernel_decode(q, cache, idx, None, scale, md),
+            out_shardings=lse_layout)}
+    runs = {name: lambda f=f: jax.block_until_ready([f(q, cache, indices)
+                                                     for _ in range(CALLS)])
+            for name, f in jitted.items()}
+    torch_call = torch_sparse.call(q, cache, indices, md)
+    runs["torch"] = lambda: ([torch_call() for _ in range(CALLS)], torch_sparse.sync())
+    return runs
+
+
+def profile(runs, per, warm=4):
+    """{name: span, busy and kernels per `per`} over bench_step.step_activities' runs."""
+    for run in runs.values():  # AlternatingStep records its graphs over the first calls
+        for _ in range(warm):
+            run()
+    variants = {}
+    for name, steps in bench_step.step_activities(runs).items():
+        spans = [max(e.end for e in step) - min(e.start for e in step) for step in steps if step]
+        table, busy = kernel_table([e for step in steps for e in step], len(steps))
+        variants[name] = dict(
+            span_us=sorted(spans)[len(spans) // 2] / 1e3 / per, busy_us=busy / per,
+            kernels={k: [round(c / per, 3), round(us / per, 3)]
+                     for k, (c, us) in sorted(table.items(), key=lambda kv: -kv[1][1])})
+    return variants
+
+
+def show(label, unit, variants):
+    for name, v in variants.items():
+        print(f"{label} {name}: span {v['span_us']:.2f} busy {v['busy_us']:.2f} us a {unit}; "
+              f"kernels a {unit} (count, us):")
+        for kernel, (count, us) in list(v["kernels"].items())[:5]:
+            print(f"    {count:6.3f} {us:8.3f}  {kernel[:110]}")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--layers", type=int, default=61)
     parser.add_argument("--cache-gb", type=float, default=40)
+    parser.add_argument("--call-batches", type=int, nargs="*", default=[1, 128])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch_sparse = bench_sparse.TorchSparse()
@@ -71,25 +134,13 @@ def main():
     for b in args.batches:
         inp = bench_sparse.StepInputs(b, args.context, 128, 1, 2048, args.layers, args.cache_gb)
         runs, skipped = launches_of(inp, torch_sparse)
-        for run in runs.values():  # AlternatingStep records its graphs over the first calls
-            for _ in range(4):
-                run()
-        point = result["points"][f"b{b}"] = dict(skipped=skipped, variants={})
-        for name, steps in bench_step.step_activities(runs).items():
-            spans = [max(e.end for e in step) - min(e.start for e in step)
-                     for step in steps if step]
-            table, busy = kernel_table([e for step in steps for e in step], len(steps))
-            point["variants"][name] = dict(
-                span_us_per_layer=sorted(spans)[len(spans) // 2] / 1e3 / args.layers,
-                busy_us_per_layer=busy / args.layers,
-                kernels_per_layer={k: [round(c / args.layers, 3), round(us / args.layers, 3)]
-                                   for k, (c, us) in sorted(table.items(),
-                                                            key=lambda kv: -kv[1][1])})
-            v = point["variants"][name]
-            print(f"b={b} {name}: span {v['span_us_per_layer']:.2f} busy "
-                  f"{v['busy_us_per_layer']:.2f} us a layer; kernels a layer (count, us):")
-            for kernel, (count, us) in list(v["kernels_per_layer"].items())[:8]:
-                print(f"    {count:6.3f} {us:8.3f}  {kernel[:110]}")
+        variants = profile(runs, args.layers)
+        result["points"][f"b{b}"] = dict(skipped=skipped, variants=variants)
+        show(f"step b={b}", "layer", variants)
+    for b in args.call_batches:
+        variants = profile(call_runs(b, args.context, torch_sparse), CALLS)
+        result["points"][f"call b{b}"] = dict(variants=variants)
+        show(f"call b={b}", "call", variants)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
