@@ -44,7 +44,9 @@
 #     indexer-probe  dev/probe_indexer_kernels.py: where the indexer's custom call spends its
 #              time; INDEXER_PROBE_ARGS
 #     sparse-step-probe  dev/probe_sparse_step.py: the sparse step's kernels per layer, jax's
-#              steps against the torch graphs; SPARSE_STEP_ARGS
+#              steps against the torch graphs, and single calls; SPARSE_STEP_ARGS
+#     prefill-overhead  dev/probe_prefill_overhead.py: mla_prefill's parts timed alone, or
+#              kernel by kernel with --kernels; OVERHEAD_ARGS
 #     indexer-ncu  ncu's sections for the indexer's two kernels over one call of
 #              probe_indexer_kernels.py --single; INDEXER_PROBE_ARGS
 #     sparse-prefill-probe  dev/probe_sparse_prefill_call.py (PREFILL_PROBE_ARGS) with
@@ -180,6 +182,9 @@ for mode in "${modes[@]}"; do
   indexer-probe)
     timeout 200 python3 dev/probe_indexer_kernels.py --out "$out/probe_indexer.json" \
       ${INDEXER_PROBE_ARGS:-} 2>&1 | grep -v "^[IW][0-9]" | tail -12 ;;
+  prefill-overhead)
+    timeout 400 python3 dev/probe_prefill_overhead.py ${OVERHEAD_ARGS:-} 2>&1 \
+      | grep -v "^[IW][0-9]" | cut -c1-200 | tail -60 ;;
   sparse-step-probe)
     timeout 400 python3 dev/probe_sparse_step.py --out "$out/probe_sparse_step.json" \
       ${SPARSE_STEP_ARGS:-} 2>&1 | grep -v "^[IW][0-9]" | cut -c1-200 | tail -120 ;;

@@ -9,10 +9,16 @@ Times, each jitted alone, at T new tokens over a prefix of S (paged, bf16):
              columns (no concat), v from its own einsum;
   - cuDNN's two calls (prefix, then causal) on k and v already decompressed, merged;
   - mla_prefill with each decompression form.
+With --kernels, mla_prefill's kernels (count and µs a call, from the profiler) with each
+decompression form, and with the two-einsum form under the CONCURRENT command-buffer
+scheduling (independent kernels of the graph free to overlap).
 
   python dev/probe_prefill_overhead.py [--heads 16 128] [--tokens 2048] [--prefix 32768]
+                                       [--kernels]
 """
 import argparse
+import os
+import sys
 import time
 
 import jax
@@ -20,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_flashmla import prefill, ragged_attention
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 RANK, ROPE, NOPE, V = 512, 64, 128, 128
 
@@ -61,7 +69,15 @@ def time_ms(fn, *args, reps=20):
     return float(np.median(best))
 
 
-def probe(h, t, s):
+def kernel_tables(h, t, fns, args, calls=3):
+    """Each of fns' mla_prefill calls kernel by kernel (probe_sparse_step.profile)."""
+    from probe_sparse_step import profile, show
+    runs = {name: lambda fn=fn: jax.block_until_ready([fn(*args) for _ in range(calls)])
+            for name, fn in fns.items()}
+    show(f"h {h} T {t}", "call", profile(runs, calls))
+
+
+def probe(h, t, s, kernels):
     rng = np.random.default_rng(0)
     bf = jnp.bfloat16
     pages = s // 64
@@ -79,16 +95,26 @@ def probe(h, t, s):
     report = lambda name, ms: print(  # noqa: E731
         f"h {h} T {t} S {s} {name:28s} {ms:8.3f} ms  {flops / ms / 1e9:6.1f} TFLOPS*")
 
-    def run(form):
+    def compiled(form, **options):
         saved = prefill._decompress
         prefill._decompress = FORMS[form]
         try:
-            fn = jax.jit(lambda *a: prefill.mla_prefill(
+            return jax.jit(lambda *a: prefill.mla_prefill(
                 *a, w_uk=w_uk, w_uv=w_uv, softmax_scale=scale, max_prefix_tokens=s,
-                implementation="cudnn"))
-            return time_ms(fn, q, kv, cache, table, plen, qlen)
+                implementation="cudnn"), compiler_options=options).lower(
+                    q, kv, cache, table, plen, qlen).compile()
         finally:
             prefill._decompress = saved
+
+    run = lambda form: time_ms(compiled(form), q, kv, cache, table, plen, qlen)  # noqa: E731
+    if kernels:
+        fns = {form: compiled(form) for form in FORMS}
+        fns["two, concurrent"] = compiled(
+            "two", xla_gpu_command_buffer_scheduling_mode="CONCURRENT")
+        for name, fn in fns.items():
+            report(f"mla_prefill {name}", time_ms(fn, q, kv, cache, table, plen, qlen))
+        kernel_tables(h, t, fns, (q, kv, cache, table, plen, qlen))
+        return
 
     for form in FORMS:
         report(f"mla_prefill decompress={form}", run(form))
@@ -115,9 +141,10 @@ def main():
     parser.add_argument("--heads", type=int, nargs="+", default=[16, 128])
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--prefix", type=int, default=32768)
+    parser.add_argument("--kernels", action="store_true")
     args = parser.parse_args()
     for h in args.heads:
-        probe(h, args.tokens, args.prefix)
+        probe(h, args.tokens, args.prefix, args.kernels)
 
 
 if __name__ == "__main__":
