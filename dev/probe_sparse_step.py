@@ -78,8 +78,8 @@ def call_runs(b, context, torch_sparse, h_q=128, s_q=1, topk=2048):
     md = jax.block_until_ready(sparse_decode_metadata(b, num_heads_q=h_q, topk=topk,
                                                       num_q_tokens=s_q))
     scale = bench_sparse.SOFTMAX_SCALE
-    lse_layout = (jax.sharding.SingleDeviceSharding(jax.devices()[0]),
-                  serving.lse_format(s_q, jax.devices()[0]))
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    lse_layout = (device, serving.lse_format(s_q, device))
     jitted = {
         "sparse": jax.jit(functools.partial(sparse_mla_decode, metadata=md, softmax_scale=scale,
                                             implementation="custom_call"),
@@ -115,7 +115,7 @@ def show(label, unit, variants):
     for name, v in variants.items():
         print(f"{label} {name}: span {v['span_us']:.2f} busy {v['busy_us']:.2f} us a {unit}; "
               f"kernels a {unit} (count, us):")
-        for kernel, (count, us) in list(v["kernels"].items())[:5]:
+        for kernel, (count, us) in list(v["kernels"].items())[:10]:
             print(f"    {count:6.3f} {us:8.3f}  {kernel[:110]}")
 
 
