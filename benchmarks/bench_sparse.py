@@ -35,7 +35,10 @@ holds, so a layer finds little of what an earlier layer over the same cache read
 step runs jitted, unrolled and under lax.scan (bench_step.py's SCAN_UNROLL layers an iteration
 and LOOP_STEP_COMPILER_OPTIONS), each called through AlternatingStep and synced by popping what
 it pushed to a HostQueue, as bench_step.py's, their schedule made once per step
-(sparse_decode_metadata); against the same torch ops (sparse_decode_fwd
+(sparse_decode_metadata) and the layers' indices masked once per step (mask_indices: one
+kernel over the step's indices, where a layer of its own would run one a layer; in a model the
+mask fuses into the conversion of the indexer's positions to slots); against the same torch
+ops (sparse_decode_fwd
 making its own schedule per layer, the concatenation) captured in a torch CUDA graph and
 replayed, and that graph with the schedule made once per step by get_mla_decoding_metadata
 (topk), as SGLang serves V3.2. Reported: µs per layer (the median step's wall clock / layers)
@@ -70,8 +73,8 @@ import numpy as np  # noqa: E402
 
 import jax_flashmla as jf  # noqa: E402
 from jax_flashmla import kernels, serving  # noqa: E402
-from jax_flashmla.sparse import (quantize_tokens, sparse_decode_metadata,  # noqa: E402
-                                 sparse_mla_decode)
+from jax_flashmla.sparse import (mask_indices, quantize_tokens,  # noqa: E402
+                                 sparse_decode_metadata, sparse_mla_decode)
 from jax_flashmla.sparse.cache import TOKEN_BYTES  # noqa: E402
 from jax_flashmla.sparse.ops import KERNEL_HEADS  # noqa: E402
 
@@ -233,13 +236,14 @@ def run_call_group(context, b, shapes, grid, torch_sparse, blockers, device_repe
         formats = (device, serving.lse_format(s_q, device))
         sparse_md = jax.block_until_ready(sparse_decode_metadata(
             b, num_heads_q=h_q, topk=topk, num_q_tokens=s_q))
-        sparse = jax.jit(functools.partial(sparse_mla_decode, metadata=sparse_md,
-                                           softmax_scale=SOFTMAX_SCALE,
+        # The schedule is an argument, as a step passes it to its layers: closed over, it
+        # would be a constant XLA materializes at every call.
+        sparse = jax.jit(functools.partial(sparse_mla_decode, softmax_scale=SOFTMAX_SCALE,
                                            implementation=sparse_implementation()),
                          out_shardings=formats)
         variants[h_q, s_q, "sparse"] = (
-            lambda i, qs=qs, indices=indices, sparse=sparse: sparse(qs[i % rot], cache,
-                                                                    indices[i % rot]), sync)
+            lambda i, qs=qs, indices=indices, sparse=sparse, md=sparse_md: sparse(
+                qs[i % rot], cache, indices[i % rot], metadata=md), sync)
         # A metadata per set, as a model makes one per step for its block table.
         mds = [jax.block_until_ready(jf.get_mla_metadata(
             work.seq_lens, block_table=bt, num_pages=work.kv.shape[0], num_heads_q=h_q,
@@ -339,15 +343,15 @@ def jax_steps(inp):
                                       num_q_tokens=inp.s_q)
 
     def unrolled(cache, q, indices, rope):
-        md = schedule()
+        md, masked = schedule(), mask_indices(indices, cache)
         for layer in range(inp.layers):
-            q = decode(q, cache, md, indices[layer], rope[layer])
+            q = decode(q, cache, md, masked[layer], rope[layer])
         return q[..., :D_V]
 
     def scanned(cache, q, indices, rope):
-        md = schedule()
+        md, masked = schedule(), mask_indices(indices, cache)
         body = lambda q, xs: (decode(q, cache, md, *xs), None)
-        q, _ = jax.lax.scan(body, q, (indices, rope), unroll=bench_step.SCAN_UNROLL)
+        q, _ = jax.lax.scan(body, q, (masked, rope), unroll=bench_step.SCAN_UNROLL)
         return q[..., :D_V]
 
     return {"jax_unrolled": (unrolled, None),

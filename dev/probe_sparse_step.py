@@ -3,9 +3,9 @@ steps (scanned and unrolled, through AlternatingStep) and the torch CUDA graphs,
 steps of each (bench_step.step_activities), their kernels grouped by name (count and µs a
 step), the GPU's busy time and its span. The difference between a jax step and the graph with
 one schedule per step is where the step bar's margin goes. The same for single calls
-(--call-batches): sparse_mla_decode jitted as bench_sparse.py times it, the kernel call alone
-without the indices' mask, and sparse_decode_fwd from torch, CALLS of each queued then waited
-for.
+(--call-batches): sparse_decode_fwd from torch, sparse_mla_decode jitted as bench_sparse.py
+times it, the same on indices masked beforehand, and torch's again, CALLS of each queued then
+waited for.
 
     python dev/probe_sparse_step.py [--batches 1 16 64] [--context 32768] [--layers 61]
                                     [--call-batches 1 128] [--out probe_sparse_step.json]
@@ -25,8 +25,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jax_flashmla import serving  # noqa: E402
-from jax_flashmla.sparse import ops as sparse_ops  # noqa: E402
-from jax_flashmla.sparse import sparse_decode_metadata, sparse_mla_decode  # noqa: E402
+from jax_flashmla.sparse import (mask_indices, sparse_decode_metadata,  # noqa: E402
+                                 sparse_mla_decode)
 
 CALLS = 10  # calls queued a profiled run
 
@@ -68,31 +68,30 @@ def launches_of(inp, torch_sparse):
 
 
 def call_runs(b, context, torch_sparse, h_q=128, s_q=1, topk=2048):
-    """{name: queue CALLS calls and wait}: the jitted op, the kernel call without the mask,
-    and the op from torch, on one set of inputs."""
+    """{name: queue CALLS calls and wait}: the op from torch, the jitted op, the jitted op on
+    indices masked beforehand (MaskedIndices), and the op from torch again (whether the order
+    of the runs moves a kernel's time), on one set of inputs."""
     work = bench_sparse.Workload(b, context, False, s_q, 1, seed=b)
     cache = bench_sparse.sparse_cache(work.kv.shape[0], jax.random.key(b))
     (q,) = work.queries(h_q, s_q, 1)
     indices = bench_sparse.sparse_indices(np.random.default_rng(b), work.block_tables[0], s_q,
                                           topk, context)
+    masked = jax.block_until_ready(mask_indices(indices, cache))
     md = jax.block_until_ready(sparse_decode_metadata(b, num_heads_q=h_q, topk=topk,
                                                       num_q_tokens=s_q))
-    scale = bench_sparse.SOFTMAX_SCALE
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    lse_layout = (device, serving.lse_format(s_q, device))
-    jitted = {
-        "sparse": jax.jit(functools.partial(sparse_mla_decode, metadata=md, softmax_scale=scale,
-                                            implementation="custom_call"),
-                          out_shardings=lse_layout),
-        "kernel_unmasked": jax.jit(
-            lambda q, cache, idx: sparse_ops._kernel_decode(q, cache, idx, None, scale, md),
-            out_shardings=lse_layout)}
-    runs = {name: lambda f=f: jax.block_until_ready([f(q, cache, indices)
-                                                     for _ in range(CALLS)])
-            for name, f in jitted.items()}
+    sparse = jax.jit(functools.partial(sparse_mla_decode, softmax_scale=bench_sparse.SOFTMAX_SCALE,
+                                       implementation="custom_call"),
+                     out_shardings=(device, serving.lse_format(s_q, device)))
     torch_call = torch_sparse.call(q, cache, indices, md)
-    runs["torch"] = lambda: ([torch_call() for _ in range(CALLS)], torch_sparse.sync())
-    return runs
+    torch_run = lambda: ([torch_call() for _ in range(CALLS)], torch_sparse.sync())  # noqa: E731
+    return {
+        "torch": torch_run,
+        "sparse": lambda: jax.block_until_ready(
+            [sparse(q, cache, indices, metadata=md) for _ in range(CALLS)]),
+        "sparse_premasked": lambda: jax.block_until_ready(
+            [sparse(q, cache, masked, metadata=md) for _ in range(CALLS)]),
+        "torch_again": torch_run}
 
 
 def profile(runs, per, warm=4):

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from jax_flashmla import kernels
-from jax_flashmla.sparse import (quantize_tokens, sparse_decode_metadata, sparse_mla_decode,
-                                 sparse_mla_prefill)
+from jax_flashmla.sparse import (mask_indices, quantize_tokens, sparse_decode_metadata,
+                                 sparse_mla_decode, sparse_mla_prefill)
 from helpers import torch_view
 
 pytestmark = pytest.mark.gpu
@@ -86,6 +86,22 @@ def test_a_topk_the_kernel_does_not_take_is_padded_with_invalid_indices(topk):
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32),
                                rtol=2e-2, atol=2e-2)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-5, atol=1e-4)
+
+
+def test_masked_indices_reach_the_kernel_without_a_mask():
+    """MaskedIndices go to the kernel as they are (no select in the compiled module, where raw
+    indices have the mask's), and give the raw indices' answer bit for bit."""
+    kernels.ensure_cuda_targets()
+    q, cache, indices = _problem(9, 3, 1, 64)
+    decode = jax.jit(functools.partial(sparse_mla_decode, softmax_scale=SCALE,
+                                       implementation="custom_call"))
+    masked = mask_indices(indices, cache)
+    assert "select(" in decode.lower(q, cache, indices).compile().as_text()
+    assert "select(" not in decode.lower(q, cache, masked).compile().as_text()
+    out, lse = decode(q, cache, masked)
+    t_out, t_lse = _torch_decode(q, cache, indices, None)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), t_out)
+    np.testing.assert_array_equal(np.asarray(lse), t_lse)
 
 
 def test_a_step_called_again_with_new_inputs_gives_their_answer():

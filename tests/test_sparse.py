@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import jax_flashmla as jf
-from jax_flashmla.sparse import (SparseKVCache, dequantize_tokens, quantize_tokens,
-                                 sparse_decode_metadata, sparse_mla_decode, sparse_mla_prefill,
-                                 write_sparse_kv)
+from jax_flashmla.sparse import (MaskedIndices, SparseKVCache, dequantize_tokens, mask_indices,
+                                 quantize_tokens, sparse_decode_metadata, sparse_mla_decode,
+                                 sparse_mla_prefill, write_sparse_kv)
 from jax_flashmla.sparse import ops as sparse_ops
 from jax_flashmla.sparse.cache import TOKEN_BYTES, tile_scales
 
@@ -204,7 +204,7 @@ def test_the_prefill_hands_its_kernel_padded_heads_and_topk():
     (call,) = [e for e in jaxpr.eqns if e.primitive.name == "jax_flashmla_mla_sparse_prefill"]
     assert [(v.aval.shape, v.aval.dtype) for v in call.invars] == [
         ((5, 64, 576), jnp.bfloat16), ((9, 1, 576), jnp.bfloat16), ((5, 1, 128), jnp.int32),
-        ((64,), jnp.float32)]
+        ((0,), jnp.float32)]  # no sink: an empty operand, which takes no kernel to make
     assert call.params == dict(softmax_scale=0.1, with_sink=False)
     out, lse = (v.aval for v in jaxpr.jaxpr.outvars)
     assert (out.shape, out.dtype, lse.shape, lse.dtype) == ((5, 16, 512), jnp.float32, (16, 5),
@@ -267,3 +267,64 @@ def test_int64_slots_are_refused_not_narrowed():
     slots = np.asarray([[5, 2**33 + 5]], np.int64)  # narrowed to int32, 2**33 + 5 is slot 5
     with pytest.raises(TypeError, match="write_sparse_kv: slots must be int32; got int64"):
         write_sparse_kv(SparseKVCache.create(1), slots, jnp.zeros((1, 2, 576), jnp.float32))
+
+
+def test_masked_indices_are_the_masks_answer_and_slice_like_their_array():
+    """mask_indices over a stack of layers' indices: each entry past the cache or its row's
+    topk_length -1, the rest kept; a layer's slice decodes to the answer of the raw indices
+    with topk_length, under lax.scan too."""
+    q, cache, indices = _decode_problem(11)
+    slots = cache.shape[0] * 64
+    stacked = jnp.stack([indices, indices[::-1]])  # (layers, batch, s_q, topk)
+    lengths = jnp.asarray([30, 64], jnp.int32)  # per layer, over the rest of its dimensions
+    masked = jax.jit(mask_indices)(stacked, cache, topk_length=lengths)
+    assert isinstance(masked, MaskedIndices) and masked.num_keys == slots
+    raw = np.asarray(stacked)
+    keep = (raw >= 0) & (raw < slots) & (np.arange(raw.shape[-1]) < np.asarray(lengths)[:, None,
+                                                                                       None, None])
+    np.testing.assert_array_equal(np.asarray(masked.slots), np.where(keep, raw, -1))
+    decode = jax.jit(functools.partial(sparse_mla_decode, softmax_scale=0.1))
+    for layer in range(2):
+        expected = decode(q, cache, stacked[layer],
+                          topk_length=jnp.full((q.shape[0],), lengths[layer], jnp.int32))
+        for got, want in zip(decode(q, cache, masked[layer]), expected):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+    @jax.jit
+    def scanned(q, cache, masked):
+        return jax.lax.scan(lambda c, m: (c, decode(q, cache, m)), None, masked)[1]
+
+    outs, _ = scanned(q, cache, masked)
+    np.testing.assert_array_equal(np.asarray(outs[1]), np.asarray(decode(q, cache, masked[1])[0]))
+
+
+def test_the_kernel_takes_masked_indices_as_they_are(monkeypatch):
+    """On the custom call's path, raw indices reach the kernel through the mask; MaskedIndices
+    reach it as they are (the kernel call stood in for, so that this runs on any backend)."""
+    q, cache, indices = _decode_problem(12, h_q=64)
+    reached = []
+    monkeypatch.setattr(sparse_ops, "_implementation", lambda *_: "custom_call")
+    monkeypatch.setattr(sparse_ops, "_kernel_decode",
+                        lambda q, data, indices, *_: reached.append(indices))
+    masked = mask_indices(indices, cache)
+    sparse_mla_decode(q, cache, indices)
+    sparse_mla_decode(q, cache, masked)
+    raw_to_kernel, masked_to_kernel = reached
+    np.testing.assert_array_equal(np.asarray(raw_to_kernel), np.asarray(masked.slots))
+    assert masked_to_kernel is masked.slots
+
+
+@pytest.mark.parametrize("call,pattern", [
+    (lambda q, cache, m: sparse_mla_decode(q, cache, m, topk_length=jnp.zeros((3,), jnp.int32)),
+     r"sparse_mla_decode: topk_length goes to mask_indices with MaskedIndices"),
+    (lambda q, cache, m: sparse_mla_decode(q, SparseKVCache.create(1), m),
+     r"sparse_mla_decode: indices were masked for \d+ keys, but the cache holds 64"),
+    (lambda q, cache, m: mask_indices(m.slots, cache, topk_length=jnp.zeros((2,), jnp.int32)),
+     r"mask_indices: topk_length must have shape \(3,\), indices' first dimension; got \(2,\)"),
+    (lambda q, cache, m: mask_indices(m.slots.astype(jnp.int16), cache),
+     r"mask_indices: indices must be int32"),
+])
+def test_bad_masked_indices_are_named(call, pattern):
+    q, cache, indices = _decode_problem(13)
+    with pytest.raises((ValueError, TypeError), match=pattern):
+        call(q, cache, mask_indices(indices, cache))

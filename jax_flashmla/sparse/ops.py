@@ -2,7 +2,8 @@
 
 jax_flashmla/sparse/reference.py states the semantics. On a Hopper GPU both run FlashMLA's
 kernels as custom calls (jax_flashmla_mla_sparse_decode, jax_flashmla_mla_sparse_prefill):
-indices past the keys or past topk_length are made -1 first (the kernels read any other), the
+indices past the keys or past topk_length are made -1 first (the kernels read any other; the
+decode takes MaskedIndices, made once for several decodes, as they are), the
 indices are padded with -1 to the kernel's topk block, and q's heads are padded with zeros to
 the kernels' 64 or 128 (the padding heads' results are dropped; they cost what real heads
 cost). The decode's split-KV schedule depends on the shapes alone (every request has topk keys
@@ -74,8 +75,8 @@ def _kernel_topk(topk, block=KERNEL_TOPK_BLOCK):
 
 
 def _kernel_heads(where, q, attn_sink):
-    """q (..., h_q, 576) bf16 and the sink (h_q,) padded with zeros to the kernel's heads,
-    and whether a sink was given."""
+    """q (..., h_q, 576) bf16 and the sink (h_q,) padded with zeros to the kernel's heads (an
+    empty sink where none is given), and whether a sink was given."""
     h_q = q.shape[-2]
     if q.dtype != jnp.bfloat16:
         _fail(TypeError, where, f"FlashMLA's sparse kernels take a bfloat16 q; got {q.dtype}")
@@ -83,9 +84,10 @@ def _kernel_heads(where, q, attn_sink):
         _fail(ValueError, where, f"FlashMLA's sparse kernels take at most {KERNEL_HEADS[-1]} "
                                  f"heads; got h_q={h_q} (split the heads)")
     heads = _kernel_head_count(h_q)
-    pad = [(0, 0)] * (q.ndim - 2) + [(0, heads - h_q), (0, 0)]
-    sink = jnp.zeros((h_q,), jnp.float32) if attn_sink is None else attn_sink
-    return jnp.pad(q, pad), jnp.pad(sink, (0, heads - h_q)), attn_sink is not None
+    q = jnp.pad(q, [(0, 0)] * (q.ndim - 2) + [(0, heads - h_q), (0, 0)])
+    if attn_sink is None:  # the kernel reads no sink: an empty operand takes no kernel to make
+        return q, jnp.zeros((0,), jnp.float32), False
+    return q, jnp.pad(attn_sink, (0, heads - h_q)), True
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -167,6 +169,64 @@ def _kernel_decode(q, data, indices, attn_sink, softmax_scale, metadata):
     return out[:, :, :h_q], lse[:, :h_q]
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["slots"],
+                   meta_fields=["num_keys"])
+@dataclasses.dataclass(frozen=True)
+class MaskedIndices:
+    """Sparse indices with every invalid entry already -1, as FlashMLA's kernel reads them:
+    sparse_mla_decode takes them as they are, with no mask of its own.
+
+    Made by mask_indices, once for indices several decodes share (a step's layers, say); a
+    stack of them slices like its array (masked[layer], or as lax.scan's xs).
+
+    Attributes:
+      slots: (..., topk) int32, each in [-1, num_keys).
+      num_keys: the keys they were masked for (static): a cache of at least as many takes them.
+    """
+
+    slots: jax.Array
+    num_keys: int
+
+    def __getitem__(self, key):
+        return MaskedIndices(self.slots[key], self.num_keys)
+
+
+def mask_indices(indices, kv_cache, *, topk_length=None):
+    """indices (..., topk) int32 -> MaskedIndices: each entry outside the cache's slots
+    [0, num_pages * 64), or from its row's topk_length on, made -1.
+
+    kv_cache is the SparseKVCache (or its array) the indices are for; topk_length is
+    (indices.shape[0],) int32 or None, broadcast over the other leading dimensions.
+    """
+    where = "mask_indices"
+    data = sparse_cache_array(kv_cache, where)
+    validation.check_int32(where, "indices", indices)
+    if indices.ndim < 1 or indices.shape[-1] < 1:
+        _fail(ValueError, where, f"indices must have shape (..., topk >= 1); got "
+                                 f"{tuple(indices.shape)}")
+    if topk_length is not None:
+        validation.check_int32(where, "topk_length", topk_length)
+        if indices.ndim < 2 or tuple(topk_length.shape) != tuple(indices.shape[:1]):
+            _fail(ValueError, where, f"topk_length must have shape {tuple(indices.shape[:1])}, "
+                                     f"indices' first dimension; got {tuple(topk_length.shape)}")
+    num_keys = data.shape[0] * PAGE_SIZE
+    valid = reference.valid_indices(indices, num_keys, topk_length)
+    return MaskedIndices(jnp.where(valid, indices, -1), num_keys)
+
+
+def _unmasked(where, indices, data, topk_length):
+    """(the index array, whether it still needs the mask) of sparse_mla_decode's indices."""
+    if not isinstance(indices, MaskedIndices):
+        return indices, True
+    if topk_length is not None:
+        _fail(ValueError, where, "topk_length goes to mask_indices with MaskedIndices, which "
+                                 "already hold it; got a topk_length here too")
+    if indices.num_keys > data.shape[0] * PAGE_SIZE:
+        _fail(ValueError, where, f"indices were masked for {indices.num_keys} keys, but the cache "
+                                 f"holds {data.shape[0] * PAGE_SIZE}")
+    return indices.slots, False
+
+
 def sparse_mla_decode(q, kv_cache, indices, *, metadata=None, softmax_scale=None,
                       topk_length=None, attn_sink=None, implementation=None):
     """Sparse MLA decode over DeepSeek-V3.2's FP8 cache (FlashMLA's sparse_decode_fwd).
@@ -175,7 +235,8 @@ def sparse_mla_decode(q, kv_cache, indices, *, metadata=None, softmax_scale=None
       q: (batch, s_q, h_q, 576) bfloat16 (float16, float32): 512 latent + 64 rope columns.
       kv_cache: SparseKVCache or its (num_pages, 64, 1, 656) uint8 array.
       indices: (batch, s_q, topk) int32 slots (page * 64 + offset) each query attends to;
-        outside [0, num_pages * 64) (e.g. -1) an index is invalid and never read.
+        outside [0, num_pages * 64) (e.g. -1) an index is invalid and never read. Or
+        MaskedIndices of that shape (mask_indices), taken as they are.
       metadata: a SparseMetadata from sparse_decode_metadata for these shapes, made once per
         step and shared by its layers; None makes one for this call.
       softmax_scale: a Python float; defaults to 576 ** -0.5.
@@ -193,6 +254,7 @@ def sparse_mla_decode(q, kv_cache, indices, *, metadata=None, softmax_scale=None
     where = "sparse_mla_decode"
     validation.check_rank(where, "q", q, 4, "(batch, s_q, h_q, 576)")
     data = sparse_cache_array(kv_cache, where)
+    indices, needs_mask = _unmasked(where, indices, data, topk_length)
     scale = _check_common(where, q, indices, tuple(q.shape[:2]), topk_length, attn_sink,
                           softmax_scale)
     if metadata is not None:
@@ -200,10 +262,11 @@ def sparse_mla_decode(q, kv_cache, indices, *, metadata=None, softmax_scale=None
     if _implementation(where, implementation, "sparse_decode") == "reference":
         return reference.sparse_decode_reference(q, data, indices, softmax_scale=scale,
                                                  topk_length=topk_length, attn_sink=attn_sink)
-    # The kernel skips -1 alone: it would read an index past the cache, and it takes no
-    # topk_length with this cache format.
-    valid = reference.valid_indices(indices, data.shape[0] * PAGE_SIZE, topk_length)
-    return _kernel_decode(q, data, jnp.where(valid, indices, -1), attn_sink, scale, metadata)
+    if needs_mask:
+        # The kernel skips -1 alone: it would read an index past the cache, and it takes no
+        # topk_length with this cache format.
+        indices = mask_indices(indices, data, topk_length=topk_length).slots
+    return _kernel_decode(q, data, indices, attn_sink, scale, metadata)
 
 
 def _kernel_prefill(q, kv, indices, attn_sink, softmax_scale):
