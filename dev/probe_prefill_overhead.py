@@ -2,15 +2,14 @@
 
 Times, each jitted alone, at T new tokens over a prefix of S (paged, bf16):
   - mla_prefill (cudnn), whole;
-  - the prefix's gather and decompression alone, in three forms:
-      two:   k_nope and v from two einsums, then k_nope and the rope key concatenated;
-      one:   k_nope and v from one einsum over W_UK and W_UV side by side, then the concat;
-      fused: k straight from the 576-wide rows through W_UK with an identity on the rope
-             columns (no concat), v from its own einsum;
+  - the prefix's gather and decompression alone, in two forms:
+      rows:   mla_prefill's: k and v each one einsum of the 576-wide rows (W_UK with an
+              identity on the rope columns, W_UV with zeros there);
+      concat: k_nope and v from the latent columns, then the rope key concatenated;
   - cuDNN's two calls (prefix, then causal) on k and v already decompressed, merged;
   - mla_prefill with each decompression form.
 With --kernels, mla_prefill's kernels (count and µs a call, from the profiler) with each
-decompression form, and with the two-einsum form under the CONCURRENT command-buffer
+decompression form, and with mla_prefill's under the CONCURRENT command-buffer
 scheduling (independent kernels of the graph free to overlap).
 
   python dev/probe_prefill_overhead.py [--heads 16 128] [--tokens 2048] [--prefix 32768]
@@ -32,29 +31,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 RANK, ROPE, NOPE, V = 512, 64, 128, 128
 
 
-decompress_two = prefill._decompress
+def decompress_concat(rows, w_k, w_v):
+    """The former form: k_nope and v from the latent columns, then the rope key concatenated."""
+    w_uk, w_uv = w_k[:RANK, :, :NOPE], w_v[:RANK]
+    latent, k_pe = rows[:, :RANK], rows[:, RANK:]
+    k_nope = jnp.einsum("sc,chd->shd", latent, w_uk)
+    v = jnp.einsum("sc,chd->shd", latent, w_uv)
+    k_pe = jnp.broadcast_to(k_pe[:, None, :], (k_pe.shape[0], w_uk.shape[1], ROPE))
+    return jnp.concatenate([k_nope, k_pe], axis=-1), v
 
 
-def decompress_one(rows, w_uk, w_uv):
-    latent, k_pe = rows[..., :RANK], rows[..., RANK:]
-    kv = jnp.einsum("sc,chd->shd", latent, jnp.concatenate([w_uk, w_uv], axis=-1))
-    h = w_uk.shape[1]
-    k_pe = jnp.broadcast_to(k_pe[:, None, :], (k_pe.shape[0], h, ROPE))
-    return jnp.concatenate([kv[..., :NOPE], k_pe], axis=-1), kv[..., NOPE:]
-
-
-def decompress_fused(rows, w_uk, w_uv):
-    h = w_uk.shape[1]
-    w_k = jnp.zeros((RANK + ROPE, h, NOPE + ROPE), rows.dtype)
-    w_k = w_k.at[:RANK, :, :NOPE].set(w_uk)
-    w_k = w_k.at[RANK:, :, NOPE:].set(jnp.broadcast_to(jnp.eye(ROPE, dtype=rows.dtype)[:, None],
-                                                       (ROPE, h, ROPE)))
-    k = jnp.einsum("sc,chd->shd", rows, w_k)
-    v = jnp.einsum("sc,chd->shd", rows[..., :RANK], w_uv)
-    return k, v
-
-
-FORMS = {"two": decompress_two, "one": decompress_one, "fused": decompress_fused}
+FORMS = {"rows": prefill._decompress, "concat": decompress_concat}
 
 
 def time_ms(fn, *args, reps=20):
@@ -98,6 +85,7 @@ def probe(h, t, s, kernels):
     def compiled(form, **options):
         saved = prefill._decompress
         prefill._decompress = FORMS[form]
+        jax.clear_caches()  # _prefill is jitted: a trace of the other form would be reused
         try:
             return jax.jit(lambda *a: prefill.mla_prefill(
                 *a, w_uk=w_uk, w_uv=w_uv, softmax_scale=scale, max_prefix_tokens=s,
@@ -109,22 +97,23 @@ def probe(h, t, s, kernels):
     run = lambda form: time_ms(compiled(form), q, kv, cache, table, plen, qlen)  # noqa: E731
     if kernels:
         fns = {form: compiled(form) for form in FORMS}
-        fns["two, concurrent"] = compiled(
-            "two", xla_gpu_command_buffer_scheduling_mode="CONCURRENT")
+        fns["rows, concurrent"] = compiled(
+            "rows", xla_gpu_command_buffer_scheduling_mode="CONCURRENT")
         for name, fn in fns.items():
             report(f"mla_prefill {name}", time_ms(fn, q, kv, cache, table, plen, qlen))
         kernel_tables(h, t, fns, (q, kv, cache, table, plen, qlen))
         return
 
+    w_k, w_v = prefill._row_weights(w_uk, w_uv, ROPE)
     for form in FORMS:
         report(f"mla_prefill decompress={form}", run(form))
         gather = jax.jit(lambda c, bt, form=form: FORMS[form](
-            prefill._prefix_rows(c, bt, prefix, 0, s, None, bf), w_uk, w_uv))
+            prefill._prefix_rows(c, bt, prefix, 0, s, None, bf), w_k, w_v))
         report(f"gather+decompress {form}", time_ms(gather, cache, table))
 
-    k, v = jax.jit(lambda c, bt: decompress_two(
-        prefill._prefix_rows(c, bt, prefix, 0, s, None, bf), w_uk, w_uv))(cache, table)
-    ks, vs = decompress_two(kv, w_uk, w_uv)
+    k, v = jax.jit(lambda c, bt: prefill._decompress(
+        prefill._prefix_rows(c, bt, prefix, 0, s, None, bf), w_k, w_v))(cache, table)
+    ks, vs = prefill._decompress(kv, w_k, w_v)
 
     @jax.jit
     def cudnn_only(q, k, v, ks, vs):
