@@ -120,7 +120,7 @@ def show(label, unit, variants):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--batches", type=int, nargs="*", default=[1, 16, 64])
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--layers", type=int, default=61)
     parser.add_argument("--cache-gb", type=float, default=40)
