@@ -12,8 +12,10 @@ With --kernels, mla_prefill's kernels (count and µs a call, from the profiler) 
 decompression form, and with mla_prefill's under the CONCURRENT command-buffer
 scheduling (independent kernels of the graph free to overlap).
 
+With --bench-inputs, bench_prefill.py's inputs (unit-scale data) in place of the probe's.
+
   python dev/probe_prefill_overhead.py [--heads 16 128] [--tokens 2048] [--prefix 32768]
-                                       [--kernels]
+                                       [--kernels] [--bench-inputs]
 """
 import argparse
 import os
@@ -27,6 +29,7 @@ import numpy as np
 from jax_flashmla import prefill, ragged_attention
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 
 RANK, ROPE, NOPE, V = 512, 64, 128, 128
 
@@ -64,7 +67,7 @@ def kernel_tables(h, t, fns, args, calls=3):
     show(f"h {h} T {t}", "call", profile(runs, calls))
 
 
-def probe(h, t, s, kernels):
+def probe(h, t, s, kernels, bench_inputs):
     rng = np.random.default_rng(0)
     bf = jnp.bfloat16
     pages = s // 64
@@ -74,6 +77,11 @@ def probe(h, t, s, kernels):
     kv = jnp.asarray(rng.standard_normal((t, RANK + ROPE)) * 0.1, bf)
     w_uk = jnp.asarray(rng.standard_normal((RANK, h, NOPE)) * 0.05, bf)
     w_uv = jnp.asarray(rng.standard_normal((RANK, h, V)) * 0.05, bf)
+    if bench_inputs:
+        import bench_prefill
+        q, kv, cache, table, _, _, w_uk, w_uv, _ = bench_prefill.make_inputs(
+            bench_prefill.Point("extend", t, s, h, "bfloat16"))
+        q, kv = q[0], kv[0]
     plen, qlen = jnp.asarray([s], jnp.int32), jnp.asarray([t], jnp.int32)
     prefix = ragged_attention.Segments(jnp.zeros((1,), jnp.int32), plen)
     new = ragged_attention.Segments(jnp.zeros((1,), jnp.int32), qlen)
@@ -131,9 +139,10 @@ def main():
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--prefix", type=int, default=32768)
     parser.add_argument("--kernels", action="store_true")
+    parser.add_argument("--bench-inputs", action="store_true")
     args = parser.parse_args()
     for h in args.heads:
-        probe(h, args.tokens, args.prefix, args.kernels)
+        probe(h, args.tokens, args.prefix, args.kernels, args.bench_inputs)
 
 
 if __name__ == "__main__":
