@@ -12,7 +12,10 @@ With --kernels, mla_prefill's kernels (count and µs a call, from the profiler) 
 decompression form, and with mla_prefill's under the CONCURRENT command-buffer
 scheduling (independent kernels of the graph free to overlap).
 
-With --bench-inputs, bench_prefill.py's inputs (unit-scale data) in place of the probe's.
+With --bench-inputs, bench_prefill.py's inputs (unit-scale data) in place of the probe's; with
+--weights-as-args, W_UK and W_UV arguments of the jitted call (as in a model and in
+bench_prefill.py), not constants of it. The variants: mla_prefill's ("rows"), with the former
+decompression ("concat"), without the barrier on its row weights, and under CONCURRENT.
 
   python dev/probe_prefill_overhead.py [--heads 16 128] [--tokens 2048] [--prefix 32768]
                                        [--kernels] [--bench-inputs]
@@ -45,6 +48,9 @@ def decompress_concat(rows, w_k, w_v):
 
 
 FORMS = {"rows": prefill._decompress, "concat": decompress_concat}
+# mla_prefill's variants: (module, attribute, replacement) for each.
+VARIANTS = {"rows": (), "concat": ((prefill, "_decompress", decompress_concat),),
+            "rows, no barrier": ((jax.lax, "optimization_barrier", lambda x: x),)}
 
 
 def time_ms(fn, *args, reps=20):
@@ -67,7 +73,7 @@ def kernel_tables(h, t, fns, args, calls=3):
     show(f"h {h} T {t}", "call", profile(runs, calls))
 
 
-def probe(h, t, s, kernels, bench_inputs):
+def probe(h, t, s, kernels, bench_inputs, weights_as_args):
     rng = np.random.default_rng(0)
     bf = jnp.bfloat16
     pages = s // 64
@@ -90,21 +96,31 @@ def probe(h, t, s, kernels, bench_inputs):
     report = lambda name, ms: print(  # noqa: E731
         f"h {h} T {t} S {s} {name:28s} {ms:8.3f} ms  {flops / ms / 1e9:6.1f} TFLOPS*")
 
-    def compiled(form, **options):
-        saved = prefill._decompress
-        prefill._decompress = FORMS[form]
-        jax.clear_caches()  # _prefill is jitted: a trace of the other form would be reused
+    def compiled(variant, **options):
+        patches = VARIANTS[variant]
+        saved = [getattr(module, name) for module, name, _ in patches]
+        for module, name, replacement in patches:
+            setattr(module, name, replacement)
+        jax.clear_caches()  # _prefill is jitted: a trace of another variant would be reused
         try:
+            if weights_as_args:  # as a model passes its weights
+                fn = lambda q, kv, c, bt, pl, ql, w_uk, w_uv: prefill.mla_prefill(  # noqa: E731
+                    q, kv, c, bt, pl, ql, w_uk=w_uk, w_uv=w_uv, softmax_scale=scale,
+                    max_prefix_tokens=s, implementation="cudnn")
+                exe = jax.jit(fn, compiler_options=options).lower(
+                    q, kv, cache, table, plen, qlen, w_uk, w_uv).compile()
+                return lambda *a: exe(*a, w_uk, w_uv)
             return jax.jit(lambda *a: prefill.mla_prefill(
                 *a, w_uk=w_uk, w_uv=w_uv, softmax_scale=scale, max_prefix_tokens=s,
                 implementation="cudnn"), compiler_options=options).lower(
                     q, kv, cache, table, plen, qlen).compile()
         finally:
-            prefill._decompress = saved
+            for (module, name, _), original in zip(patches, saved):
+                setattr(module, name, original)
 
     run = lambda form: time_ms(compiled(form), q, kv, cache, table, plen, qlen)  # noqa: E731
     if kernels:
-        fns = {form: compiled(form) for form in FORMS}
+        fns = {variant: compiled(variant) for variant in VARIANTS}
         fns["rows, concurrent"] = compiled(
             "rows", xla_gpu_command_buffer_scheduling_mode="CONCURRENT")
         for name, fn in fns.items():
@@ -140,9 +156,11 @@ def main():
     parser.add_argument("--prefix", type=int, default=32768)
     parser.add_argument("--kernels", action="store_true")
     parser.add_argument("--bench-inputs", action="store_true")
+    parser.add_argument("--weights-as-args", action="store_true")
     args = parser.parse_args()
     for h in args.heads:
-        probe(h, args.tokens, args.prefix, args.kernels, args.bench_inputs)
+        probe(h, args.tokens, args.prefix, args.kernels, args.bench_inputs,
+              args.weights_as_args)
 
 
 if __name__ == "__main__":

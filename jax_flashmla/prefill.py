@@ -323,7 +323,9 @@ def _prefill(q, kv, kv_cache, block_table, prefix_lens, query_lens, query_starts
 
     owner, _ = ragged_attention.owners(q_segments, t)
     new_rows = jnp.where((owner >= 0)[:, None], kv.astype(q.dtype), jnp.zeros((), q.dtype))
-    w_k, w_v = _row_weights(w_uk, w_uv, kv.shape[1] - w_uk.shape[0])
+    # A few MB made from the weights at each call; the barrier keeps XLA from fusing their
+    # making into the matmuls that read them (generated kernels slower than cuBLAS's).
+    w_k, w_v = jax.lax.optimization_barrier(_row_weights(w_uk, w_uv, kv.shape[1] - w_uk.shape[0]))
     k, v = _decompress(new_rows, w_k, w_v)
     out, lse = core(q, k, v, q_segments, q_segments, causal=True)
     if capacity:
