@@ -2,10 +2,13 @@
 
 Times, each jitted alone, at T new tokens over a prefix of S (paged, bf16):
   - mla_prefill (cudnn), whole;
-  - the prefix's gather and decompression alone, in two forms:
-      rows:   mla_prefill's: k and v each one einsum of the 576-wide rows (W_UK with an
-              identity on the rope columns, W_UV with zeros there);
-      concat: k_nope and v from the latent columns, then the rope key concatenated;
+  - the prefix's gather and decompression alone, in three forms:
+      concat: mla_prefill's: k_nope and v from the latent columns, then the rope key
+              concatenated;
+      rows:   k and v each one einsum of the 576-wide rows (W_UK with an identity on the
+              rope columns, W_UV with zeros there): no concatenation pass;
+      rows, barrier: the same with the weights made apart (an optimization barrier), not
+              fused into the matmuls;
   - cuDNN's two calls (prefix, then causal) on k and v already decompressed, merged;
   - mla_prefill with each decompression form.
 With --kernels, mla_prefill's kernels (count and µs a call, from the profiler) with each
@@ -14,8 +17,7 @@ scheduling (independent kernels of the graph free to overlap).
 
 With --bench-inputs, bench_prefill.py's inputs (unit-scale data) in place of the probe's; with
 --weights-as-args, W_UK and W_UV arguments of the jitted call (as in a model and in
-bench_prefill.py), not constants of it. The variants: mla_prefill's ("rows"), with the former
-decompression ("concat"), without the barrier on its row weights, and under CONCURRENT.
+bench_prefill.py), not constants of it.
 
   python dev/probe_prefill_overhead.py [--heads 16 128] [--tokens 2048] [--prefix 32768]
                                        [--kernels] [--bench-inputs]
@@ -37,20 +39,29 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 RANK, ROPE, NOPE, V = 512, 64, 128, 128
 
 
-def decompress_concat(rows, w_k, w_v):
-    """The former form: k_nope and v from the latent columns, then the rope key concatenated."""
-    w_uk, w_uv = w_k[:RANK, :, :NOPE], w_v[:RANK]
-    latent, k_pe = rows[:, :RANK], rows[:, RANK:]
-    k_nope = jnp.einsum("sc,chd->shd", latent, w_uk)
-    v = jnp.einsum("sc,chd->shd", latent, w_uv)
-    k_pe = jnp.broadcast_to(k_pe[:, None, :], (k_pe.shape[0], w_uk.shape[1], ROPE))
-    return jnp.concatenate([k_nope, k_pe], axis=-1), v
+def row_weights(w_uk, w_uv):
+    """W_UK with an identity from the rope columns to each head's, W_UV with zeros there: the
+    weights of the whole 576-wide rows."""
+    h = w_uk.shape[1]
+    eye = jnp.broadcast_to(jnp.eye(ROPE, dtype=w_uk.dtype)[:, None, :], (ROPE, h, ROPE))
+    w_k = jnp.concatenate([
+        jnp.concatenate([w_uk, jnp.zeros((RANK, h, ROPE), w_uk.dtype)], axis=-1),
+        jnp.concatenate([jnp.zeros((ROPE, h, NOPE), w_uk.dtype), eye], axis=-1)])
+    return w_k, jnp.pad(w_uv, ((0, ROPE), (0, 0), (0, 0)))
 
 
-FORMS = {"rows": prefill._decompress, "concat": decompress_concat}
+def decompress_rows(rows, w_uk, w_uv, barrier=False):
+    """k and v each one einsum of the whole rows (no concatenation pass over the keys)."""
+    w_k, w_v = row_weights(w_uk, w_uv)
+    if barrier:  # the weights made apart, not fused into the matmuls that read them
+        w_k, w_v = jax.lax.optimization_barrier((w_k, w_v))
+    return jnp.einsum("sc,chd->shd", rows, w_k), jnp.einsum("sc,chd->shd", rows, w_v)
+
+
+FORMS = {"concat": prefill._decompress, "rows": decompress_rows,
+         "rows, barrier": lambda *a: decompress_rows(*a, barrier=True)}
 # mla_prefill's variants: (module, attribute, replacement) for each.
-VARIANTS = {"rows": (), "concat": ((prefill, "_decompress", decompress_concat),),
-            "rows, no barrier": ((jax.lax, "optimization_barrier", lambda x: x),)}
+VARIANTS = {form: ((prefill, "_decompress", fn),) for form, fn in FORMS.items()}
 
 
 def time_ms(fn, *args, reps=20):
@@ -121,23 +132,22 @@ def probe(h, t, s, kernels, bench_inputs, weights_as_args):
     run = lambda form: time_ms(compiled(form), q, kv, cache, table, plen, qlen)  # noqa: E731
     if kernels:
         fns = {variant: compiled(variant) for variant in VARIANTS}
-        fns["rows, concurrent"] = compiled(
-            "rows", xla_gpu_command_buffer_scheduling_mode="CONCURRENT")
+        fns["concat, concurrent"] = compiled(
+            "concat", xla_gpu_command_buffer_scheduling_mode="CONCURRENT")
         for name, fn in fns.items():
             report(f"mla_prefill {name}", time_ms(fn, q, kv, cache, table, plen, qlen))
         kernel_tables(h, t, fns, (q, kv, cache, table, plen, qlen))
         return
 
-    w_k, w_v = prefill._row_weights(w_uk, w_uv, ROPE)
     for form in FORMS:
         report(f"mla_prefill decompress={form}", run(form))
         gather = jax.jit(lambda c, bt, form=form: FORMS[form](
-            prefill._prefix_rows(c, bt, prefix, 0, s, None, bf), w_k, w_v))
+            prefill._prefix_rows(c, bt, prefix, 0, s, None, bf), w_uk, w_uv))
         report(f"gather+decompress {form}", time_ms(gather, cache, table))
 
     k, v = jax.jit(lambda c, bt: prefill._decompress(
-        prefill._prefix_rows(c, bt, prefix, 0, s, None, bf), w_k, w_v))(cache, table)
-    ks, vs = prefill._decompress(kv, w_k, w_v)
+        prefill._prefix_rows(c, bt, prefix, 0, s, None, bf), w_uk, w_uv))(cache, table)
+    ks, vs = prefill._decompress(kv, w_uk, w_uv)
 
     @jax.jit
     def cudnn_only(q, k, v, ks, vs):
