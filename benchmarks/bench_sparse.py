@@ -31,19 +31,18 @@ every layer is live. The layers' caches are one stacked array; 61 layers of b=12
 tokens would be 168 GB, so it holds as many layer caches as fit in --cache-gb (40 GiB: all 61
 up to b=16, 31 at b=64, 15 at b=128) and layer l reads cache l mod that many. Where caches are
 shared, one layer alone reads b x 2048 tokens of 656 bytes (86 MB at b=64), more than the L2
-holds, so a layer finds little of what an earlier layer over the same cache read. jax_flashmla's
-step runs jitted, unrolled and under lax.scan (bench_step.py's SCAN_UNROLL layers an iteration
-and LOOP_STEP_COMPILER_OPTIONS), each called through AlternatingStep and synced by popping what
-it pushed to a HostQueue, as bench_step.py's, their schedule made once per step
-(sparse_decode_metadata) and the layers' indices masked once per step (mask_indices: one
-kernel over the step's indices, where a layer of its own would run one a layer; in a model the
-mask fuses into the conversion of the indexer's positions to slots); against the same torch
-ops (sparse_decode_fwd
-making its own schedule per layer, the concatenation) captured in a torch CUDA graph and
-replayed, and that graph with the schedule made once per step by get_mla_decoding_metadata
-(topk), as SGLang serves V3.2. Reported: µs per layer (the median step's wall clock / layers)
-and the GPU's span per layer (from a profile); whether every step's last out is torch's bit for
-bit.
+holds, so a layer finds little of what an earlier layer over the same cache read.
+jax_flashmla's step runs jitted, unrolled and under lax.scan (--scan-unroll layers an
+iteration, by default bench_step.py's SCAN_UNROLL, and LOOP_STEP_COMPILER_OPTIONS), each called
+through AlternatingStep and synced by popping what it pushed to a HostQueue, as
+bench_step.py's, their schedule made once per step (sparse_decode_metadata) and the layers'
+indices masked once per step (mask_indices: one kernel over the step's indices, where a layer
+of its own would run one a layer; in a model the mask fuses into the conversion of the
+indexer's positions to slots); against the same torch ops (sparse_decode_fwd making its own
+schedule per layer, the concatenation) captured in a torch CUDA graph and replayed, and that
+graph with the schedule made once per step by get_mla_decoding_metadata (topk), as SGLang
+serves V3.2. Reported: µs per layer (the median step's wall clock / layers) and the GPU's span
+per layer (from a profile); whether every step's last out is torch's bit for bit.
 
 On CPU, --tiny runs a small configuration through the pure-JAX sparse reference and the C++
 model of the dense decode, without torch.
@@ -330,9 +329,10 @@ class StepInputs:
         return self.cache, self.q0, self.indices, self.rope
 
 
-def jax_steps(inp):
-    """{name: (jitted step, its compiler options)}: the step unrolled and under lax.scan, each
-    returning its last out (q[..., :512] after the last layer)."""
+def jax_steps(inp, scan_unroll=bench_step.SCAN_UNROLL):
+    """{name: (jitted step, its compiler options)}: the step unrolled and under lax.scan
+    (scan_unroll layers an iteration), each returning its last out (q[..., :512] after the
+    last layer)."""
     def decode(q, cache, md, indices, rope):
         out, _ = sparse_mla_decode(q, cache, indices, metadata=md, softmax_scale=SOFTMAX_SCALE,
                                    implementation=sparse_implementation())
@@ -351,14 +351,15 @@ def jax_steps(inp):
     def scanned(cache, q, indices, rope):
         md, masked = schedule(), mask_indices(indices, cache)
         body = lambda q, xs: (decode(q, cache, md, *xs), None)
-        q, _ = jax.lax.scan(body, q, (masked, rope), unroll=bench_step.SCAN_UNROLL)
+        q, _ = jax.lax.scan(body, q, (masked, rope), unroll=scan_unroll)
         return q[..., :D_V]
 
     return {"jax_unrolled": (unrolled, None),
             "jax_scan": (scanned, serving.LOOP_STEP_COMPILER_OPTIONS)}
 
 
-def run_step_point(inp, steps, torch_sparse, shared_schedule=True):
+def run_step_point(inp, steps, torch_sparse, shared_schedule=True,
+                   scan_unroll=bench_step.SCAN_UNROLL):
     """The step's record at StepInputs inp: µs per layer, GPU span per layer, outs compared."""
     started = time.perf_counter()
     record = dict(label=step_label(inp.b, inp.context, inp.h_q, inp.s_q), b=inp.b,
@@ -376,7 +377,7 @@ def run_step_point(inp, steps, torch_sparse, shared_schedule=True):
             jax.jit(pushing, compiler_options=options).lower(*arguments).compile())
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # XLA compiles off Python's thread
         start = time.perf_counter()
-        made = list(pool.map(compiled, jax_steps(inp).items()))
+        made = list(pool.map(compiled, jax_steps(inp, scan_unroll).items()))
         record["compile_s"] = round(time.perf_counter() - start, 1)
     for name, queue, step in made:
         def launch(name=name, step=step):
@@ -431,6 +432,9 @@ def main(argv=None):
                         help="the per-call head counts (default 64 128); others than FlashMLA's "
                              "64 and 128 are padded to them, timed without torch: their cost "
                              "against 64 or 128 heads is the padding's")
+    parser.add_argument("--scan-unroll", type=int, default=bench_step.SCAN_UNROLL,
+                        help="the scanned step's layers an iteration (default "
+                             f"{bench_step.SCAN_UNROLL}, bench_step.py's)")
     parser.add_argument("--deadline-s", type=float, default=None,
                         help="start no point after this many seconds; the report is still "
                              "written (default: none)")
@@ -451,7 +455,7 @@ def main(argv=None):
         implementation=sparse_implementation(), topk=grid["topk"], layers=grid["layers"],
         softmax_scale=SOFTMAX_SCALE, rotations=grid["rotations"], cache_gb=args.cache_gb,
         device_repeats=None if blockers is None else args.device_repeats,
-        steps=grid["steps"], scan_unroll=bench_step.SCAN_UNROLL,
+        steps=grid["steps"], scan_unroll=args.scan_unroll,
         torch=None if torch_sparse is None else torch_sparse.info),
         per_call=[], step=[], not_run=[])
     start = time.perf_counter()
@@ -486,7 +490,7 @@ def main(argv=None):
             continue
         inp = StepInputs(b, context, h_q, s_q, grid["topk"], grid["layers"], args.cache_gb)
         result["step"].append(run_step_point(inp, grid["steps"], torch_sparse,
-                                             not args.no_shared_schedule))
+                                             not args.no_shared_schedule, args.scan_unroll))
         print(json.dumps(result["step"][-1]), flush=True)
         del inp
         save_report()

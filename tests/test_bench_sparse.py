@@ -44,6 +44,16 @@ def test_other_head_counts_are_timed_padded_without_torch(tmp_path):
     assert all(set(r["impls"]) == {"sparse", "dense"} for r in result["per_call"])
 
 
+def test_the_scanned_step_takes_its_layers_an_iteration_from_the_command_line(tmp_path):
+    """--scan-unroll 2 over 3 layers (an iteration and a remainder): recorded, and the scanned
+    step's out still the unrolled one's bit for bit."""
+    result = run_tiny_benchmark("bench_sparse.py", tmp_path / "unroll", "--scan-unroll", "2",
+                                "--points", "step/*")
+    assert result["meta"]["scan_unroll"] == 2 and result["per_call"] == []
+    (step,) = result["step"]
+    assert step["steps_agree"]
+
+
 def _call(b, sparse, torch, dense=(400.0, 400.0, 400.0)):
     impls = {name: dict(us=statistics.median(times), us_repeats=list(times),
                         device_us=statistics.median(times), device_us_repeats=list(times))
