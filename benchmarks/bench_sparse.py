@@ -14,6 +14,8 @@ Per call, at b in {1, 16, 64, 128}, h_q in {64, 128}, s_q in {1, 2} over context
           schedule made once outside the timed calls (sparse_decode_metadata: a model makes
           it once per step), lse returned as FlashMLA wrote it
           (jax_flashmla.serving.lse_format);
+  premasked  the same on MaskedIndices made once outside the timed calls (mask_indices):
+          the decode alone, as a step's layers sharing masked indices run it;
   torch   sparse_decode_fwd from torch on the same buffers (the same q, cache, indices and
           schedule);
   dense   jax_flashmla.mla_decode over the whole context, its metadata made once outside the
@@ -86,7 +88,7 @@ from workload import D_QK, D_V, PAGE, Workload  # noqa: E402
 SOFTMAX_SCALE = 192 ** -0.5  # DeepSeek's q/k head dim (128 + 64)
 # Distinct pages of rows quantized for a sparse cache; the rest of the cache repeats them.
 BASE_PAGES = 1024
-CALL_IMPLS = ("sparse", "torch", "dense")
+CALL_IMPLS = ("sparse", "premasked", "torch", "dense")
 GPU = dict(call_b=(1, 16, 64, 128), call_contexts=(8192, 32768, 131072), call_h_q=(64, 128),
            call_s_q=(1, 2), step_b=(1, 16, 64, 128), step_context=32768, step_h_q=128,
            step_s_q=1, topk=2048, layers=61, rotations=4, target_ms=20.0, repeats=3, steps=20)
@@ -243,6 +245,10 @@ def run_call_group(context, b, shapes, grid, torch_sparse, blockers, device_repe
         variants[h_q, s_q, "sparse"] = (
             lambda i, qs=qs, indices=indices, sparse=sparse, md=sparse_md: sparse(
                 qs[i % rot], cache, indices[i % rot], metadata=md), sync)
+        masked = [jax.block_until_ready(mask_indices(idx, cache)) for idx in indices]
+        variants[h_q, s_q, "premasked"] = (
+            lambda i, qs=qs, masked=masked, sparse=sparse, md=sparse_md: sparse(
+                qs[i % rot], cache, masked[i % rot], metadata=md), sync)
         # A metadata per set, as a model makes one per step for its block table.
         mds = [jax.block_until_ready(jf.get_mla_metadata(
             work.seq_lens, block_table=bt, num_pages=work.kv.shape[0], num_heads_q=h_q,
@@ -295,6 +301,10 @@ def run_call_group(context, b, shapes, grid, torch_sparse, blockers, device_repe
                 out_identical=bool(np.array_equal(np.asarray(out, np.float32),
                                                   t_out.float().cpu().numpy())),
                 lse_identical=bool(np.array_equal(np.asarray(lse), t_lse.cpu().numpy())))
+        if {(h_q, s_q, "sparse"), (h_q, s_q, "premasked")} <= set(timed):
+            outs = [timed[h_q, s_q, impl]["first"] for impl in ("sparse", "premasked")]
+            record["checks"]["premasked_identical"] = all(
+                bool(np.array_equal(np.asarray(a), np.asarray(b))) for a, b in zip(*outs))
         records.append(record)
     return records
 

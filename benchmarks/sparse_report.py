@@ -26,10 +26,13 @@ def _paired(record, impl, base, field):
 
 
 def call_ratios(record):
-    """The sparse call over torch's and over the dense decode's, by wall clock and by device
-    time, each the median of per-repeat ratios; None where a side was not timed."""
+    """The sparse call (and the call on MaskedIndices) over torch's, and the sparse call over
+    the dense decode's, by wall clock and by device time, each the median of per-repeat
+    ratios; None where a side was not timed."""
     return dict(vs_torch=_paired(record, "sparse", "torch", "us"),
                 vs_torch_device=_paired(record, "sparse", "torch", "device_us"),
+                premasked_vs_torch=_paired(record, "premasked", "torch", "us"),
+                premasked_vs_torch_device=_paired(record, "premasked", "torch", "device_us"),
                 sparse_over_dense=_paired(record, "sparse", "dense", "us"),
                 sparse_over_dense_device=_paired(record, "sparse", "dense", "device_us"))
 
@@ -89,9 +92,11 @@ def _pair(record, key):
 
 def call_line(record):
     """One progress line."""
-    return (f"{record['label']}: sparse {_time(record, 'sparse')} torch {_time(record, 'torch')} "
-            f"dense {_time(record, 'dense')} µs; vs torch {_pair(record, 'vs_torch')}; "
-            f"sparse/dense {_pair(record, 'sparse_over_dense')}")
+    return (f"{record['label']}: sparse {_time(record, 'sparse')} premasked "
+            f"{_time(record, 'premasked')} torch {_time(record, 'torch')} dense "
+            f"{_time(record, 'dense')} µs; vs torch {_pair(record, 'vs_torch')}, premasked "
+            f"{_pair(record, 'premasked_vs_torch')}; sparse/dense "
+            f"{_pair(record, 'sparse_over_dense')}")
 
 
 def summary_lines(result):
@@ -109,6 +114,11 @@ def summary_lines(result):
             lines.append(f"- At b={CALL_BAR_B} by device time: "
                          f"{_stats(r['vs_torch_device'] for r in at_bar)}; within {CALL_BAR} at "
                          f"{sum(call_bar_met(r) for r in at_bar)} of {len(at_bar)} points.")
+        if any(r.get("premasked_vs_torch_device") is not None for r in calls):
+            lines.append(f"- On MaskedIndices (the mask made beforehand), premasked / torch by "
+                         f"device time: {_stats(r.get('premasked_vs_torch_device') for r in calls)}"
+                         f"; at b={CALL_BAR_B}: "
+                         f"{_stats(r.get('premasked_vs_torch_device') for r in at_bar)}.")
         if identical:
             lines.append(f"- out and lse bit-identical to torch's at {sum(identical)} of "
                          f"{len(identical)} points.")
@@ -139,22 +149,27 @@ def markdown(result):
             "µs per call by device time (the GPU's timestamps over batches queued behind a "
             "spinning kernel), and in brackets by wall clock over batches of calls; "
             f"{meta['rotations']} sets of (q, indices) in turn. sparse: sparse_mla_decode "
-            "jitted; torch: sparse_decode_fwd from torch on the same q, cache and indices; "
+            "jitted; premasked: the same on MaskedIndices made beforehand (its out and lse "
+            "compared with sparse's); torch: sparse_decode_fwd from torch on the same q, cache "
+            "and indices; "
             "dense: mla_decode over the whole context in bf16. Ratios: medians of per-repeat "
             f"ratios, device (wall). Bar: sparse / torch <= {CALL_BAR} by device time at "
-            f"b={CALL_BAR_B}.", "",
-            "| b | context | h_q | s_q | sparse | torch | sparse / torch | bar met | dense "
-            "| sparse / dense | out, lse identical |",
-            "| " + " | ".join(["---"] * 11) + " |"]
+            f"b={CALL_BAR_B}. Identical: sparse's out and lse bit for bit torch's, and "
+            "premasked's sparse's.", "",
+            "| b | context | h_q | s_q | sparse | torch | sparse / torch | bar met | premasked "
+            "| premasked / torch | dense | sparse / dense | out, lse identical |",
+            "| " + " | ".join(["---"] * 13) + " |"]
         for r in result["per_call"]:
             checks = r["checks"]
             identical = (None if "out_identical" not in checks
-                         else checks["out_identical"] and checks["lse_identical"])
+                         else checks["out_identical"] and checks["lse_identical"]
+                         and checks.get("premasked_identical", True))
             lines.append("| " + " | ".join(
                 [str(r[k]) for k in ("b", "context", "h_q", "s_q")]
                 + [_time(r, "sparse"), _time(r, "torch"), _pair(r, "vs_torch"),
-                   _yes(call_bar_met(r)), _time(r, "dense"), _pair(r, "sparse_over_dense"),
-                   _yes(identical)]) + " |")
+                   _yes(call_bar_met(r)), _time(r, "premasked"),
+                   _pair(r, "premasked_vs_torch"), _time(r, "dense"),
+                   _pair(r, "sparse_over_dense"), _yes(identical)]) + " |")
     if result["step"]:
         lines += [
             "", f"## A {meta['layers']}-layer decode step, µs per layer", "",

@@ -18,7 +18,8 @@ def test_the_tiny_run_writes_its_report(tmp_path):
     assert [r["label"] for r in result["step"]] == ["step/b2/ctx128/h16/s1"]
     assert result["not_run"] == [] and result["meta"]["topk"] == 64
     for record in result["per_call"]:
-        assert set(record["impls"]) == {"sparse", "dense"}  # no torch in the tiny run
+        assert set(record["impls"]) == {"sparse", "premasked", "dense"}  # no torch here
+        assert record["checks"]["premasked_identical"]
         for timed in record["impls"].values():
             assert len(timed["us_repeats"]) == 2
             assert timed["us"] == statistics.median(timed["us_repeats"])
@@ -41,7 +42,7 @@ def test_other_head_counts_are_timed_padded_without_torch(tmp_path):
     assert [r["label"] for r in result["per_call"]] == ["call/b2/ctx128/h16/s1",
                                                         "call/b2/ctx128/h32/s1"]
     assert result["step"] == []
-    assert all(set(r["impls"]) == {"sparse", "dense"} for r in result["per_call"])
+    assert all(set(r["impls"]) == {"sparse", "premasked", "dense"} for r in result["per_call"])
 
 
 def test_the_scanned_step_takes_its_layers_an_iteration_from_the_command_line(tmp_path):
@@ -54,10 +55,11 @@ def test_the_scanned_step_takes_its_layers_an_iteration_from_the_command_line(tm
     assert step["steps_agree"]
 
 
-def _call(b, sparse, torch, dense=(400.0, 400.0, 400.0)):
+def _call(b, sparse, torch, dense=(400.0, 400.0, 400.0), premasked=None):
+    timed = (("sparse", sparse), ("torch", torch), ("dense", dense), ("premasked", premasked))
     impls = {name: dict(us=statistics.median(times), us_repeats=list(times),
                         device_us=statistics.median(times), device_us_repeats=list(times))
-             for name, times in (("sparse", sparse), ("torch", torch), ("dense", dense))}
+             for name, times in timed if times is not None}
     record = dict(label=f"call/b{b}/ctx8192/h128/s1", b=b, context=8192, h_q=128, s_q=1,
                   topk=2048, impls=impls, skipped={},
                   checks=dict(out_identical=True, lse_identical=True))
@@ -74,7 +76,8 @@ def _step(b, graph_us, scan_us, unrolled_us):
 
 def test_the_report_states_the_bars_from_the_runs_times():
     # Per repeat 1.02, 1.01, 1.04: the median 1.02 meets the per-call bar at b=128.
-    within = _call(128, (102.0, 101.0, 104.0), (100.0, 100.0, 100.0))
+    within = _call(128, (102.0, 101.0, 104.0), (100.0, 100.0, 100.0),
+                   premasked=(99.0, 100.0, 101.0))
     over = _call(128, (105.0, 106.0, 104.0), (100.0, 100.0, 100.0))
     small = _call(1, (30.0, 30.0, 30.0), (20.0, 20.0, 20.0))
     assert within["vs_torch_device"] == within["vs_torch"] == 1.02
@@ -90,8 +93,9 @@ def test_the_report_states_the_bars_from_the_runs_times():
     markdown = sparse_report.markdown(result)
     assert "within 1.03 at 1 of 2 points" in markdown
     assert "both jax steps within their bar at 1 of 2 points" in markdown
-    assert "| 128 | 8192 | 128 | 1 | 102.0 (102.0) | 100.0 (100.0) | 1.020 (1.020) | yes |" \
-        in markdown
+    assert "| 128 | 8192 | 128 | 1 | 102.0 (102.0) | 100.0 (100.0) | 1.020 (1.020) | yes | " \
+           "100.0 (100.0) | 1.000 (1.000) | 400.0 (400.0) |" in markdown
+    assert "premasked / torch by device time: median 1.000" in markdown
     assert "| 1.133 | 1.100 | 1.15 | yes | yes |" in markdown
     assert "| 1.075 | 1.025 | 1.05 | NO | yes |" in markdown
 
