@@ -368,6 +368,22 @@ def jax_steps(inp, scan_unroll=bench_step.SCAN_UNROLL):
             "jax_scan": (scanned, serving.LOOP_STEP_COMPILER_OPTIONS)}
 
 
+def compiled_jax_steps(inp, scan_unroll=bench_step.SCAN_UNROLL):
+    """[(name, the HostQueue its step pushes to, the step through AlternatingStep)] of
+    jax_steps, each pushing its out as bench_step.py's steps do, compiled for inp's
+    arguments."""
+    arguments = inp.arguments()
+
+    def compiled(item):
+        name, (step, options) = item
+        queue = bench_step.result_queue(inp)
+        pushing = bench_step.pushing_step(lambda *a: (None, step(*a)), queue, lambda out: out)
+        return name, queue, serving.AlternatingStep(
+            jax.jit(pushing, compiler_options=options).lower(*arguments).compile())
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # XLA compiles off Python's thread
+        return list(pool.map(compiled, jax_steps(inp, scan_unroll).items()))
+
+
 def run_step_point(inp, steps, torch_sparse, shared_schedule=True,
                    scan_unroll=bench_step.SCAN_UNROLL):
     """The step's record at StepInputs inp: µs per layer, GPU span per layer, outs compared."""
@@ -377,18 +393,9 @@ def run_step_point(inp, steps, torch_sparse, shared_schedule=True,
                   layers=inp.layers, layer_caches=inp.layer_caches, skipped={})
     arguments = inp.arguments()
     launches, outs = {}, {}  # name: (launch a step, sync); name: the last step's out
-
-    def compiled(item):
-        """(name, the HostQueue its step pushes to, the step through AlternatingStep)."""
-        name, (step, options) = item
-        queue = bench_step.result_queue(inp)
-        pushing = bench_step.pushing_step(lambda *a: (None, step(*a)), queue, lambda out: out)
-        return name, queue, serving.AlternatingStep(
-            jax.jit(pushing, compiler_options=options).lower(*arguments).compile())
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # XLA compiles off Python's thread
-        start = time.perf_counter()
-        made = list(pool.map(compiled, jax_steps(inp, scan_unroll).items()))
-        record["compile_s"] = round(time.perf_counter() - start, 1)
+    start = time.perf_counter()
+    made = compiled_jax_steps(inp, scan_unroll)
+    record["compile_s"] = round(time.perf_counter() - start, 1)
     for name, queue, step in made:
         def launch(name=name, step=step):
             outs[name] = step(*arguments)[1]

@@ -60,8 +60,6 @@ def decompress_rows(rows, w_uk, w_uv, barrier=False):
 
 FORMS = {"concat": prefill._decompress, "rows": decompress_rows,
          "rows, barrier": lambda *a: decompress_rows(*a, barrier=True)}
-# mla_prefill's variants: (module, attribute, replacement) for each.
-VARIANTS = {form: ((prefill, "_decompress", fn),) for form, fn in FORMS.items()}
 
 
 def time_ms(fn, *args, reps=20):
@@ -85,20 +83,21 @@ def kernel_tables(h, t, fns, args, calls=3):
 
 
 def probe(h, t, s, kernels, bench_inputs, weights_as_args):
-    rng = np.random.default_rng(0)
     bf = jnp.bfloat16
-    pages = s // 64
-    cache = jnp.asarray(rng.standard_normal((pages, 64, 1, RANK + ROPE)) * 0.1, bf)
-    table = jnp.asarray(rng.permutation(pages)[None].astype(np.int32))
-    q = jnp.asarray(rng.standard_normal((t, h, NOPE + ROPE)), bf)
-    kv = jnp.asarray(rng.standard_normal((t, RANK + ROPE)) * 0.1, bf)
-    w_uk = jnp.asarray(rng.standard_normal((RANK, h, NOPE)) * 0.05, bf)
-    w_uv = jnp.asarray(rng.standard_normal((RANK, h, V)) * 0.05, bf)
     if bench_inputs:
         import bench_prefill
         q, kv, cache, table, _, _, w_uk, w_uv, _ = bench_prefill.make_inputs(
             bench_prefill.Point("extend", t, s, h, "bfloat16"))
         q, kv = q[0], kv[0]
+    else:
+        rng = np.random.default_rng(0)
+        pages = s // 64
+        cache = jnp.asarray(rng.standard_normal((pages, 64, 1, RANK + ROPE)) * 0.1, bf)
+        table = jnp.asarray(rng.permutation(pages)[None].astype(np.int32))
+        q = jnp.asarray(rng.standard_normal((t, h, NOPE + ROPE)), bf)
+        kv = jnp.asarray(rng.standard_normal((t, RANK + ROPE)) * 0.1, bf)
+        w_uk = jnp.asarray(rng.standard_normal((RANK, h, NOPE)) * 0.05, bf)
+        w_uv = jnp.asarray(rng.standard_normal((RANK, h, V)) * 0.05, bf)
     plen, qlen = jnp.asarray([s], jnp.int32), jnp.asarray([t], jnp.int32)
     prefix = ragged_attention.Segments(jnp.zeros((1,), jnp.int32), plen)
     new = ragged_attention.Segments(jnp.zeros((1,), jnp.int32), qlen)
@@ -107,12 +106,10 @@ def probe(h, t, s, kernels, bench_inputs, weights_as_args):
     report = lambda name, ms: print(  # noqa: E731
         f"h {h} T {t} S {s} {name:28s} {ms:8.3f} ms  {flops / ms / 1e9:6.1f} TFLOPS*")
 
-    def compiled(variant, **options):
-        patches = VARIANTS[variant]
-        saved = [getattr(module, name) for module, name, _ in patches]
-        for module, name, replacement in patches:
-            setattr(module, name, replacement)
-        jax.clear_caches()  # _prefill is jitted: a trace of another variant would be reused
+    def compiled(form, **options):
+        saved = prefill._decompress
+        prefill._decompress = FORMS[form]
+        jax.clear_caches()  # _prefill is jitted: a trace of another form would be reused
         try:
             if weights_as_args:  # as a model passes its weights
                 fn = lambda q, kv, c, bt, pl, ql, w_uk, w_uv: prefill.mla_prefill(  # noqa: E731
@@ -126,12 +123,11 @@ def probe(h, t, s, kernels, bench_inputs, weights_as_args):
                 implementation="cudnn"), compiler_options=options).lower(
                     q, kv, cache, table, plen, qlen).compile()
         finally:
-            for (module, name, _), original in zip(patches, saved):
-                setattr(module, name, original)
+            prefill._decompress = saved
 
     run = lambda form: time_ms(compiled(form), q, kv, cache, table, plen, qlen)  # noqa: E731
     if kernels:
-        fns = {variant: compiled(variant) for variant in VARIANTS}
+        fns = {form: compiled(form) for form in FORMS}
         fns["concat, concurrent"] = compiled(
             "concat", xla_gpu_command_buffer_scheduling_mode="CONCURRENT")
         for name, fn in fns.items():

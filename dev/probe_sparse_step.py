@@ -12,14 +12,15 @@ waited for.
 """
 import argparse
 import collections
+import functools
 import json
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 import bench_sparse  # noqa: E402
 import bench_step  # noqa: E402
-import functools  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -32,8 +33,8 @@ CALLS = 10  # calls queued a profiled run
 
 
 def kernel_table(events, steps):
-    """events: one variant's GPU activities over `steps` steps -> {name: [count, µs]} a step,
-    the busy µs a step (the union of the activities' intervals), the span µs a step."""
+    """events: one variant's GPU activities over `steps` steps -> ({name: [count, µs]} a step,
+    the busy µs a step: the union of the activities' intervals)."""
     table = collections.defaultdict(lambda: [0.0, 0.0])
     for e in events:
         table[e.name][0] += 1 / steps
@@ -53,14 +54,8 @@ def launches_of(inp, torch_sparse):
     """{name: run a step and wait for it}: the jax steps as bench_sparse times them, and the
     torch graphs."""
     arguments = inp.arguments()
-    runs = {}
-    for name, (step, options) in bench_sparse.jax_steps(inp).items():
-        queue = bench_step.result_queue(inp)
-        pushing = bench_step.pushing_step(lambda *a, step=step: (None, step(*a)), queue,
-                                          lambda out: out)
-        compiled = serving.AlternatingStep(
-            jax.jit(pushing, compiler_options=options).lower(*arguments).compile())
-        runs[name] = lambda compiled=compiled, queue=queue: (compiled(*arguments), queue.pop())
+    runs = {name: lambda step=step, queue=queue: (step(*arguments), queue.pop())
+            for name, queue, step in bench_sparse.compiled_jax_steps(inp)}
     torch_launches, _, skipped = torch_sparse.steps(inp, True)
     for name, (launch, sync) in torch_launches.items():
         runs[name] = lambda launch=launch, sync=sync: (launch(), sync())
@@ -104,7 +99,7 @@ def profile(runs, per, warm=4):
         spans = [max(e.end for e in step) - min(e.start for e in step) for step in steps if step]
         table, busy = kernel_table([e for step in steps for e in step], len(steps))
         variants[name] = dict(
-            span_us=sorted(spans)[len(spans) // 2] / 1e3 / per, busy_us=busy / per,
+            span_us=statistics.median(spans) / 1e3 / per, busy_us=busy / per,
             kernels={k: [round(c / per, 3), round(us / per, 3)]
                      for k, (c, us) in sorted(table.items(), key=lambda kv: -kv[1][1])})
     return variants

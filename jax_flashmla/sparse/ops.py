@@ -210,8 +210,12 @@ def mask_indices(indices, kv_cache, *, topk_length=None):
             _fail(ValueError, where, f"topk_length must have shape {tuple(indices.shape[:1])}, "
                                      f"indices' first dimension; got {tuple(topk_length.shape)}")
     num_keys = data.shape[0] * PAGE_SIZE
-    valid = reference.valid_indices(indices, num_keys, topk_length)
-    return MaskedIndices(jnp.where(valid, indices, -1), num_keys)
+    return MaskedIndices(_masked(indices, num_keys, topk_length), num_keys)
+
+
+def _masked(indices, num_keys, topk_length):
+    """indices with each invalid entry (reference.valid_indices) made -1."""
+    return jnp.where(reference.valid_indices(indices, num_keys, topk_length), indices, -1)
 
 
 def _unmasked(where, indices, data, topk_length):
@@ -265,7 +269,7 @@ def sparse_mla_decode(q, kv_cache, indices, *, metadata=None, softmax_scale=None
     if needs_mask:
         # The kernel skips -1 alone: it would read an index past the cache, and it takes no
         # topk_length with this cache format.
-        indices = mask_indices(indices, data, topk_length=topk_length).slots
+        indices = _masked(indices, data.shape[0] * PAGE_SIZE, topk_length)
     return _kernel_decode(q, data, indices, attn_sink, scale, metadata)
 
 
@@ -311,5 +315,4 @@ def sparse_mla_prefill(q, kv, indices, *, softmax_scale=None, topk_length=None,
         return reference.sparse_prefill_reference(q, kv, indices, softmax_scale=scale,
                                                   topk_length=topk_length, attn_sink=attn_sink)
     # As in the decode: the kernel skips -1 alone.
-    valid = reference.valid_indices(indices, kv.shape[0], topk_length)
-    return _kernel_prefill(q, kv, jnp.where(valid, indices, -1), attn_sink, scale)
+    return _kernel_prefill(q, kv, _masked(indices, kv.shape[0], topk_length), attn_sink, scale)
