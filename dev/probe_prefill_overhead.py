@@ -7,8 +7,8 @@ Times, each jitted alone, at T new tokens over a prefix of S (paged, bf16):
               concatenated;
       rows:   k and v each one einsum of the 576-wide rows (W_UK with an identity on the
               rope columns, W_UV with zeros there): no concatenation pass;
-      rows, barrier: the same with the weights made apart (an optimization barrier), not
-              fused into the matmuls;
+      rows k: k so (its concatenation folded into the matmul), v from the latent columns
+              as mla_prefill's;
   - cuDNN's two calls (prefix, then causal) on k and v already decompressed, merged;
   - mla_prefill with each decompression form.
 With --kernels, mla_prefill's kernels (count and µs a call, from the profiler) with each
@@ -50,16 +50,20 @@ def row_weights(w_uk, w_uv):
     return w_k, jnp.pad(w_uv, ((0, ROPE), (0, 0), (0, 0)))
 
 
-def decompress_rows(rows, w_uk, w_uv, barrier=False):
+def decompress_rows(rows, w_uk, w_uv):
     """k and v each one einsum of the whole rows (no concatenation pass over the keys)."""
     w_k, w_v = row_weights(w_uk, w_uv)
-    if barrier:  # the weights made apart, not fused into the matmuls that read them
-        w_k, w_v = jax.lax.optimization_barrier((w_k, w_v))
     return jnp.einsum("sc,chd->shd", rows, w_k), jnp.einsum("sc,chd->shd", rows, w_v)
 
 
-FORMS = {"concat": prefill._decompress, "rows": decompress_rows,
-         "rows, barrier": lambda *a: decompress_rows(*a, barrier=True)}
+def decompress_rows_k(rows, w_uk, w_uv):
+    """k one einsum of the whole rows, v one of the latent columns."""
+    w_k, _ = row_weights(w_uk, w_uv)
+    return (jnp.einsum("sc,chd->shd", rows, w_k),
+            jnp.einsum("sc,chd->shd", rows[:, :RANK], w_uv))
+
+
+FORMS = {"concat": prefill._decompress, "rows": decompress_rows, "rows k": decompress_rows_k}
 
 
 def time_ms(fn, *args, reps=20):
