@@ -43,8 +43,10 @@ of its own would run one a layer; in a model the mask fuses into the conversion 
 indexer's positions to slots); against the same torch ops (sparse_decode_fwd making its own
 schedule per layer, the concatenation) captured in a torch CUDA graph and replayed, and that
 graph with the schedule made once per step by get_mla_decoding_metadata (topk), as SGLang
-serves V3.2. Reported: µs per layer (the median step's wall clock / layers) and the GPU's span
-per layer (from a profile); whether every step's last out is torch's bit for bit.
+serves V3.2. The steps are timed in turns (STEP_ROUNDS rounds of each), so that a drift of the
+GPU's clock or the host's load falls on all of them alike. --xla-option adds compiler options
+to both jax steps. Reported: µs per layer (the median step's wall clock / layers) and the GPU's
+span per layer (from a profile); whether every step's last out is torch's bit for bit.
 
 On CPU, --tiny runs a small configuration through the pure-JAX sparse reference and the C++
 model of the dense decode, without torch.
@@ -89,9 +91,11 @@ SOFTMAX_SCALE = 192 ** -0.5  # DeepSeek's q/k head dim (128 + 64)
 # Distinct pages of rows quantized for a sparse cache; the rest of the cache repeats them.
 BASE_PAGES = 1024
 CALL_IMPLS = ("sparse", "premasked", "torch", "dense")
+# Rounds in which a step point's variants take turns, its steps split among them.
+STEP_ROUNDS = 4
 GPU = dict(call_b=(1, 16, 64, 128), call_contexts=(8192, 32768, 131072), call_h_q=(64, 128),
            call_s_q=(1, 2), step_b=(1, 16, 64, 128), step_context=32768, step_h_q=128,
-           step_s_q=1, topk=2048, layers=61, rotations=4, target_ms=20.0, repeats=3, steps=20)
+           step_s_q=1, topk=2048, layers=61, rotations=4, target_ms=20.0, repeats=3, steps=40)
 # 16 heads: on CPU the C++ model of the dense decode takes ~0.1 ms a head here.
 TINY = dict(call_b=(2,), call_contexts=(128,), call_h_q=(16,), call_s_q=(1, 2), step_b=(2,),
             step_context=128, step_h_q=16, step_s_q=1, topk=64, layers=3, rotations=2,
@@ -339,10 +343,10 @@ class StepInputs:
         return self.cache, self.q0, self.indices, self.rope
 
 
-def jax_steps(inp, scan_unroll=bench_step.SCAN_UNROLL):
+def jax_steps(inp, scan_unroll=bench_step.SCAN_UNROLL, xla_options=None):
     """{name: (jitted step, its compiler options)}: the step unrolled and under lax.scan
     (scan_unroll layers an iteration), each returning its last out (q[..., :512] after the
-    last layer)."""
+    last layer); xla_options: more compiler options for both."""
     def decode(q, cache, md, indices, rope):
         out, _ = sparse_mla_decode(q, cache, indices, metadata=md, softmax_scale=SOFTMAX_SCALE,
                                    implementation=sparse_implementation())
@@ -364,11 +368,12 @@ def jax_steps(inp, scan_unroll=bench_step.SCAN_UNROLL):
         q, _ = jax.lax.scan(body, q, (masked, rope), unroll=scan_unroll)
         return q[..., :D_V]
 
-    return {"jax_unrolled": (unrolled, None),
-            "jax_scan": (scanned, serving.LOOP_STEP_COMPILER_OPTIONS)}
+    extra = xla_options or {}
+    return {"jax_unrolled": (unrolled, extra or None),
+            "jax_scan": (scanned, {**serving.LOOP_STEP_COMPILER_OPTIONS, **extra})}
 
 
-def compiled_jax_steps(inp, scan_unroll=bench_step.SCAN_UNROLL):
+def compiled_jax_steps(inp, scan_unroll=bench_step.SCAN_UNROLL, xla_options=None):
     """[(name, the HostQueue its step pushes to, the step through AlternatingStep)] of
     jax_steps, each pushing its out as bench_step.py's steps do, compiled for inp's
     arguments."""
@@ -381,11 +386,11 @@ def compiled_jax_steps(inp, scan_unroll=bench_step.SCAN_UNROLL):
         return name, queue, serving.AlternatingStep(
             jax.jit(pushing, compiler_options=options).lower(*arguments).compile())
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # XLA compiles off Python's thread
-        return list(pool.map(compiled, jax_steps(inp, scan_unroll).items()))
+        return list(pool.map(compiled, jax_steps(inp, scan_unroll, xla_options).items()))
 
 
 def run_step_point(inp, steps, torch_sparse, shared_schedule=True,
-                   scan_unroll=bench_step.SCAN_UNROLL):
+                   scan_unroll=bench_step.SCAN_UNROLL, xla_options=None):
     """The step's record at StepInputs inp: µs per layer, GPU span per layer, outs compared."""
     started = time.perf_counter()
     record = dict(label=step_label(inp.b, inp.context, inp.h_q, inp.s_q), b=inp.b,
@@ -394,7 +399,7 @@ def run_step_point(inp, steps, torch_sparse, shared_schedule=True,
     arguments = inp.arguments()
     launches, outs = {}, {}  # name: (launch a step, sync); name: the last step's out
     start = time.perf_counter()
-    made = compiled_jax_steps(inp, scan_unroll)
+    made = compiled_jax_steps(inp, scan_unroll, xla_options)
     record["compile_s"] = round(time.perf_counter() - start, 1)
     for name, queue, step in made:
         def launch(name=name, step=step):
@@ -405,9 +410,13 @@ def run_step_point(inp, steps, torch_sparse, shared_schedule=True,
         launches.update(torch_launches)
     runs = {name: (lambda launch=launch, sync=sync: (launch(), sync()))
             for name, (launch, sync) in launches.items()}
-    for name, run in runs.items():
-        record[f"{name}_us"] = round(statistics.median(bench_step.time_steps(run, steps))
-                                     / inp.layers, 2)
+    times = {name: [] for name in runs}
+    for round_ in range(STEP_ROUNDS):
+        for name, run in runs.items():
+            times[name] += bench_step.time_steps(run, -(-steps // STEP_ROUNDS),
+                                                 warmup=3 if round_ == 0 else 1)
+    for name, samples in times.items():
+        record[f"{name}_us"] = round(statistics.median(samples) / inp.layers, 2)
     if jax.default_backend() == "gpu":
         for name, span in bench_step.gpu_span_us(runs).items():
             record[f"{name}_gpu_us"] = None if span is None else round(span / inp.layers, 2)
@@ -422,6 +431,19 @@ def run_step_point(inp, steps, torch_sparse, shared_schedule=True,
                 record[f"{name}_out_identical"] = bool(np.array_equal(as_array(out), expected))
     record["point_s"] = round(time.perf_counter() - started, 1)
     return record
+
+
+def _option(text):
+    """'NAME=VALUE' -> (NAME, VALUE as a bool, an int or the string)."""
+    name, sep, value = text.partition("=")
+    if not sep:
+        raise SystemExit(f"--xla-option takes NAME=VALUE; got {text!r}")
+    if value.lower() in ("true", "false"):
+        return name, value.lower() == "true"
+    try:
+        return name, int(value)
+    except ValueError:
+        return name, value
 
 
 def matches(label, patterns):
@@ -452,6 +474,9 @@ def main(argv=None):
     parser.add_argument("--scan-unroll", type=int, default=bench_step.SCAN_UNROLL,
                         help="the scanned step's layers an iteration (default "
                              f"{bench_step.SCAN_UNROLL}, bench_step.py's)")
+    parser.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
+                        help="a compiler option for both jax steps (true/false and integers "
+                             "as such), e.g. xla_gpu_enable_dynamic_slice_fusion=true")
     parser.add_argument("--deadline-s", type=float, default=None,
                         help="start no point after this many seconds; the report is still "
                              "written (default: none)")
@@ -459,6 +484,7 @@ def main(argv=None):
                         help="a small configuration on the default device, without torch")
     parser.add_argument("--out", default=None, help="path prefix of the .json/.md/.png results")
     args = parser.parse_args(argv)
+    xla_options = dict(_option(text) for text in args.xla_option)
     grid = TINY if args.tiny else dict(GPU, layers=args.layers, steps=args.steps)
     if args.call_h_q:
         grid = dict(grid, call_h_q=tuple(args.call_h_q))
@@ -472,7 +498,7 @@ def main(argv=None):
         implementation=sparse_implementation(), topk=grid["topk"], layers=grid["layers"],
         softmax_scale=SOFTMAX_SCALE, rotations=grid["rotations"], cache_gb=args.cache_gb,
         device_repeats=None if blockers is None else args.device_repeats,
-        steps=grid["steps"], scan_unroll=args.scan_unroll,
+        steps=grid["steps"], scan_unroll=args.scan_unroll, xla_options=xla_options,
         torch=None if torch_sparse is None else torch_sparse.info),
         per_call=[], step=[], not_run=[])
     start = time.perf_counter()
@@ -507,7 +533,8 @@ def main(argv=None):
             continue
         inp = StepInputs(b, context, h_q, s_q, grid["topk"], grid["layers"], args.cache_gb)
         result["step"].append(run_step_point(inp, grid["steps"], torch_sparse,
-                                             not args.no_shared_schedule, args.scan_unroll))
+                                             not args.no_shared_schedule, args.scan_unroll,
+                                             xla_options))
         print(json.dumps(result["step"][-1]), flush=True)
         del inp
         save_report()

@@ -137,6 +137,14 @@ def summary_lines(result):
     return lines
 
 
+def _step_options(meta):
+    """How the jax steps were compiled beyond their defaults, for the step table's text."""
+    parts = [f"the scan {meta['scan_unroll']} layers an iteration"] if meta.get(
+        "scan_unroll") else []
+    parts += [f"{k}={v}" for k, v in (meta.get("xla_options") or {}).items()]
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def markdown(result):
     meta = result["meta"]
     lines = [f"# Sparse MLA decode (DeepSeek-V3.2), {meta['device']}, jax {meta['jax']}", "",
@@ -173,8 +181,9 @@ def markdown(result):
     if result["step"]:
         lines += [
             "", f"## A {meta['layers']}-layer decode step, µs per layer", "",
-            "Wall clock of the median step / layers (GPU span per layer in brackets). The "
-            "jax steps are called through AlternatingStep; the torch graph is sparse_decode_fwd "
+            "Wall clock of the median step / layers (GPU span per layer in brackets), the "
+            "variants timed in turns. The jax steps are called through AlternatingStep"
+            + _step_options(meta) + "; the torch graph is sparse_decode_fwd "
             "per layer making its own schedule, captured in a CUDA graph, and the same with "
             "one get_mla_decoding_metadata per step (SGLang's; the jax steps share one "
             "schedule per step too). "

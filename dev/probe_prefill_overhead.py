@@ -3,17 +3,15 @@
 Times, each jitted alone, at T new tokens over a prefix of S (paged, bf16):
   - mla_prefill (cudnn), whole;
   - the prefix's gather and decompression alone, in three forms:
-      concat: mla_prefill's: k_nope and v from the latent columns, then the rope key
-              concatenated;
-      rows:   k and v each one einsum of the 576-wide rows (W_UK with an identity on the
-              rope columns, W_UV with zeros there): no concatenation pass;
-      rows k: k so (its concatenation folded into the matmul), v from the latent columns
-              as mla_prefill's;
+      rows:   mla_prefill's: k and v each one einsum of the 576-wide rows (W_UK with an
+              identity on the rope columns, W_UV with zeros there): no concatenation pass;
+      concat: k_nope and v from the latent columns, then the rope key concatenated;
   - cuDNN's two calls (prefix, then causal) on k and v already decompressed, merged;
   - mla_prefill with each decompression form.
 With --kernels, mla_prefill's kernels (count and µs a call, from the profiler) with each
-decompression form, and with mla_prefill's under the CONCURRENT command-buffer
-scheduling (independent kernels of the graph free to overlap).
+decompression form, and with mla_prefill's without command buffers (each kernel launched
+from the host) and under the CONCURRENT command-buffer scheduling (independent kernels of the
+graph free to overlap).
 
 With --bench-inputs, bench_prefill.py's inputs (unit-scale data) in place of the probe's; with
 --weights-as-args, W_UK and W_UV arguments of the jitted call (as in a model and in
@@ -39,31 +37,23 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 RANK, ROPE, NOPE, V = 512, 64, 128, 128
 
 
-def row_weights(w_uk, w_uv):
-    """W_UK with an identity from the rope columns to each head's, W_UV with zeros there: the
-    weights of the whole 576-wide rows."""
-    h = w_uk.shape[1]
-    eye = jnp.broadcast_to(jnp.eye(ROPE, dtype=w_uk.dtype)[:, None, :], (ROPE, h, ROPE))
-    w_k = jnp.concatenate([
-        jnp.concatenate([w_uk, jnp.zeros((RANK, h, ROPE), w_uk.dtype)], axis=-1),
-        jnp.concatenate([jnp.zeros((ROPE, h, NOPE), w_uk.dtype), eye], axis=-1)])
-    return w_k, jnp.pad(w_uv, ((0, ROPE), (0, 0), (0, 0)))
+def decompress_concat(rows, w_uk, w_uv):
+    """k_nope and v from the latent columns, the rope key then concatenated to k_nope."""
+    latent, k_pe = rows[:, :RANK], rows[:, RANK:]
+    k_nope = jnp.einsum("sc,chd->shd", latent, w_uk)
+    v = jnp.einsum("sc,chd->shd", latent, w_uv)
+    k_pe = jnp.broadcast_to(k_pe[:, None, :], (k_pe.shape[0], w_uk.shape[1], ROPE))
+    return jnp.concatenate([k_nope, k_pe], axis=-1), v
 
 
-def decompress_rows(rows, w_uk, w_uv):
-    """k and v each one einsum of the whole rows (no concatenation pass over the keys)."""
-    w_k, w_v = row_weights(w_uk, w_uv)
-    return jnp.einsum("sc,chd->shd", rows, w_k), jnp.einsum("sc,chd->shd", rows, w_v)
+def decompress_rows(rows, w_uk, w_uv, decompress=prefill._decompress,
+                    row_weights=prefill._row_weights):
+    """mla_prefill's: k and v each one matmul of the whole rows (its functions bound here,
+    before compiled() swaps them)."""
+    return decompress(rows, *row_weights(w_uk, w_uv, ROPE))
 
 
-def decompress_rows_k(rows, w_uk, w_uv):
-    """k one einsum of the whole rows, v one of the latent columns."""
-    w_k, _ = row_weights(w_uk, w_uv)
-    return (jnp.einsum("sc,chd->shd", rows, w_k),
-            jnp.einsum("sc,chd->shd", rows[:, :RANK], w_uv))
-
-
-FORMS = {"concat": prefill._decompress, "rows": decompress_rows, "rows k": decompress_rows_k}
+FORMS = {"rows": decompress_rows, "concat": decompress_concat}
 
 
 def time_ms(fn, *args, reps=20):
@@ -111,8 +101,10 @@ def probe(h, t, s, kernels, bench_inputs, weights_as_args):
         f"h {h} T {t} S {s} {name:28s} {ms:8.3f} ms  {flops / ms / 1e9:6.1f} TFLOPS*")
 
     def compiled(form, **options):
-        saved = prefill._decompress
-        prefill._decompress = FORMS[form]
+        saved = prefill._decompress, prefill._row_weights
+        # The form takes the weights as they are and makes k and v itself.
+        prefill._decompress, prefill._row_weights = FORMS[form], lambda w_uk, w_uv, _: (
+            w_uk, w_uv)
         jax.clear_caches()  # _prefill is jitted: a trace of another form would be reused
         try:
             if weights_as_args:  # as a model passes its weights
@@ -127,13 +119,14 @@ def probe(h, t, s, kernels, bench_inputs, weights_as_args):
                 implementation="cudnn"), compiler_options=options).lower(
                     q, kv, cache, table, plen, qlen).compile()
         finally:
-            prefill._decompress = saved
+            prefill._decompress, prefill._row_weights = saved
 
     run = lambda form: time_ms(compiled(form), q, kv, cache, table, plen, qlen)  # noqa: E731
     if kernels:
         fns = {form: compiled(form) for form in FORMS}
-        fns["concat, concurrent"] = compiled(
-            "concat", xla_gpu_command_buffer_scheduling_mode="CONCURRENT")
+        fns["rows, no command buffers"] = compiled("rows", xla_gpu_graph_min_graph_size=1 << 20)
+        fns["rows, concurrent"] = compiled(
+            "rows", xla_gpu_command_buffer_scheduling_mode="CONCURRENT")
         for name, fn in fns.items():
             report(f"mla_prefill {name}", time_ms(fn, q, kv, cache, table, plen, qlen))
         kernel_tables(h, t, fns, (q, kv, cache, table, plen, qlen))
@@ -145,9 +138,9 @@ def probe(h, t, s, kernels, bench_inputs, weights_as_args):
             prefill._prefix_rows(c, bt, prefix, 0, s, None, bf), w_uk, w_uv))
         report(f"gather+decompress {form}", time_ms(gather, cache, table))
 
-    k, v = jax.jit(lambda c, bt: prefill._decompress(
+    k, v = jax.jit(lambda c, bt: decompress_rows(
         prefill._prefix_rows(c, bt, prefix, 0, s, None, bf), w_uk, w_uv))(cache, table)
-    ks, vs = prefill._decompress(kv, w_uk, w_uv)
+    ks, vs = decompress_rows(kv, w_uk, w_uv)
 
     @jax.jit
     def cudnn_only(q, k, v, ks, vs):

@@ -78,16 +78,27 @@ def _prefix_rows(kv_cache, block_table, segments, first, size, k_scale, dtype):
     return jnp.where(held.reshape(size, 1), rows.astype(dtype), jnp.zeros((), dtype))
 
 
-def _decompress(rows, w_uk, w_uv):
+def _row_weights(w_uk, w_uv, rope):
+    """(w_k, w_v) over the whole rows (kv_lora_rank + rope columns): w_k (rows, h, d_nope +
+    rope) is W_UK on the latent columns and an identity from the rope columns to each head's,
+    w_v (rows, h, d_v) W_UV with zeros on the rope columns. One matmul of the rows then makes
+    each head's whole key: no pass concatenating the rope key to k_nope, and no copy of the
+    latent columns out of the gathered rows."""
+    rank, h, nope = w_uk.shape
+    eye = jnp.broadcast_to(jnp.eye(rope, dtype=w_uk.dtype)[:, None, :], (rope, h, rope))
+    w_k = jnp.concatenate([
+        jnp.concatenate([w_uk, jnp.zeros((rank, h, rope), w_uk.dtype)], axis=-1),
+        jnp.concatenate([jnp.zeros((rope, h, nope), w_uk.dtype), eye], axis=-1)])
+    return w_k, jnp.pad(w_uv, ((0, rope), (0, 0), (0, 0)))
+
+
+def _decompress(rows, w_k, w_v):
     """Latent rows (s, kv_lora_rank + rope) -> k (s, h, d_nope + rope) and v (s, h, d_v), in
-    rows' dtype (float32 accumulation), as DeepSeek's kv_b_proj expands them."""
-    latent, k_pe = rows[:, :w_uk.shape[0]], rows[:, w_uk.shape[0]:]
+    rows' dtype (float32 accumulation), as DeepSeek's kv_b_proj expands them (the rope key
+    copied to every head exactly: a product by 1 and sums of zeros)."""
     # Products in rows' dtype: a GPU's matmul accumulates bf16 in float32 and writes bf16,
     # half the bytes of a float32 product rounded after.
-    k_nope = jnp.einsum("sc,chd->shd", latent, w_uk)
-    v = jnp.einsum("sc,chd->shd", latent, w_uv)
-    k_pe = jnp.broadcast_to(k_pe[:, None, :], (k_pe.shape[0], w_uk.shape[1], k_pe.shape[-1]))
-    return jnp.concatenate([k_nope, k_pe], axis=-1), v
+    return jnp.einsum("sc,chd->shd", rows, w_k), jnp.einsum("sc,chd->shd", rows, w_v)
 
 
 # -- bad values -------------------------------------------------------------------------------
@@ -312,7 +323,8 @@ def _prefill(q, kv, kv_cache, block_table, prefix_lens, query_lens, query_starts
 
     owner, _ = ragged_attention.owners(q_segments, t)
     new_rows = jnp.where((owner >= 0)[:, None], kv.astype(q.dtype), jnp.zeros((), q.dtype))
-    k, v = _decompress(new_rows, w_uk, w_uv)
+    w_k, w_v = _row_weights(w_uk, w_uv, kv.shape[1] - w_uk.shape[0])
+    k, v = _decompress(new_rows, w_k, w_v)
     out, lse = core(q, k, v, q_segments, q_segments, causal=True)
     if capacity:
         prefixes = ragged_attention.ordered(prefix_starts, jnp.where(bad, 0, prefix_lens))
@@ -323,7 +335,7 @@ def _prefill(q, kv, kv_cache, block_table, prefix_lens, query_lens, query_starts
         for first in range(0, capacity, step):
             size = min(step, capacity - first)
             rows = _prefix_rows(kv_cache, block_table, prefixes, first, size, k_scale, q.dtype)
-            k, v = _decompress(rows, w_uk, w_uv)
+            k, v = _decompress(rows, w_k, w_v)
             # Merged as they come, so that one slice's keys are freed before the next's.
             part = core(q, k, v, q_segments, ragged_attention.clip(prefixes, first, size),
                         causal=False)
