@@ -45,7 +45,7 @@ import jax_flashmla as jf
 from jax_flashmla import fp8, prefill
 
 from grid_report import write_json
-from timing import time_in_turns
+from timing import compiler_option, time_in_turns
 
 D_NOPE, D_ROPE, D_V, RANK, PAGE = 128, 64, 128, 512, 64
 D_QK, WIDTH = D_NOPE + D_ROPE, RANK + D_ROPE
@@ -240,7 +240,8 @@ def run_point(p, args, cudnn_here):
         # Compiled ahead, so that memory_analysis() reads the very executable that is timed.
         started = time.perf_counter()
         try:
-            compiled = jax.jit(fn).lower(*fn_args).compile()
+            compiled = jax.jit(fn, compiler_options=args.xla_options or None).lower(
+                *fn_args).compile()
         except Exception as e:  # noqa: BLE001 - one failing variant should not cost the point
             record["skipped"][name] = f"failed to compile: {type(e).__name__}: {str(e)[:300]}"
             continue
@@ -286,7 +287,9 @@ def markdown(results):
     lines = [f"# mla_prefill: new prompts and extend ({meta['device']})", "",
              f"{meta['date']}; jax {meta['jax']}, cuDNN {meta['cudnn'] or '-'}; mla_prefill runs "
              f"`{meta['prefill_implementation']}`. Median of {meta['repeats']} repeats of "
-             f"~{meta['target_ms']:g} ms, the implementations in turns. TFLOPS: "
+             f"~{meta['target_ms']:g} ms, the implementations in turns"
+             + "".join(f", each jitted with {k}={v}" for k, v in
+                       (meta.get("xla_options") or {}).items()) + ". TFLOPS: "
              f"{meta['flops']}, S the prefix (0 for a new prompt). cuDNN and einsum take keys and "
              "values already decompressed; mla_prefill decompresses them from the 576-wide rows "
              "and reads the prefix from the paged cache. Ratio: mla_prefill's TFLOPS over "
@@ -409,7 +412,11 @@ def main(argv=None):
     parser.add_argument("--max-calls", type=int, help="calls per repeat at most")
     parser.add_argument("--einsum-budget-gb", type=float, default=40.0,
                         help="skip the einsum where its score matrices would exceed this")
+    parser.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
+                        help="a compiler option for every implementation's jit, e.g. "
+                             "xla_gpu_command_buffer_scheduling_mode=CONCURRENT")
     args = parser.parse_args(argv)
+    args.xla_options = dict(compiler_option(text) for text in args.xla_option)
     if args.redraw:
         with open(args.redraw + ".json") as f:
             write_report(json.load(f), args.redraw)
@@ -427,6 +434,7 @@ def main(argv=None):
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 flops=FLOPS, out_tolerance=OUT_TOLERANCE, einsum_budget_gb=args.einsum_budget_gb,
                 target_ms=args.target_ms, repeats=args.repeats, max_calls=args.max_calls,
+                xla_options=args.xla_options,
                 timing="compiled ahead, then N calls and one sync, the implementations in turns "
                        "(timing.time_in_turns), median of the repeats")
     if cudnn_here:

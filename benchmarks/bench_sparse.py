@@ -83,7 +83,7 @@ from jax_flashmla.sparse.ops import KERNEL_HEADS  # noqa: E402
 
 import sparse_report  # noqa: E402
 from device_time import device_time_in_turns, spin_blockers  # noqa: E402
-from timing import time_in_turns  # noqa: E402
+from timing import compiler_option, time_in_turns  # noqa: E402
 from torch_side import TorchSide, captured  # noqa: E402
 from workload import D_QK, D_V, PAGE, Workload  # noqa: E402
 
@@ -433,19 +433,6 @@ def run_step_point(inp, steps, torch_sparse, shared_schedule=True,
     return record
 
 
-def _option(text):
-    """'NAME=VALUE' -> (NAME, VALUE as a bool, an int or the string)."""
-    name, sep, value = text.partition("=")
-    if not sep:
-        raise SystemExit(f"--xla-option takes NAME=VALUE; got {text!r}")
-    if value.lower() in ("true", "false"):
-        return name, value.lower() == "true"
-    try:
-        return name, int(value)
-    except ValueError:
-        return name, value
-
-
 def matches(label, patterns):
     return any(fnmatch.fnmatch(label, pattern) for pattern in patterns)
 
@@ -484,7 +471,7 @@ def main(argv=None):
                         help="a small configuration on the default device, without torch")
     parser.add_argument("--out", default=None, help="path prefix of the .json/.md/.png results")
     args = parser.parse_args(argv)
-    xla_options = dict(_option(text) for text in args.xla_option)
+    xla_options = dict(compiler_option(text) for text in args.xla_option)
     grid = TINY if args.tiny else dict(GPU, layers=args.layers, steps=args.steps)
     if args.call_h_q:
         grid = dict(grid, call_h_q=tuple(args.call_h_q))

@@ -15,6 +15,20 @@ import time
 import jax
 import jax.numpy as jnp
 
+def compiler_option(text):
+    """A benchmark's --xla-option 'NAME=VALUE' -> (NAME, VALUE as a bool, an int or the
+    string), as jax.jit's compiler_options take it."""
+    name, sep, value = text.partition("=")
+    if not sep:
+        raise SystemExit(f"--xla-option takes NAME=VALUE; got {text!r}")
+    if value.lower() in ("true", "false"):
+        return name, value.lower() == "true"
+    try:
+        return name, int(value)
+    except ValueError:
+        return name, value
+
+
 # At least this many calls per repeat, even where one call outlasts the target time.
 MIN_CALLS = 3
 

@@ -13,7 +13,8 @@ decompression form, and with mla_prefill's without command buffers (each kernel 
 from the host) and under the CONCURRENT command-buffer scheduling (independent kernels of the
 graph free to overlap).
 
-With --bench-inputs, bench_prefill.py's inputs (unit-scale data) in place of the probe's; with
+With --bench-inputs, bench_prefill.py's inputs (unit-scale data) in place of the probe's, and
+with --kernels bench_prefill.py's own executable of mla_prefill beside the forms; with
 --weights-as-args, W_UK and W_UV arguments of the jitted call (as in a model and in
 bench_prefill.py), not constants of it.
 
@@ -21,6 +22,7 @@ bench_prefill.py), not constants of it.
                                        [--kernels] [--bench-inputs]
 """
 import argparse
+import functools
 import os
 import sys
 import time
@@ -68,11 +70,13 @@ def time_ms(fn, *args, reps=20):
     return float(np.median(best))
 
 
-def kernel_tables(h, t, fns, args, calls=3):
-    """Each of fns' mla_prefill calls kernel by kernel (probe_sparse_step.profile)."""
+def kernel_tables(h, t, fns, calls=3):
+    """Each of fns' mla_prefill calls ({name: (fn, its args)}) kernel by kernel
+    (probe_sparse_step.profile)."""
     from probe_sparse_step import profile, show
-    runs = {name: lambda fn=fn: jax.block_until_ready([fn(*args) for _ in range(calls)])
-            for name, fn in fns.items()}
+    runs = {name: lambda fn=fn, args=args: jax.block_until_ready([fn(*args)
+                                                                 for _ in range(calls)])
+            for name, (fn, args) in fns.items()}
     show(f"h {h} T {t}", "call", profile(runs, calls))
 
 
@@ -80,8 +84,8 @@ def probe(h, t, s, kernels, bench_inputs, weights_as_args):
     bf = jnp.bfloat16
     if bench_inputs:
         import bench_prefill
-        q, kv, cache, table, _, _, w_uk, w_uv, _ = bench_prefill.make_inputs(
-            bench_prefill.Point("extend", t, s, h, "bfloat16"))
+        bench_args = bench_prefill.make_inputs(bench_prefill.Point("extend", t, s, h, "bfloat16"))
+        q, kv, cache, table, _, _, w_uk, w_uv, _ = bench_args
         q, kv = q[0], kv[0]
     else:
         rng = np.random.default_rng(0)
@@ -123,13 +127,18 @@ def probe(h, t, s, kernels, bench_inputs, weights_as_args):
 
     run = lambda form: time_ms(compiled(form), q, kv, cache, table, plen, qlen)  # noqa: E731
     if kernels:
-        fns = {form: compiled(form) for form in FORMS}
-        fns["rows, no command buffers"] = compiled("rows", xla_gpu_graph_min_graph_size=1 << 20)
-        fns["rows, concurrent"] = compiled(
-            "rows", xla_gpu_command_buffer_scheduling_mode="CONCURRENT")
-        for name, fn in fns.items():
-            report(f"mla_prefill {name}", time_ms(fn, q, kv, cache, table, plen, qlen))
-        kernel_tables(h, t, fns, (q, kv, cache, table, plen, qlen))
+        args = (q, kv, cache, table, plen, qlen)
+        fns = {form: (compiled(form), args) for form in FORMS}
+        fns["rows, no command buffers"] = (
+            compiled("rows", xla_gpu_graph_min_graph_size=1 << 20), args)
+        fns["rows, concurrent"] = (compiled(
+            "rows", xla_gpu_command_buffer_scheduling_mode="CONCURRENT"), args)
+        if bench_inputs:  # bench_prefill.py's own executable of mla_prefill
+            op = functools.partial(bench_prefill.prefill_op, max_prefix_tokens=s)
+            fns["bench_prefill's"] = (jax.jit(op).lower(*bench_args).compile(), bench_args)
+        for name, (fn, fn_args) in fns.items():
+            report(f"mla_prefill {name}", time_ms(fn, *fn_args))
+        kernel_tables(h, t, fns)
         return
 
     for form in FORMS:
