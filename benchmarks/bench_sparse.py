@@ -485,7 +485,8 @@ def main(argv=None):
         implementation=sparse_implementation(), topk=grid["topk"], layers=grid["layers"],
         softmax_scale=SOFTMAX_SCALE, rotations=grid["rotations"], cache_gb=args.cache_gb,
         device_repeats=None if blockers is None else args.device_repeats,
-        steps=grid["steps"], scan_unroll=args.scan_unroll, xla_options=xla_options,
+        steps=grid["steps"], step_rounds=STEP_ROUNDS, scan_unroll=args.scan_unroll,
+        xla_options=xla_options,
         torch=None if torch_sparse is None else torch_sparse.info),
         per_call=[], step=[], not_run=[])
     start = time.perf_counter()

@@ -181,8 +181,10 @@ def markdown(result):
     if result["step"]:
         lines += [
             "", f"## A {meta['layers']}-layer decode step, µs per layer", "",
-            "Wall clock of the median step / layers (GPU span per layer in brackets), the "
-            "variants timed in turns. The jax steps are called through AlternatingStep"
+            "Wall clock of the median step / layers (GPU span per layer in brackets)"
+            + (f", the variants timed in turns ({meta['step_rounds']} rounds)"
+               if meta.get("step_rounds") else "")
+            + ". The jax steps are called through AlternatingStep"
             + _step_options(meta) + "; the torch graph is sparse_decode_fwd "
             "per layer making its own schedule, captured in a CUDA graph, and the same with "
             "one get_mla_decoding_metadata per step (SGLang's; the jax steps share one "
