@@ -80,7 +80,7 @@ def kernel_tables(h, t, fns, calls=3):
     show(f"h {h} T {t}", "call", profile(runs, calls))
 
 
-def probe(h, t, s, kernels, bench_inputs, weights_as_args):
+def probe(h, t, s, kernels, bench_inputs, weights_as_args, hlo_out=None):
     bf = jnp.bfloat16
     if bench_inputs:
         import bench_prefill
@@ -117,7 +117,9 @@ def probe(h, t, s, kernels, bench_inputs, weights_as_args):
                     max_prefix_tokens=s, implementation="cudnn")
                 exe = jax.jit(fn, compiler_options=options).lower(
                     q, kv, cache, table, plen, qlen, w_uk, w_uv).compile()
-                return lambda *a: exe(*a, w_uk, w_uv)
+                call = lambda *a: exe(*a, w_uk, w_uv)  # noqa: E731
+                call.executable = exe
+                return call
             return jax.jit(lambda *a: prefill.mla_prefill(
                 *a, w_uk=w_uk, w_uv=w_uv, softmax_scale=scale, max_prefix_tokens=s,
                 implementation="cudnn"), compiler_options=options).lower(
@@ -138,6 +140,10 @@ def probe(h, t, s, kernels, bench_inputs, weights_as_args):
             fns["bench_prefill's"] = (jax.jit(op).lower(*bench_args).compile(), bench_args)
         for name, (fn, fn_args) in fns.items():
             report(f"mla_prefill {name}", time_ms(fn, *fn_args))
+            if hlo_out:
+                text = getattr(fn, "executable", fn).as_text()
+                with open(os.path.join(hlo_out, f"h{h}_{name.replace(' ', '')}.hlo"), "w") as f:
+                    f.write(text)
         kernel_tables(h, t, fns)
         return
 
@@ -169,10 +175,14 @@ def main():
     parser.add_argument("--kernels", action="store_true")
     parser.add_argument("--bench-inputs", action="store_true")
     parser.add_argument("--weights-as-args", action="store_true")
+    parser.add_argument("--hlo-out", default=None,
+                        help="with --kernels, each executable's optimized HLO into this folder")
     args = parser.parse_args()
+    if args.hlo_out:
+        os.makedirs(args.hlo_out, exist_ok=True)
     for h in args.heads:
         probe(h, args.tokens, args.prefix, args.kernels, args.bench_inputs,
-              args.weights_as_args)
+              args.weights_as_args, args.hlo_out)
 
 
 if __name__ == "__main__":
