@@ -335,7 +335,10 @@ def _prefill(q, kv, kv_cache, block_table, prefix_lens, query_lens, query_starts
         for first in range(0, capacity, step):
             size = min(step, capacity - first)
             rows = _prefix_rows(kv_cache, block_table, prefixes, first, size, k_scale, q.dtype)
-            k, v = _decompress(rows, w_k, w_v)
+            # The weights through a barrier of their own for each part's matmuls: XLA merges
+            # matmuls sharing an operand into one over the concatenated rows, then copies each
+            # part's keys and values out of its product (a pass over them all).
+            k, v = _decompress(rows, *jax.lax.optimization_barrier((w_k, w_v)))
             # Merged as they come, so that one slice's keys are freed before the next's.
             part = core(q, k, v, q_segments, ragged_attention.clip(prefixes, first, size),
                         causal=False)
