@@ -35,7 +35,7 @@ up to b=16, 31 at b=64, 15 at b=128) and layer l reads cache l mod that many. Wh
 shared, one layer alone reads b x 2048 tokens of 656 bytes (86 MB at b=64), more than the L2
 holds, so a layer finds little of what an earlier layer over the same cache read.
 jax_flashmla's step runs jitted, unrolled and under lax.scan (--scan-unroll layers an
-iteration, by default bench_step.py's SCAN_UNROLL, and LOOP_STEP_COMPILER_OPTIONS), each called
+iteration, by default SCAN_UNROLL, and LOOP_STEP_COMPILER_OPTIONS), each called
 through AlternatingStep and synced by popping what it pushed to a HostQueue, as
 bench_step.py's, their schedule made once per step (sparse_decode_metadata) and the layers'
 indices masked once per step (mask_indices: one kernel over the step's indices, where a layer
@@ -93,6 +93,9 @@ BASE_PAGES = 1024
 CALL_IMPLS = ("sparse", "premasked", "torch", "dense")
 # Rounds in which a step point's variants take turns, its steps split among them.
 STEP_ROUNDS = 4
+# Layers an iteration of the scanned step's loop: its own kernels (the counter, the compare,
+# the select) run once an iteration, ~1.4 us a layer at 4 on the H200.
+SCAN_UNROLL = 8
 GPU = dict(call_b=(1, 16, 64, 128), call_contexts=(8192, 32768, 131072), call_h_q=(64, 128),
            call_s_q=(1, 2), step_b=(1, 16, 64, 128), step_context=32768, step_h_q=128,
            step_s_q=1, topk=2048, layers=61, rotations=4, target_ms=20.0, repeats=3, steps=40)
@@ -343,7 +346,7 @@ class StepInputs:
         return self.cache, self.q0, self.indices, self.rope
 
 
-def jax_steps(inp, scan_unroll=bench_step.SCAN_UNROLL, xla_options=None):
+def jax_steps(inp, scan_unroll=SCAN_UNROLL, xla_options=None):
     """{name: (jitted step, its compiler options)}: the step unrolled and under lax.scan
     (scan_unroll layers an iteration), each returning its last out (q[..., :512] after the
     last layer); xla_options: more compiler options for both."""
@@ -373,7 +376,7 @@ def jax_steps(inp, scan_unroll=bench_step.SCAN_UNROLL, xla_options=None):
             "jax_scan": (scanned, {**serving.LOOP_STEP_COMPILER_OPTIONS, **extra})}
 
 
-def compiled_jax_steps(inp, scan_unroll=bench_step.SCAN_UNROLL, xla_options=None):
+def compiled_jax_steps(inp, scan_unroll=SCAN_UNROLL, xla_options=None):
     """[(name, the HostQueue its step pushes to, the step through AlternatingStep)] of
     jax_steps, each pushing its out as bench_step.py's steps do, compiled for inp's
     arguments."""
@@ -390,7 +393,7 @@ def compiled_jax_steps(inp, scan_unroll=bench_step.SCAN_UNROLL, xla_options=None
 
 
 def run_step_point(inp, steps, torch_sparse, shared_schedule=True,
-                   scan_unroll=bench_step.SCAN_UNROLL, xla_options=None):
+                   scan_unroll=SCAN_UNROLL, xla_options=None):
     """The step's record at StepInputs inp: µs per layer, GPU span per layer, outs compared."""
     started = time.perf_counter()
     record = dict(label=step_label(inp.b, inp.context, inp.h_q, inp.s_q), b=inp.b,
@@ -458,9 +461,8 @@ def main(argv=None):
                         help="the per-call head counts (default 64 128); others than FlashMLA's "
                              "64 and 128 are padded to them, timed without torch: their cost "
                              "against 64 or 128 heads is the padding's")
-    parser.add_argument("--scan-unroll", type=int, default=bench_step.SCAN_UNROLL,
-                        help="the scanned step's layers an iteration (default "
-                             f"{bench_step.SCAN_UNROLL}, bench_step.py's)")
+    parser.add_argument("--scan-unroll", type=int, default=SCAN_UNROLL,
+                        help=f"the scanned step's layers an iteration (default {SCAN_UNROLL})")
     parser.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                         help="a compiler option for both jax steps (true/false and integers "
                              "as such), e.g. xla_gpu_enable_dynamic_slice_fusion=true")
