@@ -15,6 +15,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+
 def compiler_option(text):
     """A benchmark's --xla-option 'NAME=VALUE' -> (NAME, VALUE as a bool, an int or the
     string), as jax.jit's compiler_options take it."""

@@ -2,7 +2,7 @@
 
 Times, each jitted alone, at T new tokens over a prefix of S (paged, bf16):
   - mla_prefill (cudnn), whole;
-  - the prefix's gather and decompression alone, in three forms:
+  - the prefix's gather and decompression alone, in two forms:
       rows:   mla_prefill's: k and v each one einsum of the 576-wide rows (W_UK with an
               identity on the rope columns, W_UV with zeros there): no concatenation pass;
       concat: k_nope and v from the latent columns, then the rope key concatenated;
@@ -19,7 +19,8 @@ with --kernels bench_prefill.py's own executable of mla_prefill beside the forms
 bench_prefill.py), not constants of it.
 
   python dev/probe_prefill_overhead.py [--heads 16 128] [--tokens 2048] [--prefix 32768]
-                                       [--kernels] [--bench-inputs]
+                                       [--kernels] [--bench-inputs] [--weights-as-args]
+                                       [--hlo-out DIR]
 """
 import argparse
 import functools
