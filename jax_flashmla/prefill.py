@@ -96,9 +96,12 @@ def _decompress(rows, w_k, w_v):
     """Latent rows (s, kv_lora_rank + rope) -> k (s, h, d_nope + rope) and v (s, h, d_v), in
     rows' dtype (float32 accumulation), as DeepSeek's kv_b_proj expands them (the rope key
     copied to every head exactly: a product by 1 and sums of zeros)."""
+    # Each product from a copy of its own of the rows: XLA's dot merger joins matmuls that
+    # share an operand (when small: the new tokens') into one, then copies k and v out of it.
+    rows_k, rows_v = jax.lax.optimization_barrier((rows, rows))
     # Products in rows' dtype: a GPU's matmul accumulates bf16 in float32 and writes bf16,
     # half the bytes of a float32 product rounded after.
-    return jnp.einsum("sc,chd->shd", rows, w_k), jnp.einsum("sc,chd->shd", rows, w_v)
+    return jnp.einsum("sc,chd->shd", rows_k, w_k), jnp.einsum("sc,chd->shd", rows_v, w_v)
 
 
 # -- bad values -------------------------------------------------------------------------------

@@ -39,6 +39,18 @@ def test_cudnn_is_the_default_on_hopper():
     assert "__cudnn$fmha" in text
 
 
+def test_keys_and_values_are_matmuls_of_their_own():
+    """k's and v's matmuls of the new tokens' rows are not merged into one product that k
+    and v are then copied out of (XLA's dot merger joins small matmuls sharing an operand)."""
+    case = make_case(np.random.default_rng(2), [4096], [2048], **DEEPSEEK)
+    static = {"max_prefix_tokens": case["max_prefix_tokens"]}
+    text = jax.jit(lambda c: call(jf.mla_prefill, c | static, softmax_scale=SCALE)).lower(
+        {k: v for k, v in case.items() if k not in static}).compile().as_text()
+    rows, heads = case["q"].shape[:2]
+    merged = f"[{rows},{heads * (192 + 128)}]"  # rows x (k's and v's columns together)
+    assert merged not in text
+
+
 @pytest.mark.parametrize("bad", BAD)
 def test_bad_values_on_cudnn(bad):
     check_bad_value(bad, **DEEPSEEK)
