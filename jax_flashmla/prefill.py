@@ -96,8 +96,9 @@ def _decompress(rows, w_k, w_v):
     """Latent rows (s, kv_lora_rank + rope) -> k (s, h, d_nope + rope) and v (s, h, d_v), in
     rows' dtype (float32 accumulation), as DeepSeek's kv_b_proj expands them (the rope key
     copied to every head exactly: a product by 1 and sums of zeros)."""
-    # Each product from a copy of its own of the rows: XLA's dot merger joins matmuls that
-    # share an operand (when small: the new tokens') into one, then copies k and v out of it.
+    # The two matmuls take the rows as two values (a barrier's two outputs, no copy): XLA's
+    # dot merger joins matmuls sharing an operand into one when their product is small (the
+    # new tokens'), then copies k and v out of that product.
     rows_k, rows_v = jax.lax.optimization_barrier((rows, rows))
     # Products in rows' dtype: a GPU's matmul accumulates bf16 in float32 and writes bf16,
     # half the bytes of a float32 product rounded after.
