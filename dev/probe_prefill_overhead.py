@@ -25,6 +25,7 @@ bench_prefill.py), not constants of it.
 import argparse
 import functools
 import os
+import re
 import sys
 import time
 
@@ -143,7 +144,9 @@ def probe(h, t, s, kernels, bench_inputs, weights_as_args, hlo_out=None):
             report(f"mla_prefill {name}", time_ms(fn, *fn_args))
             if hlo_out:
                 text = getattr(fn, "executable", fn).as_text()
-                with open(os.path.join(hlo_out, f"h{h}_{name.replace(' ', '')}.hlo"), "w") as f:
+                # Letters, digits and _ only: names with commas or quotes do not travel back.
+                plain = re.sub("[^A-Za-z0-9]+", "_", name)
+                with open(os.path.join(hlo_out, f"h{h}_{plain}.hlo"), "w") as f:
                     f.write(text)
         kernel_tables(h, t, fns)
         return

@@ -96,10 +96,10 @@ def _decompress(rows, w_k, w_v):
     """Latent rows (s, kv_lora_rank + rope) -> k (s, h, d_nope + rope) and v (s, h, d_v), in
     rows' dtype (float32 accumulation), as DeepSeek's kv_b_proj expands them (the rope key
     copied to every head exactly: a product by 1 and sums of zeros)."""
-    # The two matmuls take the rows as two values (a barrier's two outputs, no copy): XLA's
-    # dot merger joins matmuls sharing an operand into one when their product is small (the
-    # new tokens'), then copies k and v out of that product.
-    rows_k, rows_v = jax.lax.optimization_barrier((rows, rows))
+    # Each matmul takes operands no other matmul shares (a barrier's outputs, no copy): XLA's
+    # dot merger joins matmuls sharing an operand (k's and v's the rows, each part's the
+    # weights) into one product over the concatenation, then copies each result out of it.
+    rows_k, rows_v, w_k, w_v = jax.lax.optimization_barrier((rows, rows, w_k, w_v))
     # Products in rows' dtype: a GPU's matmul accumulates bf16 in float32 and writes bf16,
     # half the bytes of a float32 product rounded after.
     return jnp.einsum("sc,chd->shd", rows_k, w_k), jnp.einsum("sc,chd->shd", rows_v, w_v)
@@ -339,10 +339,7 @@ def _prefill(q, kv, kv_cache, block_table, prefix_lens, query_lens, query_starts
         for first in range(0, capacity, step):
             size = min(step, capacity - first)
             rows = _prefix_rows(kv_cache, block_table, prefixes, first, size, k_scale, q.dtype)
-            # The weights through a barrier of their own for each part's matmuls: XLA merges
-            # matmuls sharing an operand into one over the concatenated rows, then copies each
-            # part's keys and values out of its product (a pass over them all).
-            k, v = _decompress(rows, *jax.lax.optimization_barrier((w_k, w_v)))
+            k, v = _decompress(rows, w_k, w_v)
             # Merged as they come, so that one slice's keys are freed before the next's.
             part = core(q, k, v, q_segments, ragged_attention.clip(prefixes, first, size),
                         causal=False)
