@@ -47,6 +47,8 @@
 #              steps against the torch graphs, and single calls; SPARSE_STEP_ARGS
 #     prefill-overhead  dev/probe_prefill_overhead.py: mla_prefill's parts timed alone, or
 #              kernel by kernel with --kernels; OVERHEAD_ARGS
+#     decompress-probe  dev/probe_decompress.py: the decompression's cuBLAS forms from torch,
+#              and cuDNN's causal alignment; DECOMPRESS_ARGS
 #     indexer-ncu  ncu's sections for the indexer's two kernels over one call of
 #              probe_indexer_kernels.py --single; INDEXER_PROBE_ARGS
 #     sparse-prefill-probe  dev/probe_sparse_prefill_call.py (PREFILL_PROBE_ARGS) with
@@ -185,6 +187,9 @@ for mode in "${modes[@]}"; do
   prefill-overhead)
     timeout 400 python3 dev/probe_prefill_overhead.py ${OVERHEAD_ARGS:-} 2>&1 \
       | grep -v "^[IW][0-9]" | cut -c1-200 | tail -60 ;;
+  decompress-probe)
+    timeout 200 python3 dev/probe_decompress.py --out "$out/probe_decompress.json" \
+      ${DECOMPRESS_ARGS:-} 2>&1 | grep -v "^[IW][0-9]" | cut -c1-200 | tail -40 ;;
   sparse-step-probe)
     timeout 400 python3 dev/probe_sparse_step.py --out "$out/probe_sparse_step.json" \
       ${SPARSE_STEP_ARGS:-} 2>&1 | grep -v "^[IW][0-9]" | cut -c1-200 | tail -120 ;;
