@@ -198,23 +198,19 @@ __global__ void __launch_bounds__(kScoreThreads)
 
 constexpr int kTopkThreads = 512;
 constexpr int kTopkWarps = kTopkThreads / 32;
-constexpr int kMaxCluster = 8;       // blocks per row at most (the portable cluster size)
-constexpr int64_t kSharedKeys = 32768;  // a block's slice of keys held in shared memory
-constexpr int kRadixBits = 11;       // three passes over a 32-bit key: 11, 11, 10 bits
+constexpr int kMaxCluster = 8;  // blocks per row at most (the portable cluster size)
+constexpr int kPerLane = 4;     // consecutive scores a lane reads at once
+constexpr int kStep = 32 * kPerLane;  // consecutive scores a warp reads at once
+constexpr int kRadixBits = 11;  // three passes over a 32-bit key: 11, 11, 10 bits
 constexpr int kBins = 1 << kRadixBits;
 constexpr int kBinsPerThread = kBins / kTopkThreads;
+constexpr int kHeldSteps = 8;  // a block's slice of up to 16384 scores held in registers
 
 // A score as an unsigned key of the same order (totalOrder): flip the sign bit of positives,
 // every bit of negatives.
 __device__ __forceinline__ uint32_t OrderedKey(float x) {
   const uint32_t bits = __float_as_uint(x);
   return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
-}
-
-// The scores of a row each of its `blocks` blocks takes: a multiple of a warp's 32 per warp.
-__host__ __device__ inline int64_t SliceOf(int64_t width, int blocks) {
-  constexpr int64_t kUnit = int64_t{kTopkWarps} * 32;
-  return (width + blocks * kUnit - 1) / (blocks * kUnit) * kUnit;
 }
 
 static_assert(kBinsPerThread == 4, "a thread reads its bins of each block as one uint4");
@@ -230,24 +226,37 @@ struct TopkShared {
   };
 };
 
-// A cluster of blocks per row (those that hold its keys in shared memory, as many as fit the
+// This lane's kPerLane keys of the scores from `start` that lie before `end` (0 past it).
+__device__ __forceinline__ void LoadKeys(const float* row, int64_t start, int64_t end,
+                                         uint32_t (&keys)[kPerLane]) {
+  if (start + kPerLane <= end && reinterpret_cast<uintptr_t>(row + start) % 16 == 0) {
+    const float4 v = *reinterpret_cast<const float4*>(row + start);
+    keys[0] = OrderedKey(v.x);
+    keys[1] = OrderedKey(v.y);
+    keys[2] = OrderedKey(v.z);
+    keys[3] = OrderedKey(v.w);
+    return;
+  }
+#pragma unroll
+  for (int e = 0; e < kPerLane; ++e) keys[e] = start + e < end ? OrderedKey(row[start + e]) : 0;
+}
+
+// A cluster of blocks per row (those that hold its scores in registers, as many as fit the
 // rows in one wave, up to kMaxCluster), each over one slice of it, each of its warps over one
 // segment of the slice. A radix select finds the k-th largest key, most significant bits
 // first: per pass each block counts the keys of its slice that share the bits fixed so far,
 // and every block sums the cluster's counts (read from the others' shared memory) to fix the
 // next bits. Then each warp writes its segment's keys above the k-th and, of those equal to
-// it, the first ones, in position order, after the earlier segments' and slices'. The keys
-// are read once into shared memory (dynamic: SliceOf(width, blocks) of them), or, for a
-// slice longer than kSharedKeys (rows past 8 kSharedKeys), from the scores at each pass.
+// it, the first ones, in position order, after the earlier segments' and slices'.
 __global__ void __launch_bounds__(kTopkThreads)
     TopkPositionsKernel(const float* scores, int64_t width, int64_t k, int32_t* positions) {
   namespace cg = cooperative_groups;
   __shared__ TopkShared shared;
-  extern __shared__ uint32_t held[];
   cg::cluster_group cluster = cg::this_cluster();
   const int blocks = static_cast<int>(cluster.num_blocks());
   const int rank = static_cast<int>(cluster.block_rank());
   const int64_t row = blockIdx.x / blocks;
+  const float* row_scores = scores + row * width;
   int32_t* out = positions + row * k;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
 
@@ -257,21 +266,38 @@ __global__ void __launch_bounds__(kTopkThreads)
         out[i] = i < width ? static_cast<int32_t>(i) : -1;
     return;
   }
-  const int64_t slice = SliceOf(width, blocks);
-  const int64_t begin = Min(rank * slice, width), count = Min(begin + slice, width) - begin;
-  const float* slice_scores = scores + row * width + begin;
-  const bool holds = slice <= kSharedKeys;
-  if (holds)
-    for (int64_t i = tid; i < count; i += blockDim.x) held[i] = OrderedKey(slice_scores[i]);
-  auto key = [&](int64_t i) { return holds ? held[i] : OrderedKey(slice_scores[i]); };
-  // A cluster's barrier, or the block's where the cluster is the block.
-  auto sync = [&] {
-    if (blocks == 1)
-      __syncthreads();
-    else
-      cluster.sync();
-  };
+  constexpr int64_t kSliceUnit = kTopkWarps * kStep;
+  const int64_t slice = (width + blocks * kSliceUnit - 1) / (blocks * kSliceUnit) * kSliceUnit;
+  const int64_t segment = slice / kTopkWarps, steps = segment / kStep;
+  const int64_t end = Min(Min(rank * slice, width) + slice, width);
+  const int64_t begin = Min(Min(rank * slice, width) + warp * segment, end);  // this warp's
+  const int64_t warp_end = Min(begin + segment, end);
   if (tid == 0) shared.greater = 0;
+
+  // A slice of up to kHeldSteps steps a warp is read once and kept in registers for every
+  // pass; a longer one is read again each pass.
+  uint32_t held[kHeldSteps][kPerLane];
+  const bool holds = steps <= kHeldSteps;
+  auto lane_start = [&](int64_t step) { return begin + step * kStep + lane * kPerLane; };
+  if (holds) {
+#pragma unroll
+    for (int s = 0; s < kHeldSteps; ++s)
+      if (s < steps) LoadKeys(row_scores, lane_start(s), warp_end, held[s]);
+  }
+  // body(start, keys): this lane's keys from position start, in position order.
+  auto for_each_step = [&](auto&& body) {
+    if (holds) {
+#pragma unroll
+      for (int s = 0; s < kHeldSteps; ++s)
+        if (s < steps) body(lane_start(s), held[s]);
+    } else {
+      for (int64_t s = 0; s < steps; ++s) {
+        uint32_t keys[kPerLane];
+        LoadKeys(row_scores, lane_start(s), warp_end, keys);
+        body(lane_start(s), keys);
+      }
+    }
+  };
 
   uint32_t prefix = 0, mask = 0;  // the bits of the k-th key fixed so far
   int64_t remaining = k;          // of the k, those among the keys matching prefix
@@ -280,13 +306,15 @@ __global__ void __launch_bounds__(kTopkThreads)
     const int bits = static_cast<int>(Min(kRadixBits, 32 - __popc(mask)));
     const uint32_t digit_mask = (1u << bits) - 1;
     for (int i = tid; i < kBins; i += blockDim.x) shared.bins[i] = 0;
-    __syncthreads();  // also orders the held keys' writes before the first pass reads them
+    __syncthreads();
     // Plain shared atomics: aggregating equal digits first (__match_any_sync) cost more.
-    for (int64_t i = tid; i < count; i += blockDim.x) {
-      const uint32_t u = key(i);
-      if ((u & mask) == prefix) atomicAdd(&shared.bins[(u >> shift) & digit_mask], 1u);
-    }
-    sync();  // every block's histogram is complete
+    for_each_step([&](int64_t start, const uint32_t (&keys)[kPerLane]) {
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e)
+        if (start + e < warp_end && (keys[e] & mask) == prefix)
+          atomicAdd(&shared.bins[(keys[e] >> shift) & digit_mask], 1u);
+    });
+    cluster.sync();  // every block's histogram is complete
     // Thread t owns bins kBins - 1 - kBinsPerThread t downwards; the row's count of each is
     // the sum over the cluster's blocks (16 bytes read from each: one request per block, where
     // 4-byte reads of the others' shared memory made the top-k wait on them); a scan gives the
@@ -327,18 +355,18 @@ __global__ void __launch_bounds__(kTopkThreads)
     prefix |= static_cast<uint32_t>(chosen) << shift;
     mask |= digit_mask << shift;
     remaining -= shared.above;
-    sync();  // the cluster has read every histogram before the next pass clears them
+    cluster.sync();  // the cluster has read every histogram before the next pass clears them
   }
 
-  // Warp w's segment: keys [w segment, (w + 1) segment) of the slice, 32 at a time.
-  const int64_t segment = slice / kTopkWarps;
-  const int64_t first = Min(warp * segment, count), last = Min(first + segment, count);
+  // Each warp's counts of keys above the k-th and equal to it, in its segment.
   int greater = 0, equal = 0;
-  for (int64_t i = first + lane; i < last; i += 32) {
-    const uint32_t u = key(i);
-    greater += u > prefix;
-    equal += u == prefix;
-  }
+  for_each_step([&](int64_t start, const uint32_t (&keys)[kPerLane]) {
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) {
+      greater += start + e < warp_end && keys[e] > prefix;
+      equal += start + e < warp_end && keys[e] == prefix;
+    }
+  });
   greater = __reduce_add_sync(0xffffffff, greater);
   equal = __reduce_add_sync(0xffffffff, equal);
   if (lane == 0) {
@@ -352,7 +380,7 @@ __global__ void __launch_bounds__(kTopkThreads)
     greater_before += cluster.map_shared_rank(&shared.greater, r)[0];
     equal_before += cluster.map_shared_rank(&shared.equal, r)[0];
   }
-  sync();  // no block leaves while another reads its counts; the warps' are written
+  cluster.sync();  // no block leaves while another reads its counts; the warps' are written
   for (int w = 0; w < warp; ++w) {
     greater_before += shared.warp_greater[w];
     equal_before += shared.warp_equal[w];
@@ -360,22 +388,33 @@ __global__ void __launch_bounds__(kTopkThreads)
   // Position p is taken where its key is above the k-th, or equal to it with fewer than
   // `remaining` equal ones before it; it goes to out[greater before p + min(equal before p,
   // remaining)].
-  const uint32_t lanes_below = (1u << lane) - 1;
-  for (int64_t base = first; base < last; base += 32) {  // uniform across the warp
-    const int64_t i = base + lane;
-    const uint32_t u = i < last ? key(i) : 0;
-    const bool is_greater = i < last && u > prefix, is_equal = i < last && u == prefix;
-    const uint32_t greaters = __ballot_sync(0xffffffff, is_greater);
-    const uint32_t equals = __ballot_sync(0xffffffff, is_equal);
-    const int64_t g = greater_before + __popc(greaters & lanes_below);
-    const int64_t q = equal_before + __popc(equals & lanes_below);
-    if (is_greater)
-      out[g + Min(q, remaining)] = static_cast<int32_t>(begin + i);
-    else if (is_equal && q < remaining)
-      out[g + q] = static_cast<int32_t>(begin + i);
-    greater_before += __popc(greaters);
-    equal_before += __popc(equals);
-  }
+  for_each_step([&](int64_t start, const uint32_t (&keys)[kPerLane]) {
+    int mine = 0;  // this lane's greater | equal << 16 (a warp's step counts fit 16 bits)
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e)
+      mine += start + e < warp_end ? (keys[e] > prefix) | ((keys[e] == prefix) << 16) : 0;
+    int scan = mine;  // inclusive over the warp's lanes
+#pragma unroll
+    for (int offset = 1; offset < 32; offset *= 2) {
+      const int other = __shfl_up_sync(0xffffffff, scan, offset);
+      if (lane >= offset) scan += other;
+    }
+    const int step_total = __shfl_sync(0xffffffff, scan, 31), before = scan - mine;
+    int64_t g = greater_before + (before & 0xffff), q = equal_before + (before >> 16);
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) {
+      if (start + e >= warp_end) continue;
+      if (keys[e] > prefix) {
+        out[g + Min(q, remaining)] = static_cast<int32_t>(start + e);
+        ++g;
+      } else if (keys[e] == prefix) {
+        if (q < remaining) out[g + q] = static_cast<int32_t>(start + e);
+        ++q;
+      }
+    }
+    greater_before += step_total & 0xffff;
+    equal_before += step_total >> 16;
+  });
 }
 
 // *value = what ask(value) gives for (device, key), asked once per process: device attributes,
@@ -450,17 +489,8 @@ cudaError_t LaunchIndexScores(const uint8_t* q, const float* weights, int64_t ro
 cudaError_t LaunchTopkPositions(const float* scores, int64_t rows, int64_t score_width,
                                 int64_t k, int32_t* positions, cudaStream_t stream) {
   if (rows == 0 || k == 0) return cudaSuccess;
-  int device = 0, attribute_set = 0;
+  int device = 0;
   if (cudaError_t status = cudaGetDevice(&device); status != cudaSuccess) return status;
-  // A block may hold kSharedKeys keys in shared memory, set once per device.
-  if (cudaError_t status = AskedOnce(device, 0, &attribute_set, [](int* done) {
-        *done = 1;
-        return cudaFuncSetAttribute(TopkPositionsKernel,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    static_cast<int>(kSharedKeys * sizeof(uint32_t)));
-      });
-      status != cudaSuccess)
-    return status;
   cudaLaunchAttribute cluster_dims[1];
   cluster_dims[0].id = cudaLaunchAttributeClusterDimension;
   cudaLaunchConfig_t config = {};
@@ -468,23 +498,20 @@ cudaError_t LaunchTopkPositions(const float* scores, int64_t rows, int64_t score
   config.stream = stream;
   config.attrs = cluster_dims;
   config.numAttrs = 1;
-  // Blocks per row: enough to hold a row's keys in shared memory (a cluster's barriers and
-  // reads of the others' histograms cost more than a block's own passes), fewer where every
-  // row's cluster would not run at once: at 16 rows, 8 blocks a row would leave one cluster to
-  // a second wave (15 clusters of 8 fit an H200).
+  // Blocks per row: enough to hold a row's scores in registers (a cluster's barriers and
+  // reads of the others' histograms cost more than a block's own passes over 16384 scores),
+  // fewer where every row's cluster would not run at once: at 16 rows, 8 blocks a row would
+  // leave one cluster to a second wave (15 clusters of 8 fit an H200).
+  constexpr int64_t kHeldScores = int64_t{kHeldSteps} * kStep * kTopkWarps;
   int blocks = 1;
-  while (blocks < kMaxCluster && blocks * kSharedKeys < score_width) blocks *= 2;
+  while (blocks < kMaxCluster && blocks * kHeldScores < score_width) blocks *= 2;
   for (;; blocks /= 2) {
-    const int64_t slice = SliceOf(score_width, blocks);
     cluster_dims[0].val.clusterDim.x = blocks;
     cluster_dims[0].val.clusterDim.y = cluster_dims[0].val.clusterDim.z = 1;
     config.gridDim = dim3(static_cast<unsigned>(rows * blocks));
-    config.dynamicSmemBytes = slice <= kSharedKeys ? slice * sizeof(uint32_t) : 0;
     if (blocks == 1) break;
     int active = 0;
-    // Per cluster size and shared memory (at most 128 KB: both fit the key).
-    const int key = static_cast<int>(config.dynamicSmemBytes) * 16 + blocks;
-    if (cudaError_t status = AskedOnce(device, key, &active, [&config](int* value) {
+    if (cudaError_t status = AskedOnce(device, blocks, &active, [&config](int* value) {
           return cudaOccupancyMaxActiveClusters(value, TopkPositionsKernel, &config);
         });
         status != cudaSuccess)
