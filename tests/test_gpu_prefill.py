@@ -1,4 +1,6 @@
 """On the GPU machine: mla_prefill through cuDNN at DeepSeek's head sizes (q/k 192, v 128)."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,13 +18,15 @@ DEEPSEEK = dict(heads=16, nope=128, v_dim=128)
 
 CASES = {"packed": dict(**RAGGED), "gaps": dict(**RAGGED, gaps=GAPS),
          "one request": dict(prefix_lens=[1500], query_lens=[300]),
+         "one request, every row held": dict(prefix_lens=[1536], query_lens=[300], tail=0),
          "one request off row 0": dict(prefix_lens=[700], query_lens=[90], gaps=[11])}
 
 
 @pytest.mark.parametrize("fp8_cache", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("layout", CASES)
 def test_cudnn_matches_float64_oracle(layout, fp8_cache):
-    """Several requests go through cuDNN's packed layout, one through its plain layout."""
+    """Several requests go through cuDNN's packed layout, one through its plain layout: with
+    padding masks, or without where it holds every query and key row."""
     case = make_case(np.random.default_rng(0), **CASES[layout], fp8_cache=fp8_cache, **DEEPSEEK)
     out, lse = call(jf.mla_prefill, case, softmax_scale=SCALE, implementation="cudnn")
     check_against_oracle(case, out, lse)
@@ -37,6 +41,18 @@ def test_cudnn_is_the_default_on_hopper():
     text = jax.jit(lambda c: call(jf.mla_prefill, c | static, softmax_scale=SCALE)).lower(
         {k: v for k, v in case.items() if k not in static}).as_text()
     assert "__cudnn$fmha" in text
+
+
+def test_one_request_has_a_form_without_padding_masks():
+    """One request's calls are compiled with padding masks and without, for when it holds
+    every query and key row (cuDNN's masks cost time even where they hide nothing)."""
+    case = make_case(np.random.default_rng(3), [1024], [256], tail=0, **DEEPSEEK)
+    static = {"max_prefix_tokens": case["max_prefix_tokens"]}
+    text = jax.jit(lambda c: call(jf.mla_prefill, c | static, softmax_scale=SCALE)).lower(
+        {k: v for k, v in case.items() if k not in static}).as_text()
+    masks = set(re.findall(r"mask_type(?:\\22|\W)+([A-Z_]+)", text))
+    assert {"NO_MASK", "PADDING", "CAUSAL", "PADDING_CAUSAL"} <= masks, masks
+    assert "stablehlo.case" in text or "stablehlo.if" in text
 
 
 def test_keys_and_values_are_matmuls_of_their_own():
