@@ -49,6 +49,9 @@
 #              kernel by kernel with --kernels; OVERHEAD_ARGS
 #     decompress-probe  dev/probe_decompress.py: the decompression's cuBLAS forms from torch,
 #              and cuDNN's causal alignment; DECOMPRESS_ARGS
+#     masks-probe  dev/probe_cudnn_masks.py at 16 and 128 heads: cuDNN's padding masks
+#              against the unmasked calls
+#     mgpu-probe  dev/probe_mgpu_attention.py: jax's Mosaic GPU attention kernel against cuDNN
 #     indexer-ncu  ncu's sections for the indexer's two kernels over one call of
 #              probe_indexer_kernels.py --single; INDEXER_PROBE_ARGS
 #     sparse-prefill-probe  dev/probe_sparse_prefill_call.py (PREFILL_PROBE_ARGS) with
@@ -187,6 +190,14 @@ for mode in "${modes[@]}"; do
   prefill-overhead)
     timeout 400 python3 dev/probe_prefill_overhead.py ${OVERHEAD_ARGS:-} 2>&1 \
       | grep -v "^[IW][0-9]" | cut -c1-200 | tail -60 ;;
+  masks-probe)
+    for heads in 16 128; do
+      timeout 200 python3 dev/probe_cudnn_masks.py --heads $heads \
+        --out "$out/probe_cudnn_masks_h$heads.json" 2>&1 | grep -v "^[IW][0-9]" | tail -12
+    done ;;
+  mgpu-probe)
+    timeout 300 python3 dev/probe_mgpu_attention.py --out "$out/probe_mgpu_attention.json" \
+      2>&1 | grep -v "^[IW][0-9]" | tail -14 ;;
   decompress-probe)
     timeout 200 python3 dev/probe_decompress.py --out "$out/probe_decompress.json" \
       ${DECOMPRESS_ARGS:-} 2>&1 | grep -v "^[IW][0-9]" | cut -c1-200 | tail -40 ;;

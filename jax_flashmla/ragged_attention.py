@@ -4,7 +4,8 @@ mla_prefill's building block. Segment r of the queries attends to segment r of t
 without a mask or causally (when queries and keys are the same rows: key j <= query i).
 Two cores, one contract:
   - "cudnn": cuDNN's flash attention through jax's wrapper of it. One request is its plain
-    padded layout; several are its packed layout (one batch row, segments at offsets).
+    layout, with padding masks unless it holds every row; several are its packed layout (one
+    batch row, segments at offsets).
   - "xla": an online softmax in pure JAX over KEY_BLOCK keys at a time, in float32; for
     machines without cuDNN, and the reference the cuDNN core is tested against.
 Neither holds a (queries x keys) array.
