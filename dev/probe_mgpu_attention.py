@@ -12,26 +12,13 @@ products each call makes: T S h 2 (d_qk + d_v).
 """
 import argparse
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src.cudnn import fused_attention_stablehlo as fa
 
-
-def timed_us(fn, args, calls=20, repeats=5):
-    """Median over repeats of the mean µs a call, calls queued back to back."""
-    jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(samples)
+from probe_cudnn_masks import timed_us
 
 
 def main():
@@ -63,8 +50,8 @@ def main():
         q, k, v, scale=scale, mask_type=fa.MaskType.NO_MASK, qkv_layout="BTNH"))
     expected = cudnn(q, k, v)
     v192 = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, 64)))
-    report("cudnn bf16 192/128", timed_us(cudnn, (q, k, v)), 192, 128)
-    report("cudnn bf16 192/192 (v padded)", timed_us(cudnn, (q, k, v192)), 192, 192)
+    report("cudnn bf16 192/128", timed_us(cudnn, (q, k, v), calls=20, repeats=5), 192, 128)
+    report("cudnn bf16 192/192 (v padded)", timed_us(cudnn, (q, k, v192), calls=20, repeats=5), 192, 192)
 
     from jax.experimental.pallas.ops.gpu import attention_mgpu as am
     q16, k16, v16 = (x.astype(jnp.float16) for x in (q, k, v192))
@@ -78,7 +65,7 @@ def main():
                 fn = jax.jit(lambda q, k, v, config=config: am.attention(
                     (q * scale).astype(q.dtype), k, v, config))
                 out = fn(qd, kd, vd)
-                us = timed_us(fn, (qd, kd, vd))
+                us = timed_us(fn, (qd, kd, vd), calls=20, repeats=5)
                 check = expected if d == 192 else None
                 report(name, us, d, d, None if check is None else out[..., :128], check)
             except Exception as error:  # noqa: BLE001 - a config the kernel refuses
