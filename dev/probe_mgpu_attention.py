@@ -11,6 +11,7 @@ products each call makes: T S h 2 (d_qk + d_v).
   python dev/probe_mgpu_attention.py [--heads 16] [--tokens 2048] [--prefix 32768]
 """
 import argparse
+import functools
 import json
 
 import jax
@@ -19,6 +20,8 @@ import numpy as np
 from jax._src.cudnn import fused_attention_stablehlo as fa
 
 from probe_cudnn_masks import timed_us
+
+timed = functools.partial(timed_us, calls=20, repeats=5)  # as its results ran
 
 
 def main():
@@ -50,8 +53,8 @@ def main():
         q, k, v, scale=scale, mask_type=fa.MaskType.NO_MASK, qkv_layout="BTNH"))
     expected = cudnn(q, k, v)
     v192 = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, 64)))
-    report("cudnn bf16 192/128", timed_us(cudnn, (q, k, v), calls=20, repeats=5), 192, 128)
-    report("cudnn bf16 192/192 (v padded)", timed_us(cudnn, (q, k, v192), calls=20, repeats=5), 192, 192)
+    report("cudnn bf16 192/128", timed(cudnn, (q, k, v)), 192, 128)
+    report("cudnn bf16 192/192 (v padded)", timed(cudnn, (q, k, v192)), 192, 192)
 
     from jax.experimental.pallas.ops.gpu import attention_mgpu as am
     q16, k16, v16 = (x.astype(jnp.float16) for x in (q, k, v192))
@@ -65,7 +68,7 @@ def main():
                 fn = jax.jit(lambda q, k, v, config=config: am.attention(
                     (q * scale).astype(q.dtype), k, v, config))
                 out = fn(qd, kd, vd)
-                us = timed_us(fn, (qd, kd, vd), calls=20, repeats=5)
+                us = timed(fn, (qd, kd, vd))
                 check = expected if d == 192 else None
                 report(name, us, d, d, None if check is None else out[..., :128], check)
             except Exception as error:  # noqa: BLE001 - a config the kernel refuses
