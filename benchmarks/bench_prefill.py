@@ -21,11 +21,14 @@ Per point, compiled ahead, then timed in turns within each repeat (benchmarks/ti
                query rows (at most 132 tiles of 64).
 TFLOPS count the attention's own work (FLOPS below); memory is each compiled executable's
 memory_analysis(): argument + output + temp bytes. mla_prefill's out is also checked against
-cuDNN's (and the einsum's): a cross-check, not a timing.
+cuDNN's (and the einsum's): a cross-check, not a timing. With --capacity-pad N, mla_prefill's
+max_prefix_tokens at an extend point is S + N, as a serving loop that buckets its prefixes
+passes it: the prefix axis longer than the prefix.
 
     python benchmarks/bench_prefill.py --deadline-s 390 --out benchmarks/results/prefill_h200
     python benchmarks/bench_prefill.py --small --out /tmp/prefill_small   # CPU, seconds
     python benchmarks/bench_prefill.py --redraw benchmarks/results/prefill_h200  # md + png
+    python benchmarks/bench_prefill.py --capacity-pad 8192 --points 'extend/*' --out /tmp/padded
 """
 import argparse
 import datetime
@@ -218,10 +221,13 @@ def max_abs_diff(a, b):
 def run_point(p, args, cudnn_here):
     record = dict(label=p.label, kind=p.kind, tokens=p.tokens, prefix=p.prefix, heads=p.heads,
                   cache_dtype=p.cache, flops=p.flops, impls={}, skipped={}, checks={})
+    if p.prefix:
+        record["max_prefix_tokens"] = p.prefix + args.capacity_pad
     inputs = make_inputs(p)
     q, kv, cache, table, _, _, w_uk, w_uv, k_scale = inputs
     dense = (q, *decompress(kv, cache, table, k_scale, w_uk, w_uv, prefix=p.prefix))
-    wanted = dict(mla_prefill=(functools.partial(prefill_op, max_prefix_tokens=p.prefix),
+    capacity = p.prefix + (args.capacity_pad if p.prefix else 0)
+    wanted = dict(mla_prefill=(functools.partial(prefill_op, max_prefix_tokens=capacity),
                                inputs),
                   cudnn=(cudnn_prefill, dense), einsum=(einsum_prefill, dense))
     if absorbed_fits(p):
@@ -287,7 +293,10 @@ def markdown(results):
              f"`{meta['prefill_implementation']}`. Median of {meta['repeats']} repeats of "
              f"~{meta['target_ms']:g} ms, the implementations in turns"
              + "".join(f", each jitted with {k}={v}" for k, v in
-                       (meta.get("xla_options") or {}).items()) + ". TFLOPS: "
+                       (meta.get("xla_options") or {}).items())
+             + (f"; mla_prefill's max_prefix_tokens at an extend point is S + "
+                f"{meta['capacity_pad']} (a bucketed prefix axis)" if meta.get("capacity_pad")
+                else "") + ". TFLOPS: "
              f"{meta['flops']}, S the prefix (0 for a new prompt). cuDNN and einsum take keys and "
              "values already decompressed; mla_prefill decompresses them from the 576-wide rows "
              "and reads the prefix from the paged cache. Ratio: mla_prefill's TFLOPS over "
@@ -410,11 +419,17 @@ def main(argv=None):
     parser.add_argument("--max-calls", type=int, help="calls per repeat at most")
     parser.add_argument("--einsum-budget-gb", type=float, default=40.0,
                         help="skip the einsum where its score matrices would exceed this")
+    parser.add_argument("--capacity-pad", type=int, default=0, metavar="N",
+                        help="mla_prefill's max_prefix_tokens is the prefix + N at extend points "
+                             "(a multiple of 64): a bucketed prefix axis")
     parser.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                         help="a compiler option for every implementation's jit, e.g. "
                              "xla_gpu_command_buffer_scheduling_mode=CONCURRENT")
     args = parser.parse_args(argv)
     args.xla_options = dict(compiler_option(text) for text in args.xla_option)
+    if args.capacity_pad < 0 or args.capacity_pad % PAGE:
+        parser.error(f"--capacity-pad must be a non-negative multiple of {PAGE}; got "
+                     f"{args.capacity_pad}")
     if args.redraw:
         with open(args.redraw + ".json") as f:
             write_report(json.load(f), args.redraw)
@@ -432,7 +447,7 @@ def main(argv=None):
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 flops=FLOPS, out_tolerance=OUT_TOLERANCE, einsum_budget_gb=args.einsum_budget_gb,
                 target_ms=args.target_ms, repeats=args.repeats, max_calls=args.max_calls,
-                xla_options=args.xla_options,
+                xla_options=args.xla_options, capacity_pad=args.capacity_pad,
                 timing="compiled ahead, then N calls and one sync, the implementations in turns "
                        "(timing.time_in_turns), median of the repeats")
     if cudnn_here:

@@ -67,3 +67,15 @@ def test_a_passed_deadline_still_writes_the_report(tmp_path):
     assert results["not_run"] == SMALL_LABELS[2:]
     with open(out + ".json") as f:
         assert json.load(f)["not_run"] == SMALL_LABELS[2:]
+
+
+def test_a_padded_prefix_axis(tmp_path):
+    """--capacity-pad: mla_prefill reads its prefix from an axis longer than the prefix and
+    still matches the einsum on the prefix alone."""
+    results = bench_prefill.main(["--small", "--capacity-pad", "256", "--points",
+                                  "extend/*/bf16", "--out", str(tmp_path / "padded")])
+    (point,) = results["points"]
+    assert point["max_prefix_tokens"] == point["prefix"] + 256
+    assert results["meta"]["capacity_pad"] == 256
+    assert point["checks"]["matches_einsum"], point["checks"]
+    assert "S + 256" in (tmp_path / "padded.md").read_text()
