@@ -46,7 +46,10 @@ graph with the schedule made once per step by get_mla_decoding_metadata (topk), 
 serves V3.2. The steps are timed in turns (STEP_ROUNDS rounds of each), so that a drift of the
 GPU's clock or the host's load falls on all of them alike. --xla-option adds compiler options
 to both jax steps. Reported: µs per layer (the median step's wall clock / layers) and the GPU's
-span per layer (from a profile); whether every step's last out is torch's bit for bit.
+span per layer (from a profile); µs per layer with --steps steps launched before one sync
+(queued: the GPU's time per step wherever the host launches ahead of it, as a serving loop
+that schedules the next step while the GPU runs this one); whether every step's last out is
+torch's bit for bit.
 
 On CPU, --tiny runs a small configuration through the pure-JAX sparse reference and the C++
 model of the dense decode, without torch.
@@ -405,9 +408,17 @@ def run_step_point(inp, steps, torch_sparse, shared_schedule=True,
     made = compiled_jax_steps(inp, scan_unroll, xla_options)
     record["compile_s"] = round(time.perf_counter() - start, 1)
     for name, queue, step in made:
-        def launch(name=name, step=step):
+        pending = [0]  # steps launched and not yet popped: each pushed once
+
+        def launch(name=name, step=step, pending=pending):
             outs[name] = step(*arguments)[1]
-        launches[name] = (launch, queue.pop)
+            pending[0] += 1
+
+        def wait(queue=queue, pending=pending):
+            for _ in range(pending[0]):
+                queue.pop()
+            pending[0] = 0
+        launches[name] = (launch, wait)
     if torch_sparse is not None:
         torch_launches, torch_outs, record["skipped"] = torch_sparse.steps(inp, shared_schedule)
         launches.update(torch_launches)
@@ -420,6 +431,9 @@ def run_step_point(inp, steps, torch_sparse, shared_schedule=True,
                                                  warmup=3 if round_ == 0 else 1)
     for name, samples in times.items():
         record[f"{name}_us"] = round(statistics.median(samples) / inp.layers, 2)
+    for name, (launch, sync) in launches.items():
+        record[f"{name}_queued_us"] = round(
+            bench_step.queued_steps_us(launch, sync, steps) / inp.layers, 2)
     if jax.default_backend() == "gpu":
         for name, span in bench_step.gpu_span_us(runs).items():
             record[f"{name}_gpu_us"] = None if span is None else round(span / inp.layers, 2)

@@ -61,6 +61,17 @@ def step_ratios(record):
     return {name: record[f"{name}_us"] / graph for name in JAX_STEPS}
 
 
+def queued_ratios(record):
+    """{jax step: its queued µs per layer over the faster torch graph's queued}."""
+    graphs = [record.get(f"{name}_queued_us") for name, _ in STEP_VARIANTS
+              if name.startswith("torch")]
+    graphs = [t for t in graphs if t is not None]
+    if not graphs:
+        return {}
+    return {name: record[f"{name}_queued_us"] / min(graphs) for name in JAX_STEPS
+            if record.get(f"{name}_queued_us") is not None}
+
+
 def step_bar_met(record):
     """Whether every jax step is within step_report's bar of the faster graph (1.05 where its
     step takes >= 2 ms, else 1.15); None without one."""
@@ -132,6 +143,10 @@ def summary_lines(result):
         lines.append(f"- Step, jax_flashmla / torch graph by µs per layer: "
                      f"{_stats(v for r in steps for v in step_ratios(r).values())}; both jax "
                      f"steps within their bar at {sum(met)} of {len(met)} points.")
+    queued = [v for r in steps for v in queued_ratios(r).values()]
+    if queued:
+        lines.append(f"- Step queued (steps launched before one sync), jax_flashmla / torch "
+                     f"graph: {_stats(queued)}.")
     if result["not_run"]:
         lines.append(f"- Not run (deadline): {', '.join(result['not_run'])}.")
     return lines
@@ -207,6 +222,19 @@ def markdown(result):
                 + [f"{step_report.bar(dict(r, torch_graph_us=best_graph_us(r))):.2f}"
                    if ratios else "-", _yes(step_bar_met(r)),
                    _yes(all(identical) if identical else None)]) + " |")
+        if any(queued_ratios(r) for r in result["step"]):
+            lines += [
+                "", "Queued: µs per layer with the steps launched before one sync (the GPU's "
+                "time per step where the host launches ahead of it, as a serving loop that "
+                "schedules the next step while the GPU runs this one); ratio over the faster "
+                "torch graph queued.", "",
+                "| b | " + " | ".join(label for _, label in STEP_VARIANTS)
+                + " | scan ratio | unrolled ratio |", "| " + " | ".join(["---"] * 7) + " |"]
+            for r in result["step"]:
+                ratios = queued_ratios(r)
+                lines.append("| " + " | ".join(
+                    [str(r["b"])] + [_fmt(r.get(name + "_queued_us")) for name, _ in STEP_VARIANTS]
+                    + [_fmt(ratios.get(name), ".3f") for name in JAX_STEPS]) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -29,7 +29,8 @@ def test_the_tiny_run_writes_its_report(tmp_path):
         assert record["vs_torch"] is None and record["vs_torch_device"] is None
     (step,) = result["step"]
     assert (step["layers"], step["layer_caches"]) == (3, 3)
-    assert {"jax_scan_us", "jax_unrolled_us", "compile_s"} <= set(step)
+    assert {"jax_scan_us", "jax_unrolled_us", "compile_s", "jax_scan_queued_us",
+            "jax_unrolled_queued_us"} <= set(step)
     assert step["steps_agree"]  # the scanned and unrolled steps' outs, bit for bit
     markdown = prefix.with_suffix(".md").read_text()
     assert "| 2 | 128 | 16 | 2 |" in markdown and "| 2 | 128 | 16 | 1 | 3 | 3 |" in markdown
@@ -85,6 +86,7 @@ def test_the_report_states_the_bars_from_the_runs_times():
     assert [sparse_report.call_bar_met(r) for r in (within, over, small)] == [True, False, None]
     # The graph's step: 30 µs x 61 layers < 2 ms (bar 1.15), 40 x 61 >= 2 ms (bar 1.05).
     short, long = _step(1, 30.0, 34.0, 33.0), _step(128, 40.0, 43.0, 41.0)
+    long.update(jax_scan_queued_us=40.0, jax_unrolled_queued_us=39.0, torch_graph_queued_us=40.0)
     assert sparse_report.step_ratios(long) == dict(jax_scan=43.0 / 40.0, jax_unrolled=41.0 / 40.0)
     assert [sparse_report.step_bar_met(r) for r in (short, long)] == [True, False]
     result = dict(meta=dict(device="H200", jax="x", date="today", implementation="custom_call",
@@ -98,6 +100,9 @@ def test_the_report_states_the_bars_from_the_runs_times():
     assert "premasked / torch by device time: median 1.000" in markdown
     assert "| 1.133 | 1.100 | 1.15 | yes | yes |" in markdown
     assert "| 1.075 | 1.025 | 1.05 | NO | yes |" in markdown
+    assert "| 128 | 40.0 | 39.0 | 40.0 | - | 1.000 | 0.975 |" in markdown  # queued
+    assert "Step queued (steps launched before one sync), jax_flashmla / torch graph: " \
+           "median 0.988" in markdown
 
 
 def test_a_merged_part_replaces_the_points_it_measured_again():
