@@ -7,17 +7,12 @@ from the paged 576-wide latent cache through its block table, and causally to th
 and values are the latent rows decompressed through W_UK / W_UV (q and k of head dim qk_nope +
 64, v of v_head_dim), as DeepSeek's prefill computes them. A new prompt is prefix_len = 0.
 
-The prefixes lie along one key axis of max_prefix_tokens rows, one request after the other,
-and are attended in parts of at most PREFIX_SLICE_BYTES of decompressed keys and values; the
-new tokens attend to themselves in one more part. The parts merge through their LSEs, as
-FlashAttention-based serving engines prefill in chunks. One request's prefix is cut into parts
-it fills, of power-of-two sizes, each attended without cuDNN's padding masks, and a last part of
-PREFIX_PART_KEYS for what is left, masked: what is read and computed follows the prefix's
-length, not the axis's, however far a serving loop buckets max_prefix_tokens past it. Several
-requests' prefixes are attended in fixed slices of the axis, a slice no prefix reaches skipped.
-Each part is ragged flash attention (ragged_attention): cuDNN's on a GPU, or a blockwise
-pure-JAX one. Nothing holds a (tokens x keys) array: memory grows linearly with the tokens and
-the prefixes.
+The prefixes are gathered along one key axis of max_prefix_tokens rows, one request after the
+other, and attended in slices of at most PREFIX_SLICE_BYTES of decompressed keys and values;
+the new tokens attend to themselves in one more part. The parts merge through their LSEs, as
+FlashAttention-based serving engines prefill in chunks. Each part is ragged flash attention
+(ragged_attention): cuDNN's on a GPU, or a blockwise pure-JAX one. Nothing holds a (tokens x
+keys) array: memory grows linearly with the tokens and the prefixes.
 """
 import functools
 import math
@@ -34,10 +29,6 @@ IMPLEMENTATIONS = tuple(ragged_attention.CORES)
 # of this many bytes of K/V (48k keys at 128 heads), so that memory stays bounded whatever
 # their length, in few enough slices that each is one long cuDNN call.
 PREFIX_SLICE_BYTES = 4 << 30
-# The keys of one request's last prefix part: what its power-of-two parts leave of its prefix
-# (fewer keys than this) is attended in one part of this many, with a padding mask. Smaller
-# parts would cost more in their merges (elementwise over out) than they save.
-PREFIX_PART_KEYS = 2048
 
 
 def _cudnn_usable():
@@ -85,22 +76,6 @@ def _prefix_rows(kv_cache, block_table, segments, first, size, k_scale, dtype):
     position = local[:, None] * PAGE_SIZE + jnp.arange(PAGE_SIZE, dtype=jnp.int32)
     held = (owner[:, None] >= 0) & (position < segments.lens[jnp.maximum(owner, 0)][:, None])
     return jnp.where(held.reshape(size, 1), rows.astype(dtype), jnp.zeros((), dtype))
-
-
-def _part_sizes(capacity, step):
-    """One request's prefix parts, static: (sizes, last). A prefix of P <= capacity keys takes
-    each part of `sizes` it fills, in order, each from where the one it took before ended: as
-    many of the largest (last times a power of two, within step and capacity) as the axis
-    holds, then each power of two times last below it. Fewer than `last` keys are then left,
-    attended in one more part of `last` keys."""
-    last = min(PREFIX_PART_KEYS, capacity, step)
-    top = last
-    while 2 * top <= min(step, capacity):
-        top *= 2
-    sizes = [top] * (capacity // top)
-    while sizes[-1] > last:
-        sizes.append(sizes[-1] // 2)
-    return sizes, last
 
 
 def _row_weights(w_uk, w_uv, rope):
@@ -282,13 +257,11 @@ def mla_prefill(q, kv, kv_cache=None, block_table=None, prefix_lens=None, query_
       w_uk: (512, h, qk_nope_head_dim), w_uv: (512, h, v_head_dim): kv_b_proj's two halves,
         which decompress the latent into keys and values.
       softmax_scale: a Python float (MLAConfig.softmax_scale).
-      max_prefix_tokens: static int, a multiple of 64: the length of the batch's prefix axis,
-        on which each prefix takes its pages' 64 * ceil(prefix_len / 64) keys, one after the
-        other; their sum must fit. Bucket it (a power of two, say) so that a serving loop
-        compiles a few times, not once per prefix length: one request's prefix is read and
-        decompressed in parts that follow its length, not the axis's, and several requests'
-        in slices of the axis, those past every prefix skipped. 0: new prompts only, no cache
-        read.
+      max_prefix_tokens: static int, a multiple of 64: the prefix keys gathered for the whole
+        batch, and the size of what is decompressed: each prefix takes its pages' 64 * ceil(
+        prefix_len / 64) keys, the batch's sum of them must fit. Bucket it (a power of two, say)
+        so that a serving loop compiles a few times, not once per prefix length. 0: new
+        prompts only, no cache read.
       query_starts: (batch,) int32 first row of each request in q, in request order, apart
         (rows of one request before the next's). None packs them: each request right after
         the one before, from row 0.
@@ -363,38 +336,14 @@ def _prefill(q, kv, kv_cache, block_table, prefix_lens, query_lens, query_starts
         v_width = q.shape[2] if b > 1 else w_uv.shape[2]
         per_key = q.shape[1] * (q.shape[2] + v_width) * q.dtype.itemsize
         step = max(PAGE_SIZE, PREFIX_SLICE_BYTES // per_key // PAGE_SIZE * PAGE_SIZE)
-
-        def attend(out, lse, first, *, size):
-            """out and lse merged with the queries' attention to prefix rows [first, first +
-            size) of the axis, gathered and decompressed here; first is traced."""
+        for first in range(0, capacity, step):
+            size = min(step, capacity - first)
             rows = _prefix_rows(kv_cache, block_table, prefixes, first, size, k_scale, q.dtype)
             k, v = _decompress(rows, w_k, w_v)
+            # Merged as they come, so that one slice's keys are freed before the next's.
             part = core(q, k, v, q_segments, ragged_attention.clip(prefixes, first, size),
                         causal=False)
-            return ragged_attention.merge(out, lse, *part)
-
-        def unchanged(out, lse, first):
-            return out, lse
-
-        # Each part merged as it comes, so that its keys are freed before the next part's;
-        # out in float32 from here, as merge makes it, whether or not a part is taken.
-        out = out.astype(jnp.float32)
-        if b == 1:
-            start, prefix_len = jnp.int32(0), prefixes.lens[0]
-            sizes, last = _part_sizes(capacity, step)
-            for size in sizes:  # each taken where the prefix fills it from start
-                take = start + size <= prefix_len
-                out, lse = jax.lax.cond(take, functools.partial(attend, size=size), unchanged,
-                                        out, lse, start)
-                start = jnp.where(take, start + size, start)
-            out, lse = jax.lax.cond(start < prefix_len, functools.partial(attend, size=last),
-                                    unchanged, out, lse, start)
-        else:
-            for first in range(0, capacity, step):
-                size = min(step, capacity - first)
-                reached = jnp.any(ragged_attention.clip(prefixes, first, size).lens > 0)
-                out, lse = jax.lax.cond(reached, functools.partial(attend, size=size),
-                                        unchanged, out, lse, jnp.int32(first))
+            out, lse = ragged_attention.merge(out, lse, *part)
     out = out.astype(q.dtype)
     if shift is not None:
         out, lse = jnp.roll(out, shift, axis=0), jnp.roll(lse, shift, axis=1)
