@@ -221,12 +221,12 @@ def max_abs_diff(a, b):
 def run_point(p, args, cudnn_here):
     record = dict(label=p.label, kind=p.kind, tokens=p.tokens, prefix=p.prefix, heads=p.heads,
                   cache_dtype=p.cache, flops=p.flops, impls={}, skipped={}, checks={})
-    if p.prefix:
-        record["max_prefix_tokens"] = p.prefix + args.capacity_pad
+    capacity = p.prefix + (args.capacity_pad if p.prefix else 0)
+    if capacity:
+        record["max_prefix_tokens"] = capacity
     inputs = make_inputs(p)
     q, kv, cache, table, _, _, w_uk, w_uv, k_scale = inputs
     dense = (q, *decompress(kv, cache, table, k_scale, w_uk, w_uv, prefix=p.prefix))
-    capacity = p.prefix + (args.capacity_pad if p.prefix else 0)
     wanted = dict(mla_prefill=(functools.partial(prefill_op, max_prefix_tokens=capacity),
                                inputs),
                   cudnn=(cudnn_prefill, dense), einsum=(einsum_prefill, dense))

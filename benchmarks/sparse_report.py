@@ -45,31 +45,24 @@ def call_bar_met(record):
     return record["vs_torch_device"] <= CALL_BAR
 
 
-def best_graph_us(record):
+def best_graph_us(record, field="us"):
     """The faster torch graph's µs per layer (the jax steps share one schedule per step, as
-    the graph with get_mla_decoding_metadata does), or None where neither ran."""
-    times = [record.get(f"{name}_us") for name, _ in STEP_VARIANTS if name.startswith("torch")]
+    the graph with get_mla_decoding_metadata does), or None where neither ran; field
+    "queued_us" for the steps queued."""
+    times = [record.get(f"{name}_{field}") for name, _ in STEP_VARIANTS
+             if name.startswith("torch")]
     times = [t for t in times if t is not None]
     return min(times) if times else None
 
 
-def step_ratios(record):
-    """{jax step: its µs per layer over the faster torch graph's}, where a graph ran."""
-    graph = best_graph_us(record)
+def step_ratios(record, field="us"):
+    """{jax step: its µs per layer over the faster torch graph's}, where a graph ran; field
+    "queued_us" for the steps queued."""
+    graph = best_graph_us(record, field)
     if graph is None:
         return {}
-    return {name: record[f"{name}_us"] / graph for name in JAX_STEPS}
-
-
-def queued_ratios(record):
-    """{jax step: its queued µs per layer over the faster torch graph's queued}."""
-    graphs = [record.get(f"{name}_queued_us") for name, _ in STEP_VARIANTS
-              if name.startswith("torch")]
-    graphs = [t for t in graphs if t is not None]
-    if not graphs:
-        return {}
-    return {name: record[f"{name}_queued_us"] / min(graphs) for name in JAX_STEPS
-            if record.get(f"{name}_queued_us") is not None}
+    return {name: record[f"{name}_{field}"] / graph for name in JAX_STEPS
+            if record.get(f"{name}_{field}") is not None}
 
 
 def step_bar_met(record):
@@ -143,7 +136,7 @@ def summary_lines(result):
         lines.append(f"- Step, jax_flashmla / torch graph by µs per layer: "
                      f"{_stats(v for r in steps for v in step_ratios(r).values())}; both jax "
                      f"steps within their bar at {sum(met)} of {len(met)} points.")
-    queued = [v for r in steps for v in queued_ratios(r).values()]
+    queued = [v for r in steps for v in step_ratios(r, "queued_us").values()]
     if queued:
         lines.append(f"- Step queued (steps launched before one sync), jax_flashmla / torch "
                      f"graph: {_stats(queued)}.")
@@ -222,7 +215,7 @@ def markdown(result):
                 + [f"{step_report.bar(dict(r, torch_graph_us=best_graph_us(r))):.2f}"
                    if ratios else "-", _yes(step_bar_met(r)),
                    _yes(all(identical) if identical else None)]) + " |")
-        if any(queued_ratios(r) for r in result["step"]):
+        if any(step_ratios(r, "queued_us") for r in result["step"]):
             lines += [
                 "", "Queued: µs per layer with the steps launched before one sync (the GPU's "
                 "time per step where the host launches ahead of it, as a serving loop that "
@@ -231,7 +224,7 @@ def markdown(result):
                 "| b | " + " | ".join(label for _, label in STEP_VARIANTS)
                 + " | scan ratio | unrolled ratio |", "| " + " | ".join(["---"] * 7) + " |"]
             for r in result["step"]:
-                ratios = queued_ratios(r)
+                ratios = step_ratios(r, "queued_us")
                 lines.append("| " + " | ".join(
                     [str(r["b"])] + [_fmt(r.get(name + "_queued_us")) for name, _ in STEP_VARIANTS]
                     + [_fmt(ratios.get(name), ".3f") for name in JAX_STEPS]) + " |")

@@ -85,14 +85,12 @@ def test_chunks_merge_to_the_whole():
 
 
 @pytest.fixture
-def prefill_sizes(monkeypatch):
-    """Sets mla_prefill's module constants (read while tracing: the op's compiled cache is
-    cleared before and after)."""
-    def set_sizes(**sizes):
-        for name, value in sizes.items():
-            monkeypatch.setattr(prefill, name, value)
-        prefill._prefill.clear_cache()
-    yield set_sizes
+def slices_of_128_keys(monkeypatch):
+    """mla_prefill's prefix slices of 128 keys at 2 heads in bf16 (PREFIX_SLICE_BYTES is read
+    while tracing: the op's compiled cache is cleared before and after)."""
+    monkeypatch.setattr(prefill, "PREFIX_SLICE_BYTES", 128 * 2 * (96 + 96) * 2)
+    prefill._prefill.clear_cache()
+    yield
     monkeypatch.undo()
     prefill._prefill.clear_cache()
 
@@ -108,11 +106,10 @@ def test_one_prefix_on_a_longer_axis():
         check_against_oracle(case, *call(jf.mla_prefill, case, softmax_scale=SCALE))
 
 
-def test_several_prefixes_in_slices(prefill_sizes):
+def test_several_prefixes_in_slices(slices_of_128_keys):
     """Several requests' prefixes attended in slices of 128 keys on an axis 512 keys longer
     than they reach (slices with parts of several prefixes, and slices past them all): the
     answer is the oracle's."""
-    prefill_sizes(PREFIX_SLICE_BYTES=128 * 2 * (96 + 96) * 2)  # 128 keys at 2 heads, bf16
     case = make_case(np.random.default_rng(10), **RAGGED, gaps=GAPS)
     case["max_prefix_tokens"] += 512
     check_against_oracle(case, *call(jf.mla_prefill, case, softmax_scale=SCALE))
