@@ -54,6 +54,8 @@
 #     mgpu-probe  dev/probe_mgpu_attention.py: jax's Mosaic GPU attention kernel against cuDNN
 #     indexer-ncu  ncu's sections for the indexer's two kernels over one call of
 #              probe_indexer_kernels.py --single; INDEXER_PROBE_ARGS
+#     host-profile  dev/probe_host_profile.py with dev/host_sampler.c: where the host's CPU time
+#              goes while the sparse step runs synced; HOST_PROFILE_ARGS (e.g. "--batches 1 64")
 #     sparse-prefill-probe  dev/probe_sparse_prefill_call.py (PREFILL_PROBE_ARGS) with
 #              CUDA_LAUNCH_BLOCKING=1; if a signal ends it, again under cuda-gdb (else gdb)
 #              for the native stack
@@ -204,6 +206,11 @@ for mode in "${modes[@]}"; do
   sparse-step-probe)
     timeout 400 python3 dev/probe_sparse_step.py --out "$out/probe_sparse_step.json" \
       ${SPARSE_STEP_ARGS:-} 2>&1 | grep -v "^[IW][0-9]" | cut -c1-200 | tail -120 ;;
+  host-profile)
+    gcc -shared -fPIC -O2 dev/host_sampler.c -o /tmp/host_sampler.so 2>&1 | tail -20
+    timeout 400 python3 dev/probe_host_profile.py --sampler /tmp/host_sampler.so \
+      --out "$out/host_profile.json" ${HOST_PROFILE_ARGS:-} 2>&1 | grep -v "^[IW][0-9]" \
+      | cut -c1-240 | tee "$out/host_profile.txt" | tail -150 ;;
   indexer-ncu)
     ncu=$(PATH="$PATH:/usr/local/cuda/bin" command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
     sections=(SpeedOfLight LaunchStats Occupancy WarpStateStats SchedulerStats
