@@ -7,12 +7,16 @@ from the paged 576-wide latent cache through its block table, and causally to th
 and values are the latent rows decompressed through W_UK / W_UV (q and k of head dim qk_nope +
 64, v of v_head_dim), as DeepSeek's prefill computes them. A new prompt is prefix_len = 0.
 
-The prefixes are gathered along one key axis of max_prefix_tokens rows, one request after the
-other, and attended in slices of at most PREFIX_SLICE_BYTES of decompressed keys and values;
-the new tokens attend to themselves in one more part. The parts merge through their LSEs, as
-FlashAttention-based serving engines prefill in chunks. Each part is ragged flash attention
-(ragged_attention): cuDNN's on a GPU, or a blockwise pure-JAX one. Nothing holds a (tokens x
-keys) array: memory grows linearly with the tokens and the prefixes.
+The prefixes lie along one key axis of max_prefix_tokens rows, one request after the other,
+and are attended in parts of at most PREFIX_SLICE_BYTES of decompressed keys and values; the
+new tokens attend to themselves in one more part. The parts merge through their LSEs, as
+FlashAttention-based serving engines prefill in chunks. Several requests' prefixes are
+attended in fixed slices of the axis. One request's prefix is too where it fills the axis;
+otherwise it is cut into parts it fills, of power-of-two sizes, each attended without cuDNN's
+padding masks, and a last part of PREFIX_PART_KEYS for what is left, masked: what is read and
+computed follows the prefix's length, not the axis's, however far a serving loop buckets
+max_prefix_tokens past it. Each part is ragged flash attention (ragged_attention): cuDNN's on a
+GPU, or a blockwise pure-JAX one. Nothing holds a (tokens x keys) array.
 """
 import functools
 import math
@@ -29,6 +33,10 @@ IMPLEMENTATIONS = tuple(ragged_attention.CORES)
 # of this many bytes of K/V (48k keys at 128 heads), so that memory stays bounded whatever
 # their length, in few enough slices that each is one long cuDNN call.
 PREFIX_SLICE_BYTES = 4 << 30
+# The keys of one request's last prefix part: what its power-of-two parts leave of its prefix
+# (fewer keys than this) is attended in one part of this many, with a padding mask. Smaller
+# parts would cost more in their merges (elementwise over out) than they save.
+PREFIX_PART_KEYS = 2048
 
 
 def _cudnn_usable():
@@ -103,6 +111,64 @@ def _decompress(rows, w_k, w_v):
     # Products in rows' dtype: a GPU's matmul accumulates bf16 in float32 and writes bf16,
     # half the bytes of a float32 product rounded after.
     return jnp.einsum("sc,chd->shd", rows_k, w_k), jnp.einsum("sc,chd->shd", rows_v, w_v)
+
+
+# -- the prefix's parts ------------------------------------------------------------------------
+
+def _merged_in_turn(attend, parts, out, lse):
+    """out and lse merged with attend(first, size) of each of parts, one after the other (so
+    that a part's keys are freed before the next part's are made): out in float32."""
+    for first, size in parts:
+        part_out, part_lse = attend(first, size)
+        out, lse = ragged_attention.merge([out, part_out], [lse, part_lse])
+    return out, lse
+
+
+def _part_sizes(capacity, step):
+    """One request's prefix parts on an axis of capacity keys, static: (tops, tail, last). A
+    prefix takes each part it fills, in order, each from where the last one it took ended:
+    the tops (as many parts of the largest power of two times last within step and capacity
+    as the axis holds), then each of tail (the powers of two times last below them). Fewer
+    than last keys are then left, attended in one more part of last keys."""
+    last = min(PREFIX_PART_KEYS, capacity, step)
+    top = last
+    while 2 * top <= min(step, capacity):
+        top *= 2
+    tail = []
+    while (tail[-1] if tail else top) > last:
+        tail.append((tail[-1] if tail else top) // 2)
+    return [top] * (capacity // top), tail, last
+
+
+def _one_prefix_in_parts(attend, prefix_len, capacity, step, out, lse):
+    """One request's out and lse merged with its prefix's attention, part by part
+    (_part_sizes): what is gathered, decompressed and attended follows the prefix's length,
+    not the axis's, and every part but the last is attended without cuDNN's padding masks.
+    out in float32."""
+    tops, tail, last = _part_sizes(capacity, step)
+    # The tops merge one after the other (their keys freed in turn); one the prefix does not
+    # reach passes out through (a copy: the axis is rarely a top longer than the prefix).
+    for i, size in enumerate(tops):
+        out, lse = jax.lax.cond(
+            (i + 1) * size <= prefix_len,
+            functools.partial(_merged_in_turn, attend, [(i * size, size)]),
+            lambda out, lse: (out.astype(jnp.float32), lse), out, lse)
+    start = jnp.minimum(prefix_len // tops[0], len(tops)) * tops[0]
+    # The rest are fewer and smaller: each returns its own part (out 0, lse +inf where it is
+    # not taken), all merged at the end in one pass, so that none copies out.
+    outs, lses = [out], [lse]
+    for i, size in enumerate([*tail, last]):
+        take = start < prefix_len if i == len(tail) else start + size <= prefix_len
+        part = functools.partial(attend, size=size)
+        shapes = jax.eval_shape(part, start)
+        part_out, part_lse = jax.lax.cond(
+            take, part, lambda first: (jnp.zeros(shapes[0].shape, shapes[0].dtype),
+                                       jnp.full(shapes[1].shape, jnp.inf, shapes[1].dtype)),
+            start)
+        outs.append(part_out)
+        lses.append(part_lse)
+        start = jnp.where(take, start + size, start)
+    return ragged_attention.merge(outs, lses)
 
 
 # -- bad values -------------------------------------------------------------------------------
@@ -257,11 +323,12 @@ def mla_prefill(q, kv, kv_cache=None, block_table=None, prefix_lens=None, query_
       w_uk: (512, h, qk_nope_head_dim), w_uv: (512, h, v_head_dim): kv_b_proj's two halves,
         which decompress the latent into keys and values.
       softmax_scale: a Python float (MLAConfig.softmax_scale).
-      max_prefix_tokens: static int, a multiple of 64: the prefix keys gathered for the whole
-        batch, and the size of what is decompressed: each prefix takes its pages' 64 * ceil(
-        prefix_len / 64) keys, the batch's sum of them must fit. Bucket it (a power of two, say)
-        so that a serving loop compiles a few times, not once per prefix length. 0: new
-        prompts only, no cache read.
+      max_prefix_tokens: static int, a multiple of 64: the length of the batch's prefix axis,
+        on which each prefix takes its pages' 64 * ceil(prefix_len / 64) keys, one after the
+        other; their sum must fit. Bucket it (a power of two, say) so that a serving loop
+        compiles a few times, not once per prefix length: one request's prefix is read and
+        decompressed in parts that follow its length, not the axis's. 0: new prompts only,
+        no cache read.
       query_starts: (batch,) int32 first row of each request in q, in request order, apart
         (rows of one request before the next's). None packs them: each request right after
         the one before, from row 0.
@@ -336,14 +403,23 @@ def _prefill(q, kv, kv_cache, block_table, prefix_lens, query_lens, query_starts
         v_width = q.shape[2] if b > 1 else w_uv.shape[2]
         per_key = q.shape[1] * (q.shape[2] + v_width) * q.dtype.itemsize
         step = max(PAGE_SIZE, PREFIX_SLICE_BYTES // per_key // PAGE_SIZE * PAGE_SIZE)
-        for first in range(0, capacity, step):
-            size = min(step, capacity - first)
+        slices = [(first, min(step, capacity - first)) for first in range(0, capacity, step)]
+
+        def attend(first, size):
+            """The queries' attention to prefix rows [first, first + size) of the axis, read
+            and decompressed here; first may be traced."""
             rows = _prefix_rows(kv_cache, block_table, prefixes, first, size, k_scale, q.dtype)
             k, v = _decompress(rows, w_k, w_v)
-            # Merged as they come, so that one slice's keys are freed before the next's.
-            part = core(q, k, v, q_segments, ragged_attention.clip(prefixes, first, size),
+            return core(q, k, v, q_segments, ragged_attention.clip(prefixes, first, size),
                         causal=False)
-            out, lse = ragged_attention.merge(out, lse, *part)
+
+        if b == 1:
+            whole_axis = functools.partial(_merged_in_turn, attend, slices)
+            in_parts = functools.partial(_one_prefix_in_parts, attend, prefixes.lens[0],
+                                         capacity, step)
+            out, lse = jax.lax.cond(prefixes.lens[0] == capacity, whole_axis, in_parts, out, lse)
+        else:
+            out, lse = _merged_in_turn(attend, slices, out, lse)
     out = out.astype(q.dtype)
     if shift is not None:
         out, lse = jnp.roll(out, shift, axis=0), jnp.roll(lse, shift, axis=1)

@@ -158,10 +158,11 @@ def clear(out, lse, q_segments, kv_segments):
 CORES = {"cudnn": cudnn_attention, "xla": xla_attention}
 
 
-def merge(out_a, lse_a, out_b, lse_b):
-    """Two parts of each query's keys merged through their LSEs (merge_attention_states'
-    rule), elementwise so that it fuses: out (t, h, d) float32, lse (h, t)."""
-    weights, lse = _merge_weights(jnp.stack([lse_a, lse_b]))
-    weights = weights.transpose(0, 2, 1)[..., None]  # (2, t, h, 1)
-    out = weights[0] * out_a.astype(jnp.float32) + weights[1] * out_b.astype(jnp.float32)
+def merge(outs, lses):
+    """Parts of each query's keys merged through their LSEs (merge_attention_states' rule),
+    elementwise so that it fuses into one pass over the parts: outs [(t, h, d)], lses [(h, t)]
+    -> out (t, h, d) float32, lse (h, t)."""
+    weights, lse = _merge_weights(jnp.stack(lses))
+    weights = weights.transpose(0, 2, 1)[..., None]  # (parts, t, h, 1)
+    out = sum(w * o.astype(jnp.float32) for w, o in zip(weights, outs))
     return out, lse

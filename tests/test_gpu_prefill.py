@@ -39,7 +39,8 @@ def test_cudnn_matches_float64_oracle(layout, fp8_cache):
 @pytest.mark.parametrize("prefix", [1000, 4200, 8192])
 def test_one_prefix_on_a_longer_axis_on_cudnn(prefix, fp8_cache):
     """One request's prefix on an axis of 8192 keys (a bucketed max_prefix_tokens): short of
-    the axis, through cuDNN's masked call; filling it, through the unmasked one."""
+    the axis, in the parts it fills (unmasked) and a masked last part of 2048 keys (1000: the
+    last part alone; 4200: 4096 keys, then the last); filling it, in one unmasked call."""
     case = make_case(np.random.default_rng(4), [prefix], [300], tail=0, fp8_cache=fp8_cache,
                      **DEEPSEEK) | dict(max_prefix_tokens=8192)
     check_against_oracle(case, *call(jf.mla_prefill, case, softmax_scale=SCALE,

@@ -106,6 +106,28 @@ def test_one_prefix_on_a_longer_axis():
         check_against_oracle(case, *call(jf.mla_prefill, case, softmax_scale=SCALE))
 
 
+@pytest.fixture
+def parts_of_64_to_256_keys(monkeypatch):
+    """One request's prefix parts of 256 keys (slices of 256 keys at 2 heads, v of 48), then
+    128 and 64, and a last part of 64."""
+    monkeypatch.setattr(prefill, "PREFIX_SLICE_BYTES", 256 * 2 * (96 + 48) * 2)
+    monkeypatch.setattr(prefill, "PREFIX_PART_KEYS", 64)
+    prefill._prefill.clear_cache()
+    yield
+    monkeypatch.undo()
+    prefill._prefill.clear_cache()
+
+
+@pytest.mark.parametrize("prefix", [0, 65, 300, 1000, 1024])
+def test_one_prefix_in_parts(parts_of_64_to_256_keys, prefix):
+    """One request's prefix on an axis of 1024 keys, in the parts it fills: none (0), the
+    64-key part and a masked last one (65), a 256-key top and the last (300), three tops, the
+    128 and 64 parts and the last (1000), the whole axis at once (1024). Pages past the prefix
+    hold NaN, the table sentinels: the answer is the oracle's."""
+    case = make_case(np.random.default_rng(11), [prefix], [40]) | dict(max_prefix_tokens=1024)
+    check_against_oracle(case, *call(jf.mla_prefill, case, softmax_scale=SCALE))
+
+
 def test_several_prefixes_in_slices(slices_of_128_keys):
     """Several requests' prefixes attended in slices of 128 keys on an axis 512 keys longer
     than they reach (slices with parts of several prefixes, and slices past them all): the
