@@ -1,7 +1,8 @@
 """Where the host's CPU time goes while a jitted step runs synced, step after step: a sampling
 profile (dev/host_sampler.c, SIGPROF on the process's CPU time) of bench_sparse.py's 61-layer
 sparse step (unrolled and scanned, through AlternatingStep and a HostQueue, as the bench runs
-them), or on CPU of a small stand-in. Per thread: its samples, the functions it was in (self:
+them), or on CPU of a small stand-in; and beforehand, the steps' synced wall clock with each
+variant run on its own and with the variants taking turns. Per thread: its samples, the functions it was in (self:
 the innermost frame; total: anywhere on its stack) and its commonest innermost stacks. PCs are
 named from each object's ELF symbol table (demangled by c++filt where there is one).
 
@@ -16,6 +17,7 @@ import json
 import mmap
 import os
 import shutil
+import statistics
 import struct
 import subprocess
 import sys
@@ -26,6 +28,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
 import bench_sparse  # noqa: E402  (sets XLA_FLAGS as the bench runs)
+import bench_step  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
@@ -165,12 +168,53 @@ def profile_step(sampler, inp, queue, step, seconds, interval_us, path):
                 samples_per_step=round(taken / steps, 2))
 
 
+def step_timings(made, inp, steps=200, round_steps=10):
+    """µs a layer, median over steps synced one at a time: each variant run on its own
+    (continuous), and the variants taking turns of round_steps steps (as bench_sparse.py's
+    synced figure is timed, there with the torch graphs among the turns too)."""
+    arguments = inp.arguments()
+    runs = {name: (lambda queue=queue, step=step: (step(*arguments), queue.pop()))
+            for name, queue, step in made}
+    result = {}
+    for name, run in runs.items():
+        result[f"{name}_continuous_us"] = statistics.median(
+            bench_step.time_steps(run, steps, warmup=20)) / inp.layers
+    turns = {name: [] for name in runs}
+    for _ in range(steps // round_steps):
+        for name, run in runs.items():
+            turns[name] += bench_step.time_steps(run, round_steps, warmup=1)
+    for name, samples in turns.items():
+        result[f"{name}_in_turns_us"] = statistics.median(samples) / inp.layers
+        result[f"{name}_in_turns_first_us"] = statistics.median(
+            samples[::round_steps]) / inp.layers
+    # Rounds after the host idled as long as another variant's round would take: asleep (as
+    # a thread blocked in torch.cuda.synchronize), or spinning.
+    for idle, wait in (("sleep", time.sleep), ("spin", spin)):
+        for name, run in runs.items():
+            samples = []
+            for _ in range(steps // round_steps):
+                wait(IDLE_S)
+                samples += bench_step.time_steps(run, round_steps, warmup=0)
+            result[f"{name}_after_{idle}_us"] = statistics.median(samples) / inp.layers
+    return {k: round(v, 2) for k, v in result.items()}
+
+
+IDLE_S = 0.015
+
+
+def spin(seconds):
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sampler", required=True, help="the built dev/host_sampler.c")
     parser.add_argument("--batches", type=int, nargs="+", default=[1])
     parser.add_argument("--layers", type=int, default=61)
-    parser.add_argument("--seconds", type=float, default=8.0, help="profiled per step variant")
+    parser.add_argument("--seconds", type=float, default=8.0,
+                        help="profiled per step variant (0: the timings alone)")
     parser.add_argument("--interval-us", type=int, default=100,
                         help="CPU time between samples (the kernel rounds up to its tick)")
     parser.add_argument("--out", required=True)
@@ -185,6 +229,11 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         for b in args.batches if gpu else [2]:
             inp, made = sparse_steps(b, args.layers) if gpu else cpu_steps(args.layers)
+            timings = dict(b=inp.b, **step_timings(made, inp))
+            result.setdefault("timings", []).append(timings)
+            print(json.dumps(timings), flush=True)
+            if args.seconds <= 0:
+                continue
             for name, queue, step in made:
                 path = os.path.join(tmp, f"{name}_{b}.txt")
                 point = dict(b=inp.b, variant=name, **profile_step(
