@@ -134,17 +134,18 @@ def _part_sizes(capacity, step):
     top = last
     while 2 * top <= min(step, capacity):
         top *= 2
-    tail = []
-    while (tail[-1] if tail else top) > last:
-        tail.append((tail[-1] if tail else top) // 2)
+    tail, size = [], top // 2
+    while size >= last:
+        tail.append(size)
+        size //= 2
     return [top] * (capacity // top), tail, last
 
 
-def _one_prefix_in_parts(attend, prefix_len, capacity, step, out, lse):
+def _one_prefix_in_parts(attend, prefix_len, capacity, step, dtype, out, lse):
     """One request's out and lse merged with its prefix's attention, part by part
     (_part_sizes): what is gathered, decompressed and attended follows the prefix's length,
     not the axis's, and every part but the last is attended without cuDNN's padding masks.
-    out in float32."""
+    A part's out is in dtype (q's), the merged out in float32."""
     tops, tail, last = _part_sizes(capacity, step)
     # The tops merge one after the other (their keys freed in turn); one the prefix does not
     # reach passes out through (a copy: the axis is rarely a top longer than the prefix).
@@ -159,11 +160,9 @@ def _one_prefix_in_parts(attend, prefix_len, capacity, step, out, lse):
     outs, lses = [out], [lse]
     for i, size in enumerate([*tail, last]):
         take = start < prefix_len if i == len(tail) else start + size <= prefix_len
-        part = functools.partial(attend, size=size)
-        shapes = jax.eval_shape(part, start)
         part_out, part_lse = jax.lax.cond(
-            take, part, lambda first: (jnp.zeros(shapes[0].shape, shapes[0].dtype),
-                                       jnp.full(shapes[1].shape, jnp.inf, shapes[1].dtype)),
+            take, functools.partial(attend, size=size),
+            lambda first: (jnp.zeros(out.shape, dtype), jnp.full(lse.shape, jnp.inf, lse.dtype)),
             start)
         outs.append(part_out)
         lses.append(part_lse)
@@ -416,7 +415,7 @@ def _prefill(q, kv, kv_cache, block_table, prefix_lens, query_lens, query_starts
         if b == 1:
             whole_axis = functools.partial(_merged_in_turn, attend, slices)
             in_parts = functools.partial(_one_prefix_in_parts, attend, prefixes.lens[0],
-                                         capacity, step)
+                                         capacity, step, q.dtype)
             out, lse = jax.lax.cond(prefixes.lens[0] == capacity, whole_axis, in_parts, out, lse)
         else:
             out, lse = _merged_in_turn(attend, slices, out, lse)

@@ -84,15 +84,21 @@ def test_chunks_merge_to_the_whole():
                                    atol=1e-2, rtol=1e-2)
 
 
-@pytest.fixture
-def slices_of_128_keys(monkeypatch):
-    """mla_prefill's prefix slices of 128 keys at 2 heads in bf16 (PREFIX_SLICE_BYTES is read
-    while tracing: the op's compiled cache is cleared before and after)."""
-    monkeypatch.setattr(prefill, "PREFIX_SLICE_BYTES", 128 * 2 * (96 + 96) * 2)
+def _traced_with(monkeypatch, **settings):
+    """mla_prefill traced with these module settings (read while tracing: the op's compiled
+    cache is cleared before and after)."""
+    for name, value in settings.items():
+        monkeypatch.setattr(prefill, name, value)
     prefill._prefill.clear_cache()
     yield
     monkeypatch.undo()
     prefill._prefill.clear_cache()
+
+
+@pytest.fixture
+def slices_of_128_keys(monkeypatch):
+    """mla_prefill's prefix slices of 128 keys at 2 heads in bf16."""
+    yield from _traced_with(monkeypatch, PREFIX_SLICE_BYTES=128 * 2 * (96 + 96) * 2)
 
 
 def test_one_prefix_on_a_longer_axis():
@@ -110,12 +116,8 @@ def test_one_prefix_on_a_longer_axis():
 def parts_of_64_to_256_keys(monkeypatch):
     """One request's prefix parts of 256 keys (slices of 256 keys at 2 heads, v of 48), then
     128 and 64, and a last part of 64."""
-    monkeypatch.setattr(prefill, "PREFIX_SLICE_BYTES", 256 * 2 * (96 + 48) * 2)
-    monkeypatch.setattr(prefill, "PREFIX_PART_KEYS", 64)
-    prefill._prefill.clear_cache()
-    yield
-    monkeypatch.undo()
-    prefill._prefill.clear_cache()
+    yield from _traced_with(monkeypatch, PREFIX_SLICE_BYTES=256 * 2 * (96 + 48) * 2,
+                            PREFIX_PART_KEYS=64)
 
 
 @pytest.mark.parametrize("prefix", [0, 65, 300, 1000, 1024])
