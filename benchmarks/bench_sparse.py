@@ -40,7 +40,8 @@ through AlternatingStep and synced by popping what it pushed to a HostQueue, as
 bench_step.py's, their schedule made once per step (sparse_decode_metadata) and the layers'
 indices masked once per step (mask_indices: one kernel over the step's indices, where a layer
 of its own would run one a layer; in a model the mask fuses into the conversion of the
-indexer's positions to slots); against the same torch ops (sparse_decode_fwd making its own
+indexer's positions to slots), the unrolled step's layers each reading its row of them in
+place (layer=, as torch's layers read views of one tensor); against the same torch ops (sparse_decode_fwd making its own
 schedule per layer, the concatenation) captured in a torch CUDA graph and replayed, and that
 graph with the schedule made once per step by get_mla_decoding_metadata (topk), as SGLang
 serves V3.2. The steps are timed in turns (STEP_ROUNDS rounds of each), so that a drift of the
@@ -349,23 +350,26 @@ class StepInputs:
         return self.cache, self.q0, self.indices, self.rope
 
 
-def jax_steps(inp, scan_unroll=SCAN_UNROLL, xla_options=None):
+def jax_steps(inp, scan_unroll=SCAN_UNROLL, xla_options=None, sliced=False):
     """{name: (jitted step, its compiler options)}: the step unrolled and under lax.scan
     (scan_unroll layers an iteration), each returning its last out (q[..., :512] after the
-    last layer); xla_options: more compiler options for both."""
-    def decode(q, cache, md, indices, rope):
+    last layer); xla_options: more compiler options for both; sliced: also the unrolled step
+    with each layer's indices sliced from the stack (masked[layer]) rather than read in place
+    (layer=), to compare the two."""
+    def decode(q, cache, md, indices, rope, layer=None):
         out, _ = sparse_mla_decode(q, cache, indices, metadata=md, softmax_scale=SOFTMAX_SCALE,
-                                   implementation=sparse_implementation())
+                                   layer=layer, implementation=sparse_implementation())
         return bench_step._next(out, rope)[0]
 
     def schedule():
         return sparse_decode_metadata(inp.b, num_heads_q=inp.h_q, topk=inp.topk,
                                       num_q_tokens=inp.s_q)
 
-    def unrolled(cache, q, indices, rope):
+    def unrolled(cache, q, indices, rope, in_place=True):
         md, masked = schedule(), mask_indices(indices, cache)
-        for layer in range(inp.layers):
-            q = decode(q, cache, md, masked[layer], rope[layer])
+        for layer in range(inp.layers):  # each layer's row of the stack, read in place
+            q = (decode(q, cache, md, masked, rope[layer], layer) if in_place
+                 else decode(q, cache, md, masked[layer], rope[layer]))
         return q[..., :D_V]
 
     def scanned(cache, q, indices, rope):
@@ -375,11 +379,15 @@ def jax_steps(inp, scan_unroll=SCAN_UNROLL, xla_options=None):
         return q[..., :D_V]
 
     extra = xla_options or {}
-    return {"jax_unrolled": (unrolled, extra or None),
-            "jax_scan": (scanned, {**serving.LOOP_STEP_COMPILER_OPTIONS, **extra})}
+    steps = {"jax_unrolled": (unrolled, extra or None),
+             "jax_scan": (scanned, {**serving.LOOP_STEP_COMPILER_OPTIONS, **extra})}
+    if sliced:
+        steps["jax_unrolled_sliced"] = (functools.partial(unrolled, in_place=False),
+                                        extra or None)
+    return steps
 
 
-def compiled_jax_steps(inp, scan_unroll=SCAN_UNROLL, xla_options=None):
+def compiled_jax_steps(inp, scan_unroll=SCAN_UNROLL, xla_options=None, sliced=False):
     """[(name, the HostQueue its step pushes to, the step through AlternatingStep)] of
     jax_steps, each pushing its out as bench_step.py's steps do, compiled for inp's
     arguments."""
@@ -392,7 +400,8 @@ def compiled_jax_steps(inp, scan_unroll=SCAN_UNROLL, xla_options=None):
         return name, queue, serving.AlternatingStep(
             jax.jit(pushing, compiler_options=options).lower(*arguments).compile())
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # XLA compiles off Python's thread
-        return list(pool.map(compiled, jax_steps(inp, scan_unroll, xla_options).items()))
+        return list(pool.map(compiled,
+                             jax_steps(inp, scan_unroll, xla_options, sliced).items()))
 
 
 def run_step_point(inp, steps, torch_sparse, shared_schedule=True,

@@ -138,15 +138,15 @@ def summary(samples, names, top=40, stack_depth=8):
     return threads
 
 
-def sparse_steps(b, layers):
+def sparse_steps(b, layers, sliced):
     inp = bench_sparse.StepInputs(b, 32768, 128, 1, 2048, layers, cache_gb=40)
-    return inp, bench_sparse.compiled_jax_steps(inp)
+    return inp, bench_sparse.compiled_jax_steps(inp, sliced=sliced)
 
 
-def cpu_steps(layers):
+def cpu_steps(layers, sliced):
     """A small stand-in on CPU: the tiny sparse step of bench_sparse --tiny's sizes."""
     inp = bench_sparse.StepInputs(2, 128, 16, 1, 64, layers, cache_gb=1)
-    return inp, bench_sparse.compiled_jax_steps(inp)
+    return inp, bench_sparse.compiled_jax_steps(inp, sliced=sliced)
 
 
 def profile_step(sampler, inp, queue, step, seconds, interval_us, path):
@@ -217,6 +217,8 @@ def main(argv=None):
                         help="profiled per step variant (0: the timings alone)")
     parser.add_argument("--interval-us", type=int, default=100,
                         help="CPU time between samples (the kernel rounds up to its tick)")
+    parser.add_argument("--sliced", action="store_true",
+                        help="also the unrolled step slicing each layer's indices")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     sampler = ctypes.CDLL(args.sampler)
@@ -228,7 +230,8 @@ def main(argv=None):
     gpu = jax.default_backend() == "gpu"
     with tempfile.TemporaryDirectory() as tmp:
         for b in args.batches if gpu else [2]:
-            inp, made = sparse_steps(b, args.layers) if gpu else cpu_steps(args.layers)
+            inp, made = (sparse_steps(b, args.layers, args.sliced) if gpu
+                         else cpu_steps(args.layers, args.sliced))
             timings = dict(b=inp.b, **step_timings(made, inp))
             result.setdefault("timings", []).append(timings)
             print(json.dumps(timings), flush=True)

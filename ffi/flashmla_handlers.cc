@@ -213,22 +213,34 @@ ffi::Error MlaDecodeFp8CudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuf
 // DeepSeek-V3.2's sparse decode (sparse_decode_fwd) over the 656-byte token cache, viewed as
 // the float8_e4m3fn bytes the op takes, on a schedule made by the metadata call; its results
 // and accumulators in XLA's buffers (listed in the order it allocates them).
+// `indices` is a stack (layers, batch, s_q, topk) of which the decode reads row `layer` in
+// place: a layer's slice handed over as an offset, where XLA would compute its address on the
+// host at every execution (a dynamic-slice thunk per call).
 ffi::Error MlaSparseDecodeCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
                                    ffi::Buffer<ffi::U8> kv_cache, ffi::Buffer<ffi::S32> indices,
                                    ffi::Buffer<ffi::F32> attn_sink,
                                    ffi::Buffer<ffi::S32> tile_scheduler_metadata,
                                    ffi::Buffer<ffi::S32> num_splits, float softmax_scale,
-                                   bool with_sink, std::string_view op,
+                                   bool with_sink, int64_t layer, std::string_view op,
                                    ffi::Result<ffi::AnyBuffer> out,
                                    ffi::ResultBuffer<ffi::F32> lse,
                                    ffi::ResultBuffer<ffi::F32> out_accum,
                                    ffi::ResultBuffer<ffi::F32> lse_accum) {
+  const auto stack = indices.dimensions();
+  if (stack.size() != 4 || layer < 0 || layer >= stack[0]) {
+    return ffi::Error::InvalidArgument(
+        std::string(op) + ": layer " + std::to_string(layer) + " of an indices stack of " +
+        std::to_string(stack.size() == 4 ? stack[0] : 0) +
+        " layers (rank 4: layers, batch, s_q, topk)");
+  }
+  const int64_t row = stack[1] * stack[2] * stack[3];
   return OnXlaStream(stream, device, op, [&] {
     OpArgs args;
     Slot(args, OpArg::kQ) = Wrap(q, device);
     Slot(args, OpArg::kKvCache) = WrapBuffer(kv_cache.untyped_data(), kv_cache.dimensions(),
                                              ffi::DataType::F8E4M3FN, device);
-    Slot(args, OpArg::kIndices) = Wrap(indices, device);
+    Slot(args, OpArg::kIndices) = WrapBuffer(indices.typed_data() + layer * row,
+                                             stack.last(3), ffi::DataType::S32, device);
     if (with_sink) Slot(args, OpArg::kAttnSink) = Wrap(attn_sink, device);
     Slot(args, OpArg::kTileSchedulerMetadata) = Wrap(tile_scheduler_metadata, device);
     Slot(args, OpArg::kNumSplits) = Wrap(num_splits, device);

@@ -66,8 +66,9 @@ auto BindDecodeResults(Binding binding) {
       .template Ret<ffi::Buffer<ffi::F32>>();            // lse_accum
 }
 
-// DeepSeek-V3.2's sparse decode: q, the (num_pages, 64, 1, 656) byte cache, the slots each
-// query reads, the per-head sink logits (read only with with_sink).
+// DeepSeek-V3.2's sparse decode: q, the (num_pages, 64, 1, 656) byte cache, a stack of the
+// slots each query reads (layers, batch, s_q, topk) of which it reads row `layer`, the per-head
+// sink logits (read only with with_sink).
 template <typename Binding>
 auto BindSparseDecodeOperands(Binding binding) {
   return std::move(binding).template Arg<ffi::AnyBuffer>()          // q
@@ -77,7 +78,8 @@ auto BindSparseDecodeOperands(Binding binding) {
       .template Arg<ffi::Buffer<ffi::S32>>()             // tile_scheduler_metadata
       .template Arg<ffi::Buffer<ffi::S32>>()             // num_splits
       .template Attr<float>("softmax_scale")
-      .template Attr<bool>("with_sink");
+      .template Attr<bool>("with_sink")
+      .template Attr<int64_t>("layer");
 }
 
 // DeepSeek-V3.2's sparse prefill: q (tokens, h_q, 576), kv (keys, 1, 576) and indices (tokens,

@@ -211,15 +211,17 @@ def _sparse_decode_types(q, tile_scheduler_metadata, **_):
             _f32(splits, h_q, s_q, v), _f32(splits, h_q, s_q))
 
 
-def _sparse_attributes(name, what, platform, *, softmax_scale, with_sink):
+def _sparse_attributes(name, what, platform, *, softmax_scale, with_sink, **layer):
     return dict(softmax_scale=np.float32(softmax_scale), with_sink=bool(with_sink),
-                op=_kernel_op(kernels.ensure_cuda_targets(), name, what))
+                op=_kernel_op(kernels.ensure_cuda_targets(), name, what),
+                **{key: np.int64(value) for key, value in layer.items()})
 
 
 # DeepSeek-V3.2's sparse decode over the 656-byte token cache (jax_flashmla.sparse): CUDA only
-# (off the GPU, jax_flashmla.sparse runs its pure-JAX reference). Its schedule is METADATA's
-# over requests of topk keys (jax_flashmla/sparse/ops.py); the results after out and lse are
-# the split-KV accumulators, scratch.
+# (off the GPU, jax_flashmla.sparse runs its pure-JAX reference). Its indices are a stack
+# (layers, batch, s_q, topk) of which it reads row `layer` (static) in place; its schedule is
+# METADATA's over requests of topk keys (jax_flashmla/sparse/ops.py); the results after out and
+# lse are the split-KV accumulators, scratch.
 SPARSE_DECODE = CustomCall(
     "jax_flashmla_mla_sparse_decode",
     ("q", "kv_cache", "indices", "attn_sink", "tile_scheduler_metadata", "num_splits"),

@@ -169,6 +169,41 @@ def test_a_layered_step_sharing_one_schedule_replays_with_new_inputs(s_q, h_q):
             np.testing.assert_array_equal(np.asarray(lse), t_lse[:, :h_q])
 
 
+def test_a_step_reads_its_layers_rows_of_one_masked_stack_in_place():
+    """A step masking its layers' indices once and handing each decode its layer's row with
+    layer=: every custom call takes the whole stack (no slice of it, no dynamic-slice thunk in
+    the compiled module), and each layer is bit-identical to sparse_decode_fwd from torch on
+    its own indices, called again with new inputs."""
+    kernels.ensure_cuda_targets()
+    layers, batch, h_q, topk = 6, 5, 128, 256
+
+    @jax.jit
+    def step(qs, cache, indices):
+        md = sparse_decode_metadata(batch, num_heads_q=h_q, topk=topk)
+        masked = mask_indices(indices, cache)
+        return [sparse_mla_decode(qs[i], cache, masked, layer=i, metadata=md,
+                                  softmax_scale=SCALE, implementation="custom_call")
+                for i in range(layers)]
+
+    def inputs(seed):
+        problems = [_problem(seed * 100 + i, batch, 1, h_q, topk) for i in range(layers)]
+        return (jnp.stack([p[0] for p in problems]), problems[0][1],
+                jnp.stack([p[2] for p in problems]))
+
+    hlo = step.lower(*inputs(1)).compile().as_text()
+    calls = [line for line in hlo.splitlines()
+             if 'custom_call_target="jax_flashmla_mla_sparse_decode"' in line]
+    assert len(calls) == layers, hlo
+    assert all(f"s32[{layers},{batch},1,{topk}]" in line for line in calls), calls
+    assert "dynamic_slice_fusion" not in hlo and "address_computation" not in hlo
+    for seed in (1, 2):
+        qs, cache, indices = inputs(seed)
+        for i, (out, lse) in enumerate(step(qs, cache, indices)):
+            t_out, t_lse = _torch_decode(qs[i], cache, indices[i], None)
+            np.testing.assert_array_equal(np.asarray(out, np.float32), t_out)
+            np.testing.assert_array_equal(np.asarray(lse), t_lse)
+
+
 def _prefill_problem(seed, tokens, h_q, topk, keys=500):
     rng = np.random.default_rng(seed)
     q = jnp.asarray(rng.normal(0, 1, (tokens, h_q, 576)), jnp.bfloat16)

@@ -150,22 +150,25 @@ def _check_metadata(where, metadata, q, indices):
                                  f"{tuple(indices.shape)} need {made_for}")
 
 
-def _kernel_decode(q, data, indices, attn_sink, softmax_scale, metadata):
+def _kernel_decode(q, data, stack, layer, attn_sink, softmax_scale, metadata):
+    """The custom call on row `layer` of stack (layers, batch, s_q, topk), masked."""
     where = "sparse_mla_decode"
     batch, s_q, h_q, _ = q.shape
     if s_q not in KERNEL_QUERY_TOKENS:
         _fail(ValueError, where, f"FlashMLA's sparse decode takes s_q in {KERNEL_QUERY_TOKENS}; "
                                  f"got {s_q} (pass implementation='reference')")
     q, sink, with_sink = _kernel_heads(where, q, attn_sink)
-    topk = indices.shape[-1]
+    topk = stack.shape[-1]
     if metadata is None:
         metadata = _schedule(batch, h_q, s_q, topk)
-    indices = jnp.pad(indices, ((0, 0), (0, 0), (0, _kernel_topk(topk) - topk)),
-                      constant_values=-1)
+    if _kernel_topk(topk) != topk:  # a copy of the stack: only where topk is not the kernel's
+        stack = jnp.pad(stack, ((0, 0),) * 3 + ((0, _kernel_topk(topk) - topk),),
+                        constant_values=-1)
     out, lse, *_ = custom_calls.SPARSE_DECODE(
-        q=q, kv_cache=data, indices=indices, attn_sink=sink,
+        q=q, kv_cache=data, indices=stack, attn_sink=sink,
         tile_scheduler_metadata=metadata.tile_scheduler_metadata,
-        num_splits=metadata.num_splits, softmax_scale=softmax_scale, with_sink=with_sink)
+        num_splits=metadata.num_splits, softmax_scale=softmax_scale, with_sink=with_sink,
+        layer=layer)
     return out[:, :, :h_q], lse[:, :h_q]
 
 
@@ -177,7 +180,8 @@ class MaskedIndices:
     sparse_mla_decode takes them as they are, with no mask of its own.
 
     Made by mask_indices, once for indices several decodes share (a step's layers, say); a
-    stack of them slices like its array (masked[layer], or as lax.scan's xs).
+    stack of them slices like its array (masked[layer], or as lax.scan's xs), and
+    sparse_mla_decode(..., layer=) reads a layer's row of it in place.
 
     Attributes:
       slots: (..., topk) int32, each in [-1, num_keys).
@@ -231,8 +235,23 @@ def _unmasked(where, indices, data, topk_length):
     return indices.slots, False
 
 
+def _stack_row(where, indices, layer):
+    """(indices (batch, s_q, topk) the decode reads, the (layers, batch, s_q, topk) stack it
+    reads them from and their row in it): the stack and `layer` where one is given."""
+    if layer is None:
+        return indices, indices[None], 0
+    if not isinstance(layer, int) or isinstance(layer, bool):
+        _fail(TypeError, where, f"layer must be a Python int (the row of a stack of indices) "
+                                f"or None; got {type(layer).__name__}")
+    if indices.ndim != 4 or not 0 <= layer < indices.shape[0]:
+        _fail(ValueError, where, f"with layer={layer}, indices must be a stack (layers, batch, "
+                                 f"s_q, topk) with more than {layer} layers; got "
+                                 f"{tuple(indices.shape)}")
+    return indices[layer], indices, layer
+
+
 def sparse_mla_decode(q, kv_cache, indices, *, metadata=None, softmax_scale=None,
-                      topk_length=None, attn_sink=None, implementation=None):
+                      topk_length=None, attn_sink=None, layer=None, implementation=None):
     """Sparse MLA decode over DeepSeek-V3.2's FP8 cache (FlashMLA's sparse_decode_fwd).
 
     Args:
@@ -247,6 +266,10 @@ def sparse_mla_decode(q, kv_cache, indices, *, metadata=None, softmax_scale=None
       topk_length: (batch,) int32 or None: a request's entries from topk_length on are
         invalid.
       attn_sink: (h_q,) float32 or None: a logit per head added to each softmax's denominator.
+      layer: a Python int or None. Given, indices are a stack (layers, batch, s_q, topk) (or
+        MaskedIndices of one) and the decode reads row `layer` of it, as indices[layer] but in
+        place: on the GPU, MaskedIndices' row is handed to the kernel without a copy or a
+        slice computed at each execution.
       implementation: None picks "custom_call" on a Hopper GPU whose FlashMLA kernels and CUDA
         bridge are available, else "reference". "custom_call" is FlashMLA's sparse_decode_fwd
         (CUDA only; bfloat16 q, at most 128 heads, s_q 1 or 2); "reference" is pure JAX.
@@ -258,7 +281,8 @@ def sparse_mla_decode(q, kv_cache, indices, *, metadata=None, softmax_scale=None
     where = "sparse_mla_decode"
     validation.check_rank(where, "q", q, 4, "(batch, s_q, h_q, 576)")
     data = sparse_cache_array(kv_cache, where)
-    indices, needs_mask = _unmasked(where, indices, data, topk_length)
+    stack, needs_mask = _unmasked(where, indices, data, topk_length)
+    indices, stack, layer = _stack_row(where, stack, layer)
     scale = _check_common(where, q, indices, tuple(q.shape[:2]), topk_length, attn_sink,
                           softmax_scale)
     if metadata is not None:
@@ -268,9 +292,10 @@ def sparse_mla_decode(q, kv_cache, indices, *, metadata=None, softmax_scale=None
                                                  topk_length=topk_length, attn_sink=attn_sink)
     if needs_mask:
         # The kernel skips -1 alone: it would read an index past the cache, and it takes no
-        # topk_length with this cache format.
-        indices = _masked(indices, data.shape[0] * PAGE_SIZE, topk_length)
-    return _kernel_decode(q, data, indices, attn_sink, scale, metadata)
+        # topk_length with this cache format. Only the row read is masked.
+        masked = _masked(indices, data.shape[0] * PAGE_SIZE, topk_length)
+        return _kernel_decode(q, data, masked[None], 0, attn_sink, scale, metadata)
+    return _kernel_decode(q, data, stack, layer, attn_sink, scale, metadata)
 
 
 def _kernel_prefill(q, kv, indices, attn_sink, softmax_scale):
