@@ -185,10 +185,9 @@ def test_a_step_reads_its_layers_rows_of_one_masked_stack_in_place():
                                   softmax_scale=SCALE, implementation="custom_call")
                 for i in range(layers)]
 
-    def inputs(seed):
+    def inputs(seed):  # each layer's q its own array, as a step's layers make theirs
         problems = [_problem(seed * 100 + i, batch, 1, h_q, topk) for i in range(layers)]
-        return (jnp.stack([p[0] for p in problems]), problems[0][1],
-                jnp.stack([p[2] for p in problems]))
+        return ([p[0] for p in problems], problems[0][1], jnp.stack([p[2] for p in problems]))
 
     hlo = step.lower(*inputs(1)).compile().as_text()
     calls = [line for line in hlo.splitlines()
