@@ -62,6 +62,8 @@
 #     soak     benchmarks/soak_serving.py at its GPU sizes; SOAK_ARGS (default --steps 10000),
 #              SOAK_NAME (soak_h200)
 #     xla-flags  the command-buffer flags the installed XLA plugin knows
+#     step-after-calls  dev/probe_step_after_calls.py: the synced sparse step fresh, after
+#              per-call points, after a cleanup; AFTER_CALLS_ARGS (e.g. "--batches 1")
 #     set:NAME=VALUE  exports NAME=VALUE for the modes after it
 set -uo pipefail
 modes=("${@:-capture}")
@@ -206,6 +208,9 @@ for mode in "${modes[@]}"; do
   sparse-step-probe)
     timeout 400 python3 dev/probe_sparse_step.py --out "$out/probe_sparse_step.json" \
       ${SPARSE_STEP_ARGS:-} 2>&1 | grep -v "^[IW][0-9]" | cut -c1-200 | tail -120 ;;
+  step-after-calls)
+    timeout 420 python3 dev/probe_step_after_calls.py --out "$out/step_after_calls.json" \
+      ${AFTER_CALLS_ARGS:-} 2>&1 | grep -v "^[IW][0-9]" | grep "phase\|rror" | cut -c1-400 ;;
   host-profile)
     gcc -shared -fPIC -O2 dev/host_sampler.c -o /tmp/host_sampler.so 2>&1 | tail -20
     timeout 400 python3 dev/probe_host_profile.py --sampler /tmp/host_sampler.so \
