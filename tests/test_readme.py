@@ -15,4 +15,6 @@ def test_the_readme_code_runs(tmp_path, monkeypatch, capsys):
         exec(compile(block, str(README), "exec"), namespace)
     out, lse = namespace["out"], namespace["lse"]
     assert out.shape == (2, 1, 512) and lse.shape == (16, 80)
+    assert namespace["sparse_out"].shape == (2, 1, 16, 512)
+    assert namespace["sparse_lse"].shape == (2, 16, 1)
     assert capsys.readouterr().out.strip().startswith("[")  # the popped tokens
