@@ -23,8 +23,10 @@ Per call, at b in {1, 16, 64, 128}, h_q in {64, 128}, s_q in {1, 2} over context
 Call i takes set i mod 4 of (q, indices / block table), so that the L2 keeps little of one call
 for the next. Timed by wall clock over batches of calls (benchmarks/timing.py) and, on a GPU,
 by device time from the GPU's timestamps (benchmarks/device_time.py: batches queued behind a
-spinning kernel, from its end to the batch's last kernel's end). Ratios are medians of
-per-repeat ratios; the sparse call's out and lse are compared with torch's bit for bit.
+spinning kernel, from its end to the batch's last kernel's end), sparse, premasked and torch in
+turns and the dense decode in turns of its own (a batch after its sweep of the whole cache runs
+slower). Ratios are medians of per-repeat ratios; the sparse call's out and lse are compared
+with torch's bit for bit.
 
 The step: 61 layers of sparse_mla_decode at h_q 128, s_q 1 over a context of 32768 tokens, b in
 {1, 16, 64, 128}, each layer with its own indices and the next layer's q made from its out (its
@@ -276,14 +278,23 @@ def run_call_group(context, b, shapes, grid, torch_sparse, blockers, device_repe
             calls = [torch_sparse.call(q, cache, idx, sparse_md) for q, idx in zip(qs, indices)]
             variants[h_q, s_q, "torch"] = (lambda i, calls=calls: calls[i % rot](),
                                            torch_sparse.sync)
-    timed, failed = time_in_turns(variants, target_ms=grid["target_ms"],
-                                  repeats=grid["repeats"], max_calls=1000, fitted=())
-    device_times, device_failure = {}, None
-    if blockers is not None:
+    # The dense decode sweeps its whole cache, GBs at long contexts, and a batch right after it
+    # ran slower: in shared turns (their order reversed every other repeat) the torch and
+    # premasked batches took turns to follow it. It is timed in turns of its own.
+    timed, failed, device_times, device_failure = {}, {}, {}, None
+    for group in ([name for name in variants if name[2] != "dense"],
+                  [name for name in variants if name[2] == "dense"]):
+        group_timed, group_failed = time_in_turns(
+            {name: variants[name] for name in group}, target_ms=grid["target_ms"],
+            repeats=grid["repeats"], max_calls=1000, fitted=())
+        timed.update(group_timed)
+        failed.update(group_failed)
+        if blockers is None or device_failure or not group_timed:
+            continue
         try:
-            device_times = device_time_in_turns(
+            device_times.update(device_time_in_turns(
                 {name: (*variants[name], blockers["torch" if name[2] == "torch" else "jax"])
-                 for name in timed}, device_repeats)
+                 for name in group_timed}, device_repeats))
         except Exception as e:  # the wall-clock figures stand without it
             device_failure = f"failed: {type(e).__name__}: {str(e)[:400]}"
     records = []

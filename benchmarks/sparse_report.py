@@ -164,7 +164,8 @@ def markdown(result):
             "", "## Per call", "",
             "µs per call by device time (the GPU's timestamps over batches queued behind a "
             "spinning kernel), and in brackets by wall clock over batches of calls; "
-            f"{meta['rotations']} sets of (q, indices) in turn. sparse: sparse_mla_decode "
+            f"{meta['rotations']} sets of (q, indices) in turn; sparse, premasked and torch "
+            "timed in turns, dense in turns of its own. sparse: sparse_mla_decode "
             "jitted; premasked: the same on MaskedIndices made beforehand (its out and lse "
             "compared with sparse's); torch: sparse_decode_fwd from torch on the same q, cache "
             "and indices; "
