@@ -46,8 +46,9 @@ indexer's positions to slots), the unrolled step's layers each reading its row o
 place (layer=, as torch's layers read views of one tensor); against the same torch ops (sparse_decode_fwd making its own
 schedule per layer, the concatenation) captured in a torch CUDA graph and replayed, and that
 graph with the schedule made once per step by get_mla_decoding_metadata (topk), as SGLang
-serves V3.2. The steps are timed in turns (STEP_ROUNDS rounds of each), so that a drift of the
-GPU's clock or the host's load falls on all of them alike. --xla-option adds compiler options
+serves V3.2. The steps are timed in turns (STEP_ROUNDS rounds of each, the order reversed
+every other round), so that a drift of the GPU's clock or the host's load falls on all of them
+alike. --xla-option adds compiler options
 to both jax steps. Reported: µs per layer (the median step's wall clock / layers) and the GPU's
 span per layer (from a profile); µs per layer with --steps steps launched before one sync
 (queued: the GPU's time per step wherever the host launches ahead of it, as a serving loop
@@ -90,7 +91,7 @@ from jax_flashmla.sparse.ops import KERNEL_HEADS  # noqa: E402
 
 import sparse_report  # noqa: E402
 from device_time import device_time_in_turns, spin_blockers  # noqa: E402
-from timing import compiler_option, time_in_turns  # noqa: E402
+from timing import compiler_option, time_in_turns, turn_order  # noqa: E402
 from torch_side import TorchSide, captured  # noqa: E402
 from workload import D_QK, D_V, PAGE, Workload  # noqa: E402
 
@@ -446,9 +447,11 @@ def run_step_point(inp, steps, torch_sparse, shared_schedule=True,
     runs = {name: (lambda launch=launch, sync=sync: (launch(), sync()))
             for name, (launch, sync) in launches.items()}
     times = {name: [] for name in runs}
+    # The order reversed every other round: no variant always follows the same one (torch's
+    # heavier graph, say).
     for round_ in range(STEP_ROUNDS):
-        for name, run in runs.items():
-            times[name] += bench_step.time_steps(run, -(-steps // STEP_ROUNDS),
+        for name in turn_order(runs, round_):
+            times[name] += bench_step.time_steps(runs[name], -(-steps // STEP_ROUNDS),
                                                  warmup=3 if round_ == 0 else 1)
     for name, samples in times.items():
         record[f"{name}_us"] = round(statistics.median(samples) / inp.layers, 2)
