@@ -43,12 +43,12 @@ bench_step.py's, their schedule made once per step (sparse_decode_metadata) and 
 indices masked once per step (mask_indices: one kernel over the step's indices, where a layer
 of its own would run one a layer; in a model the mask fuses into the conversion of the
 indexer's positions to slots), the unrolled step's layers each reading its row of them in
-place (layer=, as torch's layers read views of one tensor); against the same torch ops (sparse_decode_fwd making its own
-schedule per layer, the concatenation) captured in a torch CUDA graph and replayed, and that
-graph with the schedule made once per step by get_mla_decoding_metadata (topk), as SGLang
-serves V3.2. The steps are timed in turns (STEP_ROUNDS rounds of each, the order reversed
-every other round), so that a drift of the GPU's clock or the host's load falls on all of them
-alike. --xla-option adds compiler options
+place (layer=, as torch's layers read views of one tensor); against the same torch ops
+(sparse_decode_fwd making its own schedule per layer, the concatenation) captured in a torch
+CUDA graph and replayed, and that graph with the schedule made once per step by
+get_mla_decoding_metadata (topk), as SGLang serves V3.2. The steps are timed in turns
+(STEP_ROUNDS rounds of each, the order reversed every other round), so that a drift of the
+GPU's clock or the host's load falls on all of them alike. --xla-option adds compiler options
 to both jax steps. Reported: µs per layer (the median step's wall clock / layers) and the GPU's
 span per layer (from a profile); µs per layer with --steps steps launched before one sync
 (queued: the GPU's time per step wherever the host launches ahead of it, as a serving loop

@@ -211,10 +211,13 @@ def _sparse_decode_types(q, tile_scheduler_metadata, **_):
             _f32(splits, h_q, s_q, v), _f32(splits, h_q, s_q))
 
 
-def _sparse_attributes(name, what, platform, *, softmax_scale, with_sink, **layer):
-    return dict(softmax_scale=np.float32(softmax_scale), with_sink=bool(with_sink),
-                op=_kernel_op(kernels.ensure_cuda_targets(), name, what),
-                **{key: np.int64(value) for key, value in layer.items()})
+def _sparse_attributes(name, what, platform, *, softmax_scale, with_sink, layer=None):
+    """The sparse calls' attributes; `layer` the decode's alone."""
+    attributes = dict(softmax_scale=np.float32(softmax_scale), with_sink=bool(with_sink),
+                      op=_kernel_op(kernels.ensure_cuda_targets(), name, what))
+    if layer is not None:
+        attributes["layer"] = np.int64(layer)
+    return attributes
 
 
 # DeepSeek-V3.2's sparse decode over the 656-byte token cache (jax_flashmla.sparse): CUDA only

@@ -4,10 +4,11 @@ jax_flashmla/sparse/reference.py states the semantics. On a Hopper GPU both run 
 kernels as custom calls (jax_flashmla_mla_sparse_decode, jax_flashmla_mla_sparse_prefill):
 indices past the keys or past topk_length are made -1 first (the kernels read any other; the
 decode takes MaskedIndices, made once for several decodes, as they are, and a row of a stack of
-them in place: the custom call takes the stack and the row's number), the indices are padded with -1 to the kernel's topk block, and q's heads are padded with zeros to
-the kernels' 64 or 128 (the padding heads' results are dropped; they cost what real heads
-cost). The decode's split-KV schedule depends on the shapes alone (every request has topk keys
-to the scheduler), so sparse_decode_metadata makes one per step that every layer shares.
+them in place: the custom call takes the stack and the row's number), the indices are padded
+with -1 to the kernel's topk block, and q's heads are padded with zeros to the kernels' 64 or
+128 (the padding heads' results are dropped; they cost what real heads cost). The decode's
+split-KV schedule depends on the shapes alone (every request has topk keys to the scheduler),
+so sparse_decode_metadata makes one per step that every layer shares.
 Elsewhere, or where the kernel library lacks the op, the pure-JAX reference runs."""
 import dataclasses
 import functools
