@@ -77,13 +77,18 @@ def _step(b, graph_us, scan_us, unrolled_us):
 
 def test_the_report_states_the_bars_from_the_runs_times():
     # Per repeat 1.02, 1.01, 1.04: the median 1.02 meets the per-call bar at b=128.
-    within = _call(128, (102.0, 101.0, 104.0), (100.0, 100.0, 100.0),
-                   premasked=(99.0, 100.0, 101.0))
-    over = _call(128, (105.0, 106.0, 104.0), (100.0, 100.0, 100.0))
-    small = _call(1, (30.0, 30.0, 30.0), (20.0, 20.0, 20.0))
-    assert within["vs_torch_device"] == within["vs_torch"] == 1.02
-    assert within["sparse_over_dense_device"] == 102.0 / 400.0
+    # The bar is the call's on MaskedIndices; the raw call's ratio and its mask are beside it.
+    within = _call(128, (105.0, 106.0, 104.0), (100.0, 100.0, 100.0),
+                   premasked=(102.0, 101.0, 104.0))
+    over = _call(128, (105.0, 106.0, 104.0), (100.0, 100.0, 100.0),
+                 premasked=(104.0, 105.0, 103.0))
+    small = _call(1, (30.0, 30.0, 30.0), (20.0, 20.0, 20.0), premasked=(25.0, 25.0, 25.0))
+    assert within["premasked_vs_torch_device"] == within["premasked_vs_torch"] == 1.02
+    assert within["vs_torch_device"] == 1.05
+    assert within["sparse_over_dense_device"] == 105.0 / 400.0
     assert [sparse_report.call_bar_met(r) for r in (within, over, small)] == [True, False, None]
+    assert sparse_report.call_bar_met(within, "vs_torch_device") is False
+    assert sparse_report.mask_us(within) == 105.0 - 102.0
     # The graph's step: 30 µs x 61 layers < 2 ms (bar 1.15), 40 x 61 >= 2 ms (bar 1.05).
     short, long = _step(1, 30.0, 34.0, 33.0), _step(128, 40.0, 43.0, 41.0)
     long.update(jax_scan_queued_us=40.0, jax_unrolled_queued_us=39.0, torch_graph_queued_us=40.0)
@@ -93,11 +98,14 @@ def test_the_report_states_the_bars_from_the_runs_times():
                             topk=2048, softmax_scale=192 ** -0.5, rotations=4, layers=61),
                   per_call=[within, over, small], step=[short, long], not_run=[])
     markdown = sparse_report.markdown(result)
-    assert "within 1.03 at 1 of 2 points" in markdown
+    assert "premasked / torch: median 1.030, range 1.020–1.040 (2 points); within 1.03 at 1 of " \
+           "2 points" in markdown
+    assert "sparse / torch: median 1.050, range 1.050–1.050 (2 points); within 1.03 at 0 of 2 " \
+           "points; the mask median 2.0 µs, range 1.0–3.0 a call" in markdown
     assert "both jax steps within their bar at 1 of 2 points" in markdown
-    assert "| 128 | 8192 | 128 | 1 | 102.0 (102.0) | 100.0 (100.0) | 1.020 (1.020) | yes | " \
-           "100.0 (100.0) | 1.000 (1.000) | 400.0 (400.0) |" in markdown
-    assert "premasked / torch by device time: median 1.000" in markdown
+    assert "| 128 | 8192 | 128 | 1 | 105.0 (105.0) | 100.0 (100.0) | 1.050 (1.050) | " \
+           "102.0 (102.0) | 1.020 (1.020) | yes | 3.0 | 400.0 (400.0) |" in markdown
+    assert "premasked / torch by device time, all points: median 1.040" in markdown
     assert "| 1.133 | 1.100 | 1.15 | yes | yes |" in markdown
     assert "| 1.075 | 1.025 | 1.05 | NO | yes |" in markdown
     assert "| 128 | 40.0 | 39.0 | 40.0 | - | 1.000 | 0.975 |" in markdown  # queued
