@@ -51,6 +51,8 @@
 #              and cuDNN's causal alignment; DECOMPRESS_ARGS
 #     masks-probe  dev/probe_cudnn_masks.py at 16 and 128 heads: cuDNN's padding masks
 #              against the unmasked calls
+#     prefill-batch-probe  dev/probe_prefill_batch.py: several requests in one mla_prefill
+#              call against a call each; PREFILL_BATCH_ARGS
 #     mgpu-probe  dev/probe_mgpu_attention.py: jax's Mosaic GPU attention kernel against cuDNN
 #     indexer-ncu  ncu's sections for the indexer's two kernels over one call of
 #              probe_indexer_kernels.py --single; INDEXER_PROBE_ARGS
@@ -194,6 +196,10 @@ for mode in "${modes[@]}"; do
   prefill-overhead)
     timeout 400 python3 dev/probe_prefill_overhead.py ${OVERHEAD_ARGS:-} 2>&1 \
       | grep -v "^[IW][0-9]" | cut -c1-200 | tail -60 ;;
+  prefill-batch-probe)
+    timeout 330 python3 dev/probe_prefill_batch.py --deadline-s 240 \
+      --out "$out/probe_prefill_batch.json" ${PREFILL_BATCH_ARGS:-} 2>&1 \
+      | grep -v "^[IW][0-9]" | tail -20 ;;
   masks-probe)
     for heads in 16 128; do
       timeout 200 python3 dev/probe_cudnn_masks.py --heads $heads \
