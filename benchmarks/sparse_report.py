@@ -141,7 +141,8 @@ def summary_lines(result):
                          f"{_stats(r['premasked_vs_torch_device'] for r in at_bar)}; within "
                          f"{CALL_BAR} at {sum(call_bar_met(r) for r in at_bar)} of "
                          f"{len(at_bar)} points.")
-            raw = [call_bar_met(r, "vs_torch_device") for r in at_bar]
+            raw = [met for met in (call_bar_met(r, "vs_torch_device") for r in at_bar)
+                   if met is not None]  # a point whose raw call failed has no ratio
             lines.append(f"- At b={CALL_BAR_B} on raw indices (the call masks them first), "
                          f"sparse / torch: {_stats(r['vs_torch_device'] for r in at_bar)}; "
                          f"within {CALL_BAR} at {sum(raw)} of {len(raw)} points; the mask "
