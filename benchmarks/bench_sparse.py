@@ -10,9 +10,8 @@ cache the same context in bf16.
 
 Per call, at b in {1, 16, 64, 128}, h_q in {64, 128}, s_q in {1, 2} over contexts of 8192,
 32768 and 131072 tokens: three calls timed in turns on the same q (benchmarks/workload.py's),
-  sparse  sparse_mla_decode jitted (its validity mask of the indices, the decode) on a
-          schedule made once outside the timed calls (sparse_decode_metadata: a model makes
-          it once per step), lse returned as FlashMLA wrote it
+  sparse  sparse_mla_decode jitted (its validity mask of the indices, the decode; its
+          schedule a constant of the program), lse returned as FlashMLA wrote it
           (jax_flashmla.serving.lse_format);
   premasked  the same on MaskedIndices made once outside the timed calls (mask_indices):
           the decode alone, as a step's layers sharing masked indices run it;
@@ -39,8 +38,7 @@ holds, so a layer finds little of what an earlier layer over the same cache read
 jax_flashmla's step runs jitted, unrolled and under lax.scan (--scan-unroll layers an
 iteration, by default SCAN_UNROLL, and LOOP_STEP_COMPILER_OPTIONS), each called
 through AlternatingStep and synced by popping what it pushed to a HostQueue, as
-bench_step.py's, their schedule made once per step (sparse_decode_metadata) and the layers'
-indices masked once per step (mask_indices: one kernel over the step's indices, where a layer
+bench_step.py's, their schedule a constant of the program and the layers' indices masked once per step (mask_indices: one kernel over the step's indices, where a layer
 of its own would run one a layer; in a model the mask fuses into the conversion of the
 indexer's positions to slots), the unrolled step's layers each reading its row of them in
 place (layer=, as torch's layers read views of one tensor); against the same torch ops
@@ -84,8 +82,7 @@ import numpy as np  # noqa: E402
 
 import jax_flashmla as jf  # noqa: E402
 from jax_flashmla import kernels, serving  # noqa: E402
-from jax_flashmla.sparse import (mask_indices, quantize_tokens,  # noqa: E402
-                                 sparse_decode_metadata, sparse_mla_decode)
+from jax_flashmla.sparse import mask_indices, quantize_tokens, sparse_mla_decode  # noqa: E402
 from jax_flashmla.sparse.cache import TOKEN_BYTES  # noqa: E402
 from jax_flashmla.sparse.ops import KERNEL_HEADS  # noqa: E402
 
@@ -161,6 +158,16 @@ def sparse_indices(rng, block_table, s_q, topk, context):
     return token_slots(block_table, jnp.asarray(positions))
 
 
+def sparse_schedule(b, h_q, s_q, topk):
+    """(tile_scheduler_metadata, num_splits) that sparse_mla_decode holds as its constant for
+    these shapes: the dense scheduler's over b requests of topk keys (a multiple of 64) at the
+    kernel's h_q (64 or 128), made once outside the timed calls for torch's op."""
+    md = jf.get_mla_metadata(jnp.full((b,), topk, jnp.int32),
+                             block_table=jnp.zeros((b, topk // 64), jnp.int32), num_pages=1,
+                             num_heads_q=h_q, num_q_tokens=s_q, implementation="custom_call")
+    return jax.block_until_ready((md.tile_scheduler_metadata, md.num_splits))
+
+
 class TorchSparse:
     """sparse_decode_fwd from torch on JAX's buffers, arguments by schema name; the schedule op
     is get_mla_decoding_metadata, which makes the sparse schedule when given topk."""
@@ -190,10 +197,10 @@ class TorchSparse:
             q=q, kv=kv, indices=indices, d_v=D_V, sm_scale=SOFTMAX_SCALE,
             tile_scheduler_metadata=schedule[0], num_splits=schedule[1]))
 
-    def call(self, q, cache, indices, metadata):
-        """A call of the op on these JAX arrays and metadata's schedule, without arguments."""
-        schedule = (self.side.view(metadata.tile_scheduler_metadata),
-                    self.side.view(metadata.num_splits))
+    def call(self, q, cache, indices, schedule):
+        """A call of the op on these JAX arrays and schedule (sparse_schedule's), without
+        arguments."""
+        schedule = tuple(self.side.view(x) for x in schedule)
         args = self.decode_args(self.side.view(q), self.kv(cache), self.side.view(indices),
                                 schedule)
         return lambda: self.decode(*args)
@@ -250,20 +257,16 @@ def run_call_group(context, b, shapes, grid, torch_sparse, blockers, device_repe
         indices = [sparse_indices(rng, bt, s_q, topk, context) for bt in work.block_tables]
         # lse comes back as the kernels wrote it, as torch's op returns it.
         formats = (device, serving.lse_format(s_q, device))
-        sparse_md = jax.block_until_ready(sparse_decode_metadata(
-            b, num_heads_q=h_q, topk=topk, num_q_tokens=s_q))
-        # The schedule is an argument, as a step passes it to its layers: closed over, it
-        # would be a constant XLA materializes at every call.
         sparse = jax.jit(functools.partial(sparse_mla_decode, softmax_scale=SOFTMAX_SCALE,
                                            implementation=sparse_implementation()),
                          out_shardings=formats)
         variants[h_q, s_q, "sparse"] = (
-            lambda i, qs=qs, indices=indices, sparse=sparse, md=sparse_md: sparse(
-                qs[i % rot], cache, indices[i % rot], metadata=md), sync)
+            lambda i, qs=qs, indices=indices, sparse=sparse: sparse(
+                qs[i % rot], cache, indices[i % rot]), sync)
         masked = [jax.block_until_ready(mask_indices(idx, cache)) for idx in indices]
         variants[h_q, s_q, "premasked"] = (
-            lambda i, qs=qs, masked=masked, sparse=sparse, md=sparse_md: sparse(
-                qs[i % rot], cache, masked[i % rot], metadata=md), sync)
+            lambda i, qs=qs, masked=masked, sparse=sparse: sparse(
+                qs[i % rot], cache, masked[i % rot]), sync)
         # A metadata per set, as a model makes one per step for its block table.
         mds = [jax.block_until_ready(jf.get_mla_metadata(
             work.seq_lens, block_table=bt, num_pages=work.kv.shape[0], num_heads_q=h_q,
@@ -276,7 +279,8 @@ def run_call_group(context, b, shapes, grid, torch_sparse, blockers, device_repe
                 metadata=mds[i % rot]),
             sync)
         if torch_sparse is not None and h_q in KERNEL_HEADS:  # the op takes no other count
-            calls = [torch_sparse.call(q, cache, idx, sparse_md) for q, idx in zip(qs, indices)]
+            schedule = sparse_schedule(b, h_q, s_q, topk)
+            calls = [torch_sparse.call(q, cache, idx, schedule) for q, idx in zip(qs, indices)]
             variants[h_q, s_q, "torch"] = (lambda i, calls=calls: calls[i % rot](),
                                            torch_sparse.sync)
     # The dense decode sweeps its whole cache, GBs at long contexts, and a batch right after it
@@ -369,25 +373,21 @@ def jax_steps(inp, scan_unroll=SCAN_UNROLL, xla_options=None, sliced=False):
     last layer); xla_options: more compiler options for both; sliced: also the unrolled step
     with each layer's indices sliced from the stack (masked[layer]) rather than read in place
     (layer=), to compare the two."""
-    def decode(q, cache, md, indices, rope, layer=None):
-        out, _ = sparse_mla_decode(q, cache, indices, metadata=md, softmax_scale=SOFTMAX_SCALE,
-                                   layer=layer, implementation=sparse_implementation())
+    def decode(q, cache, indices, rope, layer=None):
+        out, _ = sparse_mla_decode(q, cache, indices, softmax_scale=SOFTMAX_SCALE, layer=layer,
+                                   implementation=sparse_implementation())
         return bench_step._next(out, rope)[0]
 
-    def schedule():
-        return sparse_decode_metadata(inp.b, num_heads_q=inp.h_q, topk=inp.topk,
-                                      num_q_tokens=inp.s_q)
-
     def unrolled(cache, q, indices, rope, in_place=True):
-        md, masked = schedule(), mask_indices(indices, cache)
+        masked = mask_indices(indices, cache)
         for layer in range(inp.layers):  # each layer's row of the stack, read in place
-            q = (decode(q, cache, md, masked, rope[layer], layer) if in_place
-                 else decode(q, cache, md, masked[layer], rope[layer]))
+            q = (decode(q, cache, masked, rope[layer], layer) if in_place
+                 else decode(q, cache, masked[layer], rope[layer]))
         return q[..., :D_V]
 
     def scanned(cache, q, indices, rope):
-        md, masked = schedule(), mask_indices(indices, cache)
-        body = lambda q, xs: (decode(q, cache, md, *xs), None)
+        masked = mask_indices(indices, cache)
+        body = lambda q, xs: (decode(q, cache, *xs), None)
         q, _ = jax.lax.scan(body, q, (masked, rope), unroll=scan_unroll)
         return q[..., :D_V]
 

@@ -7,8 +7,8 @@ jax_flashmla.serving.LOOP_STEP_COMPILER_OPTIONS), called through AlternatingStep
 popping what it pushed to a HostQueue, as bench_step.py's and bench_sparse.py's steps:
   v32           per layer: jax_flashmla.sparse.indexer_decode (pure JAX) over the paged
                 index-key cache (132-byte FP8 keys), picking topk (2048) of each request's
-                tokens, then sparse_mla_decode over those on the 656-byte sparse cache; one
-                sparse_decode_metadata per step;
+                tokens, then sparse_mla_decode over those on the 656-byte sparse cache (its
+                schedule a constant of the program);
   dense         per layer: jax_flashmla.mla_decode over the whole context in bf16 (1152 bytes
                 a token); one get_mla_metadata per step;
   indexer_only  v32 with a fusion in place of each sparse decode (one that reads every index,
@@ -67,8 +67,7 @@ import numpy as np  # noqa: E402
 import jax_flashmla as jf  # noqa: E402
 from jax_flashmla import kernels, serving  # noqa: E402
 from jax_flashmla.sparse import (IndexKeyCache, IndexQuery, indexer_decode,  # noqa: E402
-                                 quantize_index_keys, sparse_decode_metadata, sparse_mla_decode,
-                                 write_index_keys)
+                                 quantize_index_keys, sparse_mla_decode, write_index_keys)
 from jax_flashmla.sparse.cache import TOKEN_BYTES as SPARSE_TOKEN_BYTES  # noqa: E402
 from jax_flashmla.sparse.index_cache import INDEX_HEAD_DIM  # noqa: E402
 from jax_flashmla.sparse.index_cache import TOKEN_BYTES as INDEX_TOKEN_BYTES  # noqa: E402
@@ -166,13 +165,9 @@ def steps(inp):
                               seq_lens, topk=inp.topk)
 
     def v32(index, sparse, q, rope, rows, weights, table, seq_lens):
-        md = sparse_decode_metadata(inp.b, num_heads_q=inp.h_q, topk=inp.topk,
-                                    num_q_tokens=inp.s_q)
-
         def layer(q, l, rope, rows, weights):
             indices = selected(q, l, rows, weights, index, table, seq_lens)
-            out, _ = sparse_mla_decode(q, sparse, indices, metadata=md,
-                                       softmax_scale=SOFTMAX_SCALE,
+            out, _ = sparse_mla_decode(q, sparse, indices, softmax_scale=SOFTMAX_SCALE,
                                        implementation=bench_sparse.sparse_implementation())
             return bench_step._next(out, rope)[0]
         return scanned(layer, q, (rope, rows, weights))

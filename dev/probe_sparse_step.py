@@ -26,8 +26,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jax_flashmla import serving  # noqa: E402
-from jax_flashmla.sparse import (mask_indices, sparse_decode_metadata,  # noqa: E402
-                                 sparse_mla_decode)
+from jax_flashmla.sparse import mask_indices, sparse_mla_decode  # noqa: E402
 
 CALLS = 10  # calls queued a profiled run
 
@@ -72,20 +71,19 @@ def call_runs(b, context, torch_sparse, h_q=128, s_q=1, topk=2048):
     indices = bench_sparse.sparse_indices(np.random.default_rng(b), work.block_tables[0], s_q,
                                           topk, context)
     masked = jax.block_until_ready(mask_indices(indices, cache))
-    md = jax.block_until_ready(sparse_decode_metadata(b, num_heads_q=h_q, topk=topk,
-                                                      num_q_tokens=s_q))
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     sparse = jax.jit(functools.partial(sparse_mla_decode, softmax_scale=bench_sparse.SOFTMAX_SCALE,
                                        implementation="custom_call"),
                      out_shardings=(device, serving.lse_format(s_q, device)))
-    torch_call = torch_sparse.call(q, cache, indices, md)
+    torch_call = torch_sparse.call(q, cache, indices,
+                                   bench_sparse.sparse_schedule(b, h_q, s_q, topk))
     torch_run = lambda: ([torch_call() for _ in range(CALLS)], torch_sparse.sync())  # noqa: E731
     return {
         "torch": torch_run,
         "sparse": lambda: jax.block_until_ready(
-            [sparse(q, cache, indices, metadata=md) for _ in range(CALLS)]),
+            [sparse(q, cache, indices) for _ in range(CALLS)]),
         "sparse_premasked": lambda: jax.block_until_ready(
-            [sparse(q, cache, masked, metadata=md) for _ in range(CALLS)]),
+            [sparse(q, cache, masked) for _ in range(CALLS)]),
         "torch_again": torch_run}
 
 

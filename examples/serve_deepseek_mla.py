@@ -62,7 +62,7 @@ from jax_flashmla.serving import (HostQueue, PageAllocator, length_bucket, pages
                                   plan_chunks)
 from jax_flashmla.flax import (MLAConfig, MultiHeadLatentAttention, RMSNorm, SparseMLAConfig,
                                SparseMultiHeadLatentAttention)
-from jax_flashmla.sparse import IndexKeyCache, SparseKVCache, sparse_decode_metadata
+from jax_flashmla.sparse import IndexKeyCache, SparseKVCache
 
 # New tokens prefilled in one chunk are padded to a power of two of at least this many; in
 # several chunks, each chunk to the chunk size (a multiple of this): prefill compiles few shapes.
@@ -166,15 +166,12 @@ class TinyDeepSeek(nnx.Module):
     def decode(self, tokens, positions, block_table, seq_lens, caches, k_scales=None, *,
                implementation=None):
         """tokens, positions (b, 1) int32; one FlashMLA schedule shared by all layers, made for
-        the in-range requests (an out-of-range one comes out empty); for V3.2's layers, one
-        sparse decode schedule."""
+        the in-range requests (an out-of-range one comes out empty); V3.2's layers' sparse
+        decode schedules itself (a constant of the shapes)."""
         if is_sparse(self.cfg):
-            metadata = sparse_decode_metadata(tokens.shape[0],
-                                              num_heads_q=self.cfg.attention.num_heads,
-                                              topk=self.cfg.attention.index_topk)
             return self._run(tokens, lambda attn, x, kv, _: _split(attn.decode(
-                x, positions, *kv, block_table, seq_lens, metadata=metadata,
-                implementation=implementation)), caches, k_scales)
+                x, positions, *kv, block_table, seq_lens, implementation=implementation)),
+                caches, k_scales)
         fp8 = k_scales is not None
         metadata = jf.get_mla_metadata(seq_lens, block_table=block_table,
                                        num_pages=caches[0].num_pages,

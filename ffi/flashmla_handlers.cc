@@ -2,6 +2,7 @@
 // packages, on XLA's stream and buffers.
 #include "flashmla_handlers.h"
 
+#include <array>
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
@@ -211,16 +212,16 @@ ffi::Error MlaDecodeFp8CudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuf
 }
 
 // DeepSeek-V3.2's sparse decode (sparse_decode_fwd) over the 656-byte token cache, viewed as
-// the float8_e4m3fn bytes the op takes, on a schedule made by the metadata call; its results
-// and accumulators in XLA's buffers (listed in the order it allocates them).
+// the float8_e4m3fn bytes the op takes, on a schedule the metadata call made (one array: its
+// rows (parts, 8), then num_splits (batch + 1)); its results and accumulators in XLA's buffers
+// (listed in the order it allocates them).
 // `indices` is a stack (layers, batch, s_q, topk) of which the decode reads row `layer` in
 // place: a layer's slice handed over as an offset, where XLA would compute its address on the
 // host at every execution (a dynamic-slice thunk per call).
 ffi::Error MlaSparseDecodeCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
                                    ffi::Buffer<ffi::U8> kv_cache, ffi::Buffer<ffi::S32> indices,
                                    ffi::Buffer<ffi::F32> attn_sink,
-                                   ffi::Buffer<ffi::S32> tile_scheduler_metadata,
-                                   ffi::Buffer<ffi::S32> num_splits, float softmax_scale,
+                                   ffi::Buffer<ffi::S32> schedule, float softmax_scale,
                                    bool with_sink, int64_t layer, std::string_view op,
                                    ffi::Result<ffi::AnyBuffer> out,
                                    ffi::ResultBuffer<ffi::F32> lse,
@@ -234,6 +235,16 @@ ffi::Error MlaSparseDecodeCudaImpl(cudaStream_t stream, int32_t device, ffi::Any
         " layers (rank 4: layers, batch, s_q, topk)");
   }
   const int64_t row = stack[1] * stack[2] * stack[3];
+  constexpr int64_t kFields = 8;  // of a scheduler row
+  const int64_t rows_size = static_cast<int64_t>(schedule.element_count()) - (stack[1] + 1);
+  if (rows_size < kFields || rows_size % kFields != 0) {
+    return ffi::Error::InvalidArgument(
+        std::string(op) + ": a schedule of " + std::to_string(schedule.element_count()) +
+        " int32 is not (parts, 8) rows and num_splits of batch + 1 = " +
+        std::to_string(stack[1] + 1));
+  }
+  const std::array<int64_t, 2> rows_dims{rows_size / kFields, kFields};
+  const std::array<int64_t, 1> splits_dims{stack[1] + 1};
   return OnXlaStream(stream, device, op, [&] {
     OpArgs args;
     Slot(args, OpArg::kQ) = Wrap(q, device);
@@ -242,8 +253,11 @@ ffi::Error MlaSparseDecodeCudaImpl(cudaStream_t stream, int32_t device, ffi::Any
     Slot(args, OpArg::kIndices) = WrapBuffer(indices.typed_data() + layer * row,
                                              stack.last(3), ffi::DataType::S32, device);
     if (with_sink) Slot(args, OpArg::kAttnSink) = Wrap(attn_sink, device);
-    Slot(args, OpArg::kTileSchedulerMetadata) = Wrap(tile_scheduler_metadata, device);
-    Slot(args, OpArg::kNumSplits) = Wrap(num_splits, device);
+    Slot(args, OpArg::kTileSchedulerMetadata) = WrapBuffer(
+        schedule.typed_data(), {rows_dims.data(), rows_dims.size()}, ffi::DataType::S32, device);
+    Slot(args, OpArg::kNumSplits) =
+        WrapBuffer(schedule.typed_data() + rows_size, {splits_dims.data(), splits_dims.size()},
+                   ffi::DataType::S32, device);
     Slot(args, OpArg::kHeadDimV) = out->dimensions().back();
     Slot(args, OpArg::kSoftmaxScale) = static_cast<double>(softmax_scale);
     RunInBuffers(op, args,

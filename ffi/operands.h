@@ -68,15 +68,15 @@ auto BindDecodeResults(Binding binding) {
 
 // DeepSeek-V3.2's sparse decode: q, the (num_pages, 64, 1, 656) byte cache, a stack of the
 // slots each query reads (layers, batch, s_q, topk) of which it reads row `layer`, the per-head
-// sink logits (read only with with_sink).
+// sink logits (read only with with_sink), the schedule: the scheduler's rows (parts, 8)
+// flattened, then num_splits (batch + 1).
 template <typename Binding>
 auto BindSparseDecodeOperands(Binding binding) {
   return std::move(binding).template Arg<ffi::AnyBuffer>()          // q
       .template Arg<ffi::Buffer<ffi::U8>>()              // kv_cache
       .template Arg<ffi::Buffer<ffi::S32>>()             // indices
       .template Arg<ffi::Buffer<ffi::F32>>()             // attn_sink
-      .template Arg<ffi::Buffer<ffi::S32>>()             // tile_scheduler_metadata
-      .template Arg<ffi::Buffer<ffi::S32>>()             // num_splits
+      .template Arg<ffi::Buffer<ffi::S32>>()             // schedule
       .template Attr<float>("softmax_scale")
       .template Attr<bool>("with_sink")
       .template Attr<int64_t>("layer");

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from jax_flashmla import kernels
-from jax_flashmla.sparse import (mask_indices, quantize_tokens, sparse_decode_metadata,
-                                 sparse_mla_decode, sparse_mla_prefill)
+from jax_flashmla.sparse import (mask_indices, quantize_tokens, sparse_mla_decode,
+                                 sparse_mla_prefill)
 from helpers import torch_view
 
 pytestmark = pytest.mark.gpu
@@ -143,16 +143,16 @@ def test_fewer_heads_are_padded_to_the_kernels():
 
 @pytest.mark.parametrize("s_q,h_q", [(1, 128), (2, 32)])
 def test_a_layered_step_sharing_one_schedule_replays_with_new_inputs(s_q, h_q):
-    """Six layers sharing one sparse_decode_metadata, jitted (enough custom calls for XLA's
-    command buffer) and called on new q and indices, and on buffers at new addresses: every
-    layer bit-identical to sparse_decode_fwd from torch making its own schedule."""
+    """Six layers, jitted (enough custom calls for XLA's command buffer), their schedule one
+    constant of the program, and no metadata kernel in it; called on new q and indices, and on
+    buffers at new addresses: every layer bit-identical to sparse_decode_fwd from torch making
+    its own schedule."""
     kernels.ensure_cuda_targets()
     layers, batch, topk = 6, 5, 256
 
     @jax.jit
     def step(qs, cache, indices):
-        md = sparse_decode_metadata(batch, num_heads_q=h_q, topk=topk, num_q_tokens=s_q)
-        return [sparse_mla_decode(qs[i], cache, indices[i], metadata=md, softmax_scale=SCALE,
+        return [sparse_mla_decode(qs[i], cache, indices[i], softmax_scale=SCALE,
                                   implementation="custom_call") for i in range(layers)]
 
     def inputs(seed):
@@ -160,6 +160,8 @@ def test_a_layered_step_sharing_one_schedule_replays_with_new_inputs(s_q, h_q):
         return (jnp.stack([p[0][:, :, :h_q] for p in problems]), problems[0][1],
                 jnp.stack([p[2] for p in problems]))
 
+    hlo = step.lower(*inputs(1)).compile().as_text()
+    assert "jax_flashmla_mla_metadata" not in hlo
     pad = ((0, 0), (0, 0), (0, 128 - h_q if h_q > 64 else 64 - h_q), (0, 0))
     for seed in (1, 2, 1, 3):
         qs, cache, indices = inputs(seed)
@@ -179,10 +181,9 @@ def test_a_step_reads_its_layers_rows_of_one_masked_stack_in_place():
 
     @jax.jit
     def step(qs, cache, indices):
-        md = sparse_decode_metadata(batch, num_heads_q=h_q, topk=topk)
         masked = mask_indices(indices, cache)
-        return [sparse_mla_decode(qs[i], cache, masked, layer=i, metadata=md,
-                                  softmax_scale=SCALE, implementation="custom_call")
+        return [sparse_mla_decode(qs[i], cache, masked, layer=i, softmax_scale=SCALE,
+                                  implementation="custom_call")
                 for i in range(layers)]
 
     def inputs(seed):  # each layer's q its own array, as a step's layers make theirs

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 import jax_flashmla as jf
+from jax_flashmla import kernels
 from jax_flashmla.sparse import (MaskedIndices, SparseKVCache, dequantize_tokens, mask_indices,
-                                 quantize_tokens, sparse_decode_metadata, sparse_mla_decode,
-                                 sparse_mla_prefill, write_sparse_kv)
+                                 quantize_tokens, sparse_mla_decode, sparse_mla_prefill,
+                                 write_sparse_kv)
 from jax_flashmla.sparse import ops as sparse_ops
 from jax_flashmla.sparse.cache import TOKEN_BYTES, tile_scales
 
@@ -220,10 +221,6 @@ def test_the_prefill_hands_its_kernel_padded_heads_and_topk():
     (dict(topk_length=jnp.zeros((3,), jnp.int32)), ValueError, r"topk_length must have shape \(2,\)"),
     (dict(attn_sink=jnp.zeros((16,), jnp.bfloat16)), ValueError, r"attn_sink must be float32 of shape \(16,\)"),
     (dict(softmax_scale=float("nan")), ValueError, r"softmax_scale must be finite"),
-    (dict(metadata=(1, 2)), TypeError, r"metadata must be a SparseMetadata .* got tuple"),
-    (dict(metadata=sparse_decode_metadata(2, num_heads_q=16, topk=16)), ValueError,
-     r"metadata was made for .* = \(2, 16, 1, 16\), but q \(2, 1, 16, 576\) and indices "
-     r"\(2, 1, 8\) need \(2, 16, 1, 8\)"),
 ])
 def test_bad_arguments_are_named(change, exc, pattern):
     args = dict(q=jnp.zeros((2, 1, 16, 576), jnp.bfloat16), kv_cache=SparseKVCache.create(1),
@@ -233,34 +230,67 @@ def test_bad_arguments_are_named(change, exc, pattern):
         sparse_mla_decode(args.pop("q"), args.pop("kv_cache"), args.pop("indices"), **args)
 
 
-def test_a_shared_metadata_is_the_schedule_of_requests_of_topk_keys():
-    """sparse_decode_metadata is the dense scheduler's over requests of topk keys for the
-    kernel's heads (h_q 16 is scheduled as 64), and a decode given it computes what one
-    without it does."""
-    q, cache, indices = _decode_problem(8, h_q=16)
-    batch, s_q, _, _ = q.shape
-    topk = indices.shape[-1]
-    md = jax.jit(functools.partial(sparse_decode_metadata, batch, num_heads_q=16, topk=topk,
-                                   num_q_tokens=s_q))()
-    dense = jf.get_mla_metadata(jnp.full((batch,), topk, jnp.int32),
-                                block_table=jnp.zeros((batch, -(-topk // 64)), jnp.int32),
-                                num_pages=1, num_heads_q=64, num_q_tokens=s_q,
-                                implementation="custom_call")
-    np.testing.assert_array_equal(md.tile_scheduler_metadata, dense.tile_scheduler_metadata)
-    np.testing.assert_array_equal(md.num_splits, dense.num_splits)
-    with_md = sparse_mla_decode(q, cache, indices, metadata=md)
-    for got, want in zip(with_md, sparse_mla_decode(q, cache, indices)):
-        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+def test_the_schedule_is_a_constant_of_the_shapes():
+    """The decode's schedule is the dense scheduler's over requests of topk keys for the
+    kernel's heads (h_q 16 is scheduled as 64, topk 100 as 128), made at trace time and held
+    by the program as constants: no metadata operation is traced, and none is passed in."""
+    batch, s_q, topk = 5, 2, 100
+    q = jnp.zeros((batch, s_q, 16, 576), jnp.bfloat16)
+    stack = jnp.zeros((1, batch, s_q, topk), jnp.int32)
+    jaxpr = jax.make_jaxpr(sparse_ops._kernel_decode, static_argnums=(3, 4, 5))(
+        q, SparseKVCache.create(2).data, stack, 0, None, 0.1)
+    names = [e.primitive.name for e in jaxpr.eqns]
+    assert "jax_flashmla_mla_metadata" not in names
+    (call,) = [e for e in jaxpr.eqns if e.primitive.name == "jax_flashmla_mla_sparse_decode"]
+    dense = jf.get_mla_metadata(jnp.full((batch,), 128, jnp.int32),
+                                block_table=jnp.zeros((batch, 2), jnp.int32), num_pages=1,
+                                num_heads_q=64, num_q_tokens=s_q, implementation="custom_call")
+    schedule = dict(zip(jaxpr.jaxpr.constvars, jaxpr.consts))[call.invars[4]]
+    rows = dense.tile_scheduler_metadata.size
+    np.testing.assert_array_equal(schedule[:rows], np.ravel(dense.tile_scheduler_metadata))
+    np.testing.assert_array_equal(schedule[rows:], dense.num_splits)
 
 
-@pytest.mark.parametrize("name,value", [("batch", 0), ("topk", 2.0), ("num_heads_q", True),
-                                        ("num_q_tokens", -1)])
-def test_bad_metadata_shapes_are_named(name, value):
-    args = dict(batch=2, num_heads_q=16, topk=8, num_q_tokens=1)
-    args[name] = value
-    with pytest.raises(ValueError, match=f"sparse_decode_metadata: {name} must be a positive "
-                                         f"Python int; got {value!r}"):
-        sparse_decode_metadata(args.pop("batch"), **args)
+def test_masked_indices_are_made_by_mask_indices_alone():
+    """The kernel trusts MaskedIndices: none is built from an array or changed, while those
+    mask_indices makes cross jit, scan and slicing as their array does."""
+    with pytest.raises(TypeError, match="made by mask_indices"):
+        MaskedIndices(jnp.full((1, 1, 4), 10**6, jnp.int32), 10**7)
+    masked = mask_indices(jnp.asarray([[[3, 64, -5, 63]]] * 2, jnp.int32), SparseKVCache.create(1))
+    with pytest.raises(AttributeError, match="immutable"):
+        masked.slots = jnp.full((2, 1, 4), 10**6, jnp.int32)
+    through = jax.jit(lambda m: m)(masked)
+    assert isinstance(through, MaskedIndices) and through.num_keys == 64
+    np.testing.assert_array_equal(through.slots, [[[3, -1, -1, 63]]] * 2)
+    rows = jax.lax.scan(lambda c, m: (c, m.slots.sum()), 0, masked)[1]
+    np.testing.assert_array_equal(rows, [64, 64])
+    np.testing.assert_array_equal(masked[1].slots, [[3, -1, -1, 63]])
+
+
+@pytest.mark.parametrize("implementation", ["reference", "custom_call"])
+def test_a_cache_of_no_pages_gives_the_empty_answer(implementation):
+    """No key at all: out 0 and lse +inf for every query, sink or not, without a kernel (whose
+    read of a cache of no pages would be out of bounds). custom_call off the GPU is refused
+    first, as anywhere."""
+    q = jnp.ones((2, 1, 16, 576), jnp.bfloat16)
+    indices = jnp.asarray([[[-1, 0, 5, 2**31 - 1]]] * 2, jnp.int32)
+    sink = jnp.zeros((16,), jnp.float32)
+    cache = jnp.zeros((0, 64, 1, TOKEN_BYTES), jnp.uint8)  # SparseKVCache.create refuses it
+    if implementation == "custom_call" and not kernels.flashmla_available():
+        with pytest.raises(RuntimeError, match="implementation='reference'"):
+            sparse_mla_decode(q, cache, indices, implementation=implementation)
+        return
+    for idx in (indices, mask_indices(indices, cache)):
+        out, lse = jax.jit(functools.partial(sparse_mla_decode, attn_sink=sink,
+                                             implementation=implementation))(q, cache, idx)
+        assert out.shape == (2, 1, 16, 512) and out.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(out, np.float32), 0)
+        np.testing.assert_array_equal(lse, np.full((2, 16, 1), np.inf, np.float32))
+    out, lse = sparse_mla_prefill(q[:, 0], jnp.zeros((0, 576), jnp.float32), indices[:, 0],
+                                  implementation=implementation)
+    assert out.shape == (2, 16, 512) and out.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(out, np.float32), 0)
+    np.testing.assert_array_equal(lse, np.full((16, 2), np.inf, np.float32))
 
 
 def test_int64_slots_are_refused_not_narrowed():
@@ -326,8 +356,8 @@ def test_the_decode_custom_call_takes_the_stack_and_its_layer():
     indices (layers, batch, s_q, topk) and the layer as a static parameter."""
     q, cache, indices = _decode_problem(14, h_q=64)
     stack = jnp.stack([indices] * 3)
-    jaxpr = jax.make_jaxpr(sparse_ops._kernel_decode, static_argnums=(3, 4, 5, 6))(
-        q, cache, stack, 2, None, 0.1, None)
+    jaxpr = jax.make_jaxpr(sparse_ops._kernel_decode, static_argnums=(3, 4, 5))(
+        q, cache, stack, 2, None, 0.1)
     (call,) = [e for e in jaxpr.eqns if e.primitive.name == "jax_flashmla_mla_sparse_decode"]
     assert call.invars[2].aval.shape == (3,) + indices.shape[:2] + (64,)  # topk 40 padded
     assert call.params == dict(softmax_scale=0.1, with_sink=False, layer=2)

@@ -163,7 +163,7 @@ class SparseMultiHeadLatentAttention(MultiHeadLatentAttention):
         return self._output(jnp.einsum("bshc,chd->bshd", out_latent.astype(self.dtype), w_uv))
 
     def decode(self, hidden_states, positions, kv_cache, index_cache, block_table, seq_lens,
-               slots=None, *, metadata=None, implementation=None):
+               slots=None, *, implementation=None):
         """Writes the new tokens into both caches, then each attends to the index_topk tokens
         the indexer selects among those its request has up to and including it.
 
@@ -178,8 +178,6 @@ class SparseMultiHeadLatentAttention(MultiHeadLatentAttention):
           slots: (b, s_q) int32 cache slots of the new tokens, by default
             token_slots(block_table, positions); the indexer reads the keys through block_table,
             so a slot must be its token's there (or -1, not written).
-          metadata: SparseMetadata from sparse_decode_metadata(b, num_heads_q=num_heads,
-            topk=index_topk, num_q_tokens=s_q), made once per step and shared by the layers.
           implementation: as in sparse_mla_decode, for the indexer too.
 
         Returns:
@@ -200,7 +198,7 @@ class SparseMultiHeadLatentAttention(MultiHeadLatentAttention):
                                  implementation=implementation)
         # FlashMLA's sparse decode takes q in bf16.
         q = self.absorbed_query(q_nope, q_pe).astype(jnp.bfloat16)
-        out_latent, _ = sparse_mla_decode(q, kv_cache, indices, metadata=metadata,
+        out_latent, _ = sparse_mla_decode(q, kv_cache, indices,
                                           softmax_scale=self.config.softmax_scale,
                                           implementation=implementation)
         return self._latent_output(out_latent), kv_cache, index_cache

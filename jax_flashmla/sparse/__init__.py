@@ -8,11 +8,11 @@ from jax_flashmla.sparse.index_cache import (IndexKeyCache, dequantize_index_key
                                              quantize_index_keys, write_index_keys)
 from jax_flashmla.sparse.indexer import (IndexerWeights, IndexQuery, index_keys, index_query,
                                          index_scores, indexer_decode, indexer_prefill)
-from jax_flashmla.sparse.ops import (MaskedIndices, SparseMetadata, mask_indices,
-                                     sparse_decode_metadata, sparse_mla_decode, sparse_mla_prefill)
+from jax_flashmla.sparse.ops import (MaskedIndices, mask_indices, sparse_mla_decode,
+                                     sparse_mla_prefill)
 
 __all__ = ["IndexKeyCache", "IndexQuery", "IndexerWeights", "MaskedIndices", "SparseKVCache",
-           "SparseMetadata", "dequantize_index_keys", "dequantize_tokens", "index_keys",
-           "index_query", "index_scores", "indexer_decode", "indexer_prefill", "mask_indices",
-           "quantize_index_keys", "quantize_tokens", "sparse_decode_metadata",
-           "sparse_mla_decode", "sparse_mla_prefill", "write_index_keys", "write_sparse_kv"]
+           "dequantize_index_keys", "dequantize_tokens", "index_keys", "index_query",
+           "index_scores", "indexer_decode", "indexer_prefill", "mask_indices",
+           "quantize_index_keys", "quantize_tokens", "sparse_mla_decode", "sparse_mla_prefill",
+           "write_index_keys", "write_sparse_kv"]

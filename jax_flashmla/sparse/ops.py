@@ -7,8 +7,10 @@ decode takes MaskedIndices, made once for several decodes, as they are, and a ro
 them in place: the custom call takes the stack and the row's number), the indices are padded
 with -1 to the kernel's topk block, and q's heads are padded with zeros to the kernels' 64 or
 128 (the padding heads' results are dropped; they cost what real heads cost). The decode's
-split-KV schedule depends on the shapes alone (every request has topk keys to the scheduler),
-so sparse_decode_metadata makes one per step that every layer shares.
+split-KV schedule depends on the shapes alone (every request has topk keys to the scheduler):
+FlashMLA's scheduler makes it once per shape at trace time, and each program holds it as a
+constant, so no caller hands a kernel a schedule and no step computes one.
+A cache of no pages (kv of no keys) takes no kernel: every query gets the empty answer.
 Elsewhere, or where the kernel library lacks the op, the pure-JAX reference runs."""
 import dataclasses
 import functools
@@ -16,12 +18,13 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_flashmla import custom_calls, kernels, validation
 from jax_flashmla.ops import default_num_sms
 from jax_flashmla.sparse import reference
 from jax_flashmla.sparse.cache import sparse_cache_array
-from jax_flashmla.validation import HEAD_DIM, PAGE_SIZE, _fail
+from jax_flashmla.validation import HEAD_DIM, HEAD_DIM_V, PAGE_SIZE, _fail
 
 KERNEL_HEADS = (64, 128)  # what FlashMLA's sparse kernels take
 KERNEL_QUERY_TOKENS = (1, 2)  # the sparse decode's
@@ -91,67 +94,30 @@ def _kernel_heads(where, q, attn_sink):
     return q, jnp.pad(attn_sink, (0, heads - h_q)), True
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["tile_scheduler_metadata", "num_splits"],
-                   meta_fields=["batch", "num_heads_q", "num_q_tokens", "topk"])
-@dataclasses.dataclass(frozen=True)
-class SparseMetadata:
-    """FlashMLA's split-KV schedule for the sparse decodes of one step, shared by its layers.
-
-    Attributes:
-      tile_scheduler_metadata: (num_sm_parts, 8) int32, one row of work per SM part.
-      num_splits: (batch + 1,) int32, prefix sums of the number of KV splits per request.
-      batch, num_heads_q, num_q_tokens, topk: the decode shapes it was made for (static).
-    """
-
-    tile_scheduler_metadata: jax.Array
-    num_splits: jax.Array
-    batch: int
-    num_heads_q: int
-    num_q_tokens: int
-    topk: int
+@functools.lru_cache(maxsize=None)
+def _schedule(batch, heads, s_q, topk, num_sms):
+    """FlashMLA's split-KV schedule for `batch` requests of `topk` keys each (the kernel's
+    topk, a multiple of 64) at the kernel's `heads`, made by its scheduler once per shape at
+    trace time: a numpy int32 array, the scheduler's rows (parts, 8) flattened, then num_splits
+    (batch + 1). The decode takes it as a constant of the program, in one array so that XLA
+    keeps it as written (num_splits alone, an arithmetic sequence here, it would rebuild as an
+    iota at every execution)."""
+    parts = validation.num_sm_parts(num_sms, heads, s_q)
+    with jax.ensure_compile_time_eval():
+        tile_md, num_splits = custom_calls.schedule(
+            jnp.full((batch,), topk, jnp.int32), num_heads_q=heads, num_q_tokens=s_q,
+            num_sm_parts=parts, fp8=False)
+        return np.concatenate([np.asarray(tile_md).reshape(-1), np.asarray(num_splits)])
 
 
-def sparse_decode_metadata(batch, *, num_heads_q, topk, num_q_tokens=1):
-    """The schedule of sparse_mla_decode for q (batch, num_q_tokens, num_heads_q, 576) and
-    indices (batch, num_q_tokens, topk): make it once per step and pass it to every layer.
-
-    It is FlashMLA's scheduler over requests of topk keys each (rounded up to a multiple of
-    64, which the kernel takes), for the kernel's heads (64 or 128), whatever the requests'
-    lengths: the schedule the kernel makes for itself when given none, made once instead of
-    once per call.
-    """
-    where = "sparse_decode_metadata"
-    for name, value in (("batch", batch), ("num_heads_q", num_heads_q), ("topk", topk),
-                        ("num_q_tokens", num_q_tokens)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            _fail(ValueError, where, f"{name} must be a positive Python int; got {value!r}")
-    return _schedule(batch, num_heads_q, num_q_tokens, topk)
+def _no_keys(rows, out_dtype, lse_shape):
+    """The answer of queries `rows` (their shape but the head dim) over no keys at all: out 0
+    and lse +inf, as for a query with no valid index, without a kernel (which would read)."""
+    return (jnp.zeros(rows + (HEAD_DIM_V,), out_dtype),
+            jnp.full(lse_shape, jnp.inf, jnp.float32))
 
 
-def _schedule(batch, h_q, s_q, topk):
-    heads = _kernel_head_count(h_q)
-    parts = validation.num_sm_parts(default_num_sms(), heads, s_q)
-    tile_md, num_splits = custom_calls.schedule(
-        jnp.full((batch,), _kernel_topk(topk), jnp.int32), num_heads_q=heads, num_q_tokens=s_q,
-        num_sm_parts=parts, fp8=False)
-    return SparseMetadata(tile_md, num_splits, batch, h_q, s_q, topk)
-
-
-def _check_metadata(where, metadata, q, indices):
-    batch, s_q, h_q, _ = q.shape
-    made_for = (batch, h_q, s_q, indices.shape[-1])
-    if not isinstance(metadata, SparseMetadata):
-        _fail(TypeError, where, f"metadata must be a SparseMetadata from sparse_decode_metadata "
-                                f"or None; got {type(metadata).__name__}")
-    made = (metadata.batch, metadata.num_heads_q, metadata.num_q_tokens, metadata.topk)
-    if made != made_for:
-        _fail(ValueError, where, f"metadata was made for (batch, num_heads_q, num_q_tokens, topk) "
-                                 f"= {made}, but q {tuple(q.shape)} and indices "
-                                 f"{tuple(indices.shape)} need {made_for}")
-
-
-def _kernel_decode(q, data, stack, layer, attn_sink, softmax_scale, metadata):
+def _kernel_decode(q, data, stack, layer, attn_sink, softmax_scale):
     """The custom call on row `layer` of stack (layers, batch, s_q, topk), masked."""
     where = "sparse_mla_decode"
     batch, s_q, h_q, _ = q.shape
@@ -160,40 +126,60 @@ def _kernel_decode(q, data, stack, layer, attn_sink, softmax_scale, metadata):
                                  f"got {s_q} (pass implementation='reference')")
     q, sink, with_sink = _kernel_heads(where, q, attn_sink)
     topk = stack.shape[-1]
-    if metadata is None:
-        metadata = _schedule(batch, h_q, s_q, topk)
+    schedule = _schedule(batch, q.shape[-2], s_q, _kernel_topk(topk), default_num_sms())
     if _kernel_topk(topk) != topk:  # a copy of the stack: only where topk is not the kernel's
         stack = jnp.pad(stack, ((0, 0),) * 3 + ((0, _kernel_topk(topk) - topk),),
                         constant_values=-1)
     out, lse, *_ = custom_calls.SPARSE_DECODE(
         q=q, kv_cache=data, indices=stack, attn_sink=sink,
-        tile_scheduler_metadata=metadata.tile_scheduler_metadata,
-        num_splits=metadata.num_splits, softmax_scale=softmax_scale, with_sink=with_sink,
+        schedule=schedule, softmax_scale=softmax_scale, with_sink=with_sink,
         layer=layer)
     return out[:, :, :h_q], lse[:, :h_q]
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["slots"],
-                   meta_fields=["num_keys"])
-@dataclasses.dataclass(frozen=True)
 class MaskedIndices:
     """Sparse indices with every invalid entry already -1, as FlashMLA's kernel reads them:
     sparse_mla_decode takes them as they are, with no mask of its own.
 
-    Made by mask_indices, once for indices several decodes share (a step's layers, say); a
-    stack of them slices like its array (masked[layer], or as lax.scan's xs), and
-    sparse_mla_decode(..., layer=) reads a layer's row of it in place.
+    Made by mask_indices alone, once for indices several decodes share (a step's layers, say):
+    the kernel trusts them, so they cannot be built from an array (the constructor refuses)
+    nor changed. A stack of them slices like its array (masked[layer], or as lax.scan's xs),
+    and sparse_mla_decode(..., layer=) reads a layer's row of it in place.
 
     Attributes:
       slots: (..., topk) int32, each in [-1, num_keys).
       num_keys: the keys they were masked for (static): a cache of at least as many takes them.
     """
 
-    slots: jax.Array
-    num_keys: int
+    __slots__ = ("slots", "num_keys")
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("MaskedIndices are made by mask_indices(indices, kv_cache), which masks "
+                        "them for the cache; they cannot be built from an array")
+
+    @classmethod
+    def _trusted(cls, slots, num_keys):
+        """Indices this module masked (or a slice of such): the one way to make them."""
+        masked = object.__new__(cls)
+        object.__setattr__(masked, "slots", slots)
+        object.__setattr__(masked, "num_keys", num_keys)
+        return masked
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"MaskedIndices are immutable; got an assignment to {name!r}")
 
     def __getitem__(self, key):
-        return MaskedIndices(self.slots[key], self.num_keys)
+        return MaskedIndices._trusted(self.slots[key], self.num_keys)
+
+    def __repr__(self):
+        return f"MaskedIndices(slots={self.slots!r}, num_keys={self.num_keys})"
+
+
+# A pytree whose slots are its leaf, so that it crosses jit, scan and vmap: rebuilt from its
+# leaf as it was flattened.
+jax.tree_util.register_pytree_node(
+    MaskedIndices, lambda masked: ((masked.slots,), masked.num_keys),
+    lambda num_keys, leaves: MaskedIndices._trusted(leaves[0], num_keys))
 
 
 def mask_indices(indices, kv_cache, *, topk_length=None):
@@ -215,7 +201,7 @@ def mask_indices(indices, kv_cache, *, topk_length=None):
             _fail(ValueError, where, f"topk_length must have shape {tuple(indices.shape[:1])}, "
                                      f"indices' first dimension; got {tuple(topk_length.shape)}")
     num_keys = data.shape[0] * PAGE_SIZE
-    return MaskedIndices(_masked(indices, num_keys, topk_length), num_keys)
+    return MaskedIndices._trusted(_masked(indices, num_keys, topk_length), num_keys)
 
 
 def _masked(indices, num_keys, topk_length):
@@ -251,8 +237,8 @@ def _stack_row(where, indices, layer):
     return indices[layer], indices, layer
 
 
-def sparse_mla_decode(q, kv_cache, indices, *, metadata=None, softmax_scale=None,
-                      topk_length=None, attn_sink=None, layer=None, implementation=None):
+def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale=None, topk_length=None,
+                      attn_sink=None, layer=None, implementation=None):
     """Sparse MLA decode over DeepSeek-V3.2's FP8 cache (FlashMLA's sparse_decode_fwd).
 
     Args:
@@ -261,8 +247,6 @@ def sparse_mla_decode(q, kv_cache, indices, *, metadata=None, softmax_scale=None
       indices: (batch, s_q, topk) int32 slots (page * 64 + offset) each query attends to;
         outside [0, num_pages * 64) (e.g. -1) an index is invalid and never read. Or
         MaskedIndices of that shape (mask_indices), taken as they are.
-      metadata: a SparseMetadata from sparse_decode_metadata for these shapes, made once per
-        step and shared by its layers; None makes one for this call.
       softmax_scale: a Python float; defaults to 576 ** -0.5.
       topk_length: (batch,) int32 or None: a request's entries from topk_length on are
         invalid.
@@ -286,17 +270,18 @@ def sparse_mla_decode(q, kv_cache, indices, *, metadata=None, softmax_scale=None
     indices, stack, layer = _stack_row(where, stack, layer)
     scale = _check_common(where, q, indices, tuple(q.shape[:2]), topk_length, attn_sink,
                           softmax_scale)
-    if metadata is not None:
-        _check_metadata(where, metadata, q, indices)
-    if _implementation(where, implementation, "sparse_decode") == "reference":
+    implementation = _implementation(where, implementation, "sparse_decode")
+    if data.shape[0] == 0:
+        return _no_keys(q.shape[:-1], jnp.bfloat16, (q.shape[0], q.shape[2], q.shape[1]))
+    if implementation == "reference":
         return reference.sparse_decode_reference(q, data, indices, softmax_scale=scale,
                                                  topk_length=topk_length, attn_sink=attn_sink)
     if needs_mask:
         # The kernel skips -1 alone: it would read an index past the cache, and it takes no
         # topk_length with this cache format. Only the row read is masked.
         masked = _masked(indices, data.shape[0] * PAGE_SIZE, topk_length)
-        return _kernel_decode(q, data, masked[None], 0, attn_sink, scale, metadata)
-    return _kernel_decode(q, data, stack, layer, attn_sink, scale, metadata)
+        return _kernel_decode(q, data, masked[None], 0, attn_sink, scale)
+    return _kernel_decode(q, data, stack, layer, attn_sink, scale)
 
 
 def _kernel_prefill(q, kv, indices, attn_sink, softmax_scale):
@@ -337,7 +322,10 @@ def sparse_mla_prefill(q, kv, indices, *, softmax_scale=None, topk_length=None,
                                  f"{kv.dtype} {tuple(kv.shape)}")
     scale = _check_common(where, q, indices, tuple(q.shape[:1]), topk_length, attn_sink,
                           softmax_scale)
-    if _implementation(where, implementation, "sparse_prefill") == "reference":
+    implementation = _implementation(where, implementation, "sparse_prefill")
+    if kv.shape[0] == 0:
+        return _no_keys(q.shape[:-1], q.dtype, (q.shape[1], q.shape[0]))
+    if implementation == "reference":
         return reference.sparse_prefill_reference(q, kv, indices, softmax_scale=scale,
                                                   topk_length=topk_length, attn_sink=attn_sink)
     # As in the decode: the kernel skips -1 alone.
