@@ -7,6 +7,10 @@
 #     capture  the command-buffer tests, the bf16 and FP8 op tests against torch (~2 min)
 #     values   the bad-value tests with FlashMLA as their custom_call: out-of-range requests,
 #              NaN semantics, value checks
+#     bad-values  tests/test_gpu_bad_values.py: tests/bad_value_cases.py's groups (the sparse
+#              ops, the indexer, mla_prefill on cuDNN with bf16 and FP8 caches, the Flax layers'
+#              extend) a process each, then all in one process followed by valid sparse and
+#              dense decodes against torch; BAD_VALUES_ARGS (pytest's, e.g. "-k one_process")
 #     gpu      every test marked gpu but the two-GPU ones (~6 min), or those in GPU_TESTS
 #     prefill  mla_prefill's tests on the GPU: tests/test_gpu_prefill.py, and the CPU suite's
 #              prefill tests, which run on cuDNN there
@@ -111,6 +115,9 @@ for mode in "${modes[@]}"; do
   values)
     pytest_logged pytest_values.txt 300 tests/test_out_of_range.py tests/test_nan.py \
       tests/test_value_checks.py ;;
+  bad-values)
+    pytest_logged pytest_bad_values.txt 540 -rfEsP tests/test_gpu_bad_values.py \
+      ${BAD_VALUES_ARGS:-} ;;  # P: the output of passed tests too, a line per case
   prefill)
     pytest_logged pytest_prefill.txt 400 tests/test_gpu_prefill.py tests/test_prefill.py ;;
   readme) pytest_logged pytest_readme.txt 200 tests/test_readme.py ;;

@@ -152,6 +152,10 @@ def _metadata_attributes(platform, *, num_heads_q, num_q_tokens, num_sm_parts, f
                 written_fields=np.int64(WRITTEN_METADATA_FIELDS[fp8]))
 
 
+# Trusts: seq_lens in [0, max_pages * 64] (FlashMLA's scheduler sums their blocks in int32),
+# and that the decode it plans for is given these lengths. Guaranteed by: ops.safe_seq_lens
+# (get_mla_metadata, and decode_primitive._kernels on lengths already made safe); schedule()
+# raises the FP8 decode's lengths to 1; sparse.ops._schedule passes topk, a static shape.
 METADATA = CustomCall(
     "jax_flashmla_mla_metadata", ("seq_lens",), ("tile_scheduler_metadata", "num_splits"),
     lambda seq_lens, *, num_sm_parts, **_: (_i32(num_sm_parts, validation.METADATA_FIELDS),
@@ -188,6 +192,15 @@ def _decode_attributes(fp8, platform, *, softmax_scale, causal):
     return attributes
 
 
+# DECODE and DECODE_FP8 trust, on CUDA (the C++ model checks the same and errs instead):
+# - seq_lens in [0, max_pages * 64], and each request's first ceil(seq_lens / 64) block-table
+#   entries in [0, num_pages). Guaranteed by: ops.safe_seq_lens (no metadata: bad requests made
+#   length 0), or get_mla_metadata's safe lengths carried in MLAMetadata.seq_lens and decoded
+#   as they are, the table's entries outside the cache read as page 0
+#   (ops._under_carried_lengths).
+# - tile_scheduler_metadata and num_splits: METADATA's plan for exactly those lengths.
+#   Guaranteed by: decode_primitive._kernels (none given); a given MLAMetadata's plan is
+#   trusted as get_mla_metadata made it (value_checks() alone plans it again).
 _DECODE_RESULTS = ("out", "lse", "out_accum", "lse_accum")
 DECODE = CustomCall(
     "jax_flashmla_mla_decode",
@@ -195,6 +208,12 @@ DECODE = CustomCall(
     _DECODE_RESULTS, functools.partial(_decode_types, fp8=False),
     functools.partial(_decode_attributes, False), _decode_layouts)
 
+# DECODE_FP8 trusts besides: kernel_seq_lens >= 1 and slot 0 of kernel_block_table a page
+# where a request is empty (the kernel faults on length 0), and a plan over those raised
+# lengths. Guaranteed by: fp8.guard_empty_requests and schedule(fp8=True), both in
+# decode_primitive._kernels. Its handler's empty-requests kernel (ffi/empty_requests.h)
+# reads seq_lens only to find the requests of length 0: any value is safe there. descale_q and
+# descale_k are any float (arithmetic, not addresses; checks.scale under value_checks()).
 DECODE_FP8 = CustomCall(
     "jax_flashmla_mla_decode_fp8",
     ("q", "kv_cache", "kernel_block_table", "kernel_seq_lens", "seq_lens",
@@ -225,6 +244,15 @@ def _sparse_attributes(name, what, platform, *, softmax_scale, with_sink, layer=
 # (layers, batch, s_q, topk) of which it reads row `layer` (static) in place; its schedule is
 # METADATA's over requests of topk keys (jax_flashmla/sparse/ops.py); the results after out and
 # lse are the split-KV accumulators, scratch.
+# Trusts: every entry of row `layer` of indices in [-1, num_pages * 64) (the kernel skips -1
+# alone). Guaranteed by: sparse.ops._masked on raw indices (the row read, at each call), or
+# MaskedIndices, which only mask_indices, slicing and pytree unflattening (jit, scan) make,
+# their num_keys checked against the cache (sparse.ops._unmasked). `layer` in [0, layers):
+# sparse.ops._stack_row, and the handler. Its schedule: FlashMLA's scheduler over batch
+# requests of the kernel's topk keys at the kernel's heads, s_q and this GPU's SMs, made from
+# the static shapes at trace time and held as a constant (sparse.ops._schedule): no caller
+# hands one in.
+# A cache of no pages never reaches it (sparse.ops._no_keys). attn_sink: any float, a logit.
 SPARSE_DECODE = CustomCall(
     "jax_flashmla_mla_sparse_decode",
     ("q", "kv_cache", "indices", "attn_sink", "tile_scheduler_metadata", "num_splits"),
@@ -242,6 +270,9 @@ def _sparse_prefill_types(q, **_):
 # Its sparse prefill on bf16 rows, CUDA only as well: q (tokens, h_q, 576), kv (keys, 1, 576),
 # indices (tokens, 1, topk). The results are in the order the op allocates them: out, lse in
 # base 2, and the largest logits (scratch to jax_flashmla.sparse, which drops them).
+# Trusts: every index in [-1, keys) and at least one key. Guaranteed by: sparse.ops._masked at
+# each call (no pre-masked form), sparse.ops._no_keys for kv of no keys; topk padded to 128 and
+# heads to 64 or 128 in sparse.ops._kernel_prefill. attn_sink: any float, a logit.
 SPARSE_PREFILL = CustomCall(
     "jax_flashmla_mla_sparse_prefill", ("q", "kv", "indices", "attn_sink"),
     ("out", "lse_base2", "max_logits"), _sparse_prefill_types,
@@ -252,6 +283,10 @@ SPARSE_PREFILL = CustomCall(
 # in the index-key cache, and the positions of its top k in ascending order. CUDA only (off
 # the GPU, jax_flashmla.sparse.indexer runs its pure-JAX reference). The scores are a result
 # so that XLA allocates them: the selection reads them, and tests compare them.
+# Trusts no operand value: the scoring kernel reads only pages in [0, num_pages) and clamps a
+# negative visible to 0; shapes are checked again by its handler (ffi/cuda_handlers.cc).
+# Guaranteed by: ffi/index_topk.cu itself; indexer._visible computes visible without int32
+# wrap, and indexer._check_rows keeps a row's positions within int32.
 INDEX_TOPK = CustomCall(
     "jax_flashmla_index_topk", ("values", "weights", "cache", "block_table", "visible"),
     ("positions", "scores"),
@@ -263,6 +298,9 @@ INDEX_TOPK = CustomCall(
 # The host queue's push (serving/host_queue.py): no results, kept by its DCE rule in jaxprs
 # and by has_side_effect in XLA. It declares no JAX effect: an executable with effects is run
 # through JAX's slower Python dispatch, with a runtime token, at every call.
+# Trusts no payload value (bytes copied as they are); queue_id must name a live queue of this
+# device whose slots hold the payload. Guaranteed by: the handler's QueueForPush
+# (ffi/host_queue.h), which errs otherwise; HostQueue.push checks shape and dtype.
 HOST_QUEUE_PUSH = CustomCall(
     "jax_flashmla_host_queue_push", ("payload",), (), lambda payload, *, queue_id: [],
     lambda platform, *, queue_id: dict(queue_id=np.uint64(queue_id)), has_side_effect=True)
