@@ -222,9 +222,9 @@ DECODE_FP8 = CustomCall(
     functools.partial(_decode_attributes, True), _decode_layouts)
 
 
-def _sparse_decode_types(q, tile_scheduler_metadata, **_):
+def _sparse_decode_types(q, schedule, **_):
     batch, s_q, h_q, _ = q.shape
-    splits = batch + tile_scheduler_metadata.shape[0]
+    splits = batch + (schedule.shape[0] - batch - 1) // validation.METADATA_FIELDS
     v = validation.HEAD_DIM_V
     return (jax.core.ShapedArray((batch, s_q, h_q, v), jnp.bfloat16), _f32(batch, h_q, s_q),
             _f32(splits, h_q, s_q, v), _f32(splits, h_q, s_q))
@@ -242,8 +242,9 @@ def _sparse_attributes(name, what, platform, *, softmax_scale, with_sink, layer=
 # DeepSeek-V3.2's sparse decode over the 656-byte token cache (jax_flashmla.sparse): CUDA only
 # (off the GPU, jax_flashmla.sparse runs its pure-JAX reference). Its indices are a stack
 # (layers, batch, s_q, topk) of which it reads row `layer` (static) in place; its schedule is
-# METADATA's over requests of topk keys (jax_flashmla/sparse/ops.py); the results after out and
-# lse are the split-KV accumulators, scratch.
+# METADATA's over requests of topk keys as one int32 array, the scheduler's rows (parts, 8)
+# then num_splits (batch + 1) (jax_flashmla/sparse/ops.py); the results after out and lse are
+# the split-KV accumulators, scratch.
 # Trusts: every entry of row `layer` of indices in [-1, num_pages * 64) (the kernel skips -1
 # alone). Guaranteed by: sparse.ops._masked on raw indices (the row read, at each call), or
 # MaskedIndices, which only mask_indices, slicing and pytree unflattening (jit, scan) make,
@@ -255,8 +256,8 @@ def _sparse_attributes(name, what, platform, *, softmax_scale, with_sink, layer=
 # A cache of no pages never reaches it (sparse.ops._no_keys). attn_sink: any float, a logit.
 SPARSE_DECODE = CustomCall(
     "jax_flashmla_mla_sparse_decode",
-    ("q", "kv_cache", "indices", "attn_sink", "tile_scheduler_metadata", "num_splits"),
-    _DECODE_RESULTS, _sparse_decode_types,
+    ("q", "kv_cache", "indices", "attn_sink", "schedule"), _DECODE_RESULTS,
+    _sparse_decode_types,
     functools.partial(_sparse_attributes, "sparse_decode", "sparse decode (sparse_decode_fwd)"),
     _decode_layouts, platforms=("cuda",))
 
