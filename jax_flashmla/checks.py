@@ -1,28 +1,34 @@
 """Opt-in checks of the values a scheduler computes, for debugging a serving loop.
 
 Shapes and dtypes are checked at trace time, always. Values live on the device: with
-`value_checks()` on while a step is traced, mla_decode, get_mla_metadata and write_kv add
-`jax.experimental.checkify` checks that name the argument, the request and the value:
+`value_checks()` on while a step is traced, mla_decode, get_mla_metadata, write_kv and the
+sparse indexer_decode and indexer_prefill add `jax.experimental.checkify` checks that name the
+argument, the request and the value:
 
-  - seq_lens outside [0, max_pages * 64];
+  - seq_lens outside [0, max_pages * 64] (the indexer's: negative seq_lens);
   - block-table entries outside [0, num_pages) among the pages a request reads;
   - a metadata made for other seq_lens (another step's), or whose schedule is not the one
     get_mla_metadata makes for its lengths;
-  - an FP8 scale that is not positive and finite.
+  - an FP8 scale that is not positive and finite;
+  - indexer_prefill's cu_seqlens not non-decreasing from 0 to at most its tokens.
+
+jit traces a function at its first call (of each shape), not where it is wrapped: call the
+step inside the block, or it is traced without the checks and its error never set.
 
     with jf.value_checks():
-        step = jax.jit(checkify.checkify(step))
-    err, result = step(...)
+        checked_step = jax.jit(checkify.checkify(step))
+        err, result = checked_step(*args)  # traced here, inside the block
     err.throw()
 
 A bad value is decoded as with the checks off: a request whose length or block-table entries
 are bad as an empty request (out 0, lse +inf), one whose length is not its metadata's as NaN
-(mla_decode). On, each decode also runs on a schedule made anew for its metadata's lengths,
-so that no schedule reaches a kernel while its error is on its way, whatever its fields; it
-adds a few reductions over seq_lens and its block table and computes the schedule again: on
-an H200 a checked 61-layer step at b=128 (s_k 1024) took 1.5-1.9x the unchecked one, a
-53-layer one at s_k=4096 1.3-1.4x, the error thrown after each step
-(benchmarks/bench_step.py --value-checks).
+(mla_decode); the indexer's rows of a negative length, or outside their request's span in
+cu_seqlens, see no token (every slot -1). On, each decode also runs on a schedule made anew
+for its metadata's lengths, so that no schedule reaches a kernel while its error is on its
+way, whatever its fields; it adds a few reductions over seq_lens and its block table and
+computes the schedule again: on an H200 a checked 61-layer step at b=128 (s_k 1024) took
+1.5-1.9x the unchecked one, a 53-layer one at s_k=4096 1.3-1.4x, the error thrown after each
+step (benchmarks/bench_step.py --value-checks).
 """
 import contextlib
 import contextvars
@@ -39,13 +45,15 @@ _ENABLED = contextvars.ContextVar("jax_flashmla_value_checks", default=False)
 def value_checks(enabled=True):
     """Adds the value checks to what is traced inside the block: checkify errors that name the
     argument, the request and the value (the module's doc lists them). Trace the step inside
-    the block, checkified, and throw its error after each call:
+    the block, checkified: jit traces at the first call (of each shape), so that call belongs
+    inside the block; a later call of the same shapes runs the checked trace anywhere. Throw
+    its error after each call:
 
         from jax.experimental import checkify
 
         with jax_flashmla.value_checks():
-            step = jax.jit(checkify.checkify(step))
-        err, result = step(...)
+            checked_step = jax.jit(checkify.checkify(step))
+            err, result = checked_step(*args)  # traced here, inside the block
         err.throw()
     """
     token = _ENABLED.set(bool(enabled))

@@ -13,7 +13,7 @@ IMPLEMENTATIONS = ("custom_call", "reference")
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["seq_lens", "tile_scheduler_metadata", "num_splits"],
-                   meta_fields=["num_heads_q", "num_q_tokens", "fp8"])
+                   meta_fields=["num_heads_q", "num_q_tokens", "max_pages", "fp8"])
 @dataclasses.dataclass(frozen=True)
 class MLAMetadata:
     """One decode step's lengths and FlashMLA's split-KV schedule for them, shared by every
@@ -28,6 +28,8 @@ class MLAMetadata:
       num_splits: (batch + 1,) int32, prefix sums of the number of KV splits per request; None
         with tile_scheduler_metadata.
       num_heads_q, num_q_tokens: the layout it was computed for (static).
+      max_pages: the width of the block table it was made with (static), which bounds its
+        lengths (at most max_pages * 64).
       fp8: made by the FP8 decode's scheduler, for a float8_e4m3fn cache (static).
     """
 
@@ -36,6 +38,7 @@ class MLAMetadata:
     num_splits: jax.Array | None
     num_heads_q: int
     num_q_tokens: int
+    max_pages: int
     fp8: bool = False
 
 
@@ -96,17 +99,18 @@ def get_mla_metadata(seq_lens, *, block_table, num_pages, num_heads_q, num_q_tok
         checks.block_table_entries("get_mla_metadata", block_table, seq_lens, num_pages)
     seq_lens = safe_seq_lens(block_table, seq_lens, num_pages)
     if _resolve(implementation) == "reference":
-        return MLAMetadata(seq_lens, None, None, int(num_heads_q), int(num_q_tokens), bool(fp8))
+        return MLAMetadata(seq_lens, None, None, int(num_heads_q), int(num_q_tokens),
+                           block_table.shape[1], bool(fp8))
     parts = validation.num_sm_parts(num_sms or default_num_sms(), num_heads_q, num_q_tokens)
     return _make_metadata(seq_lens, num_heads_q=int(num_heads_q), num_q_tokens=int(num_q_tokens),
-                          num_sm_parts=parts, fp8=bool(fp8))
+                          max_pages=block_table.shape[1], num_sm_parts=parts, fp8=bool(fp8))
 
 
-def _make_metadata(seq_lens, *, num_heads_q, num_q_tokens, num_sm_parts, fp8):
+def _make_metadata(seq_lens, *, num_heads_q, num_q_tokens, max_pages, num_sm_parts, fp8):
     tile_md, num_splits = custom_calls.schedule(seq_lens, num_heads_q=num_heads_q,
                                                 num_q_tokens=num_q_tokens,
                                                 num_sm_parts=num_sm_parts, fp8=fp8)
-    return MLAMetadata(seq_lens, tile_md, num_splits, num_heads_q, num_q_tokens, fp8)
+    return MLAMetadata(seq_lens, tile_md, num_splits, num_heads_q, num_q_tokens, max_pages, fp8)
 
 
 def safe_seq_lens(block_table, seq_lens, num_pages):
@@ -136,12 +140,14 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, metadata=None, softmax_sca
       metadata: MLAMetadata from get_mla_metadata, to share one schedule and one range check
         between the layers of a step. The metadata's lengths are decoded, and a request the
         metadata did not make empty comes out NaN (out NaN, lse as NaN leaves it, below) where
-        its length here is not the metadata's (a metadata of another step) or a page it reads
-        in block_table is outside the cache (a metadata of another table); such pages are
-        read as page 0, never outside the cache. When None the lengths are checked and the
-        schedule is computed next to the kernel, per device for the local batch and heads
-        when q is sharded (a given metadata describes the whole batch and all heads, so it
-        cannot be used with a split q).
+        its length here is not the metadata's (a metadata of another step), or its carried
+        length passes block_table's max_pages * 64 or a page it reads in block_table is
+        outside the cache (a metadata of another table); such pages, and those past
+        block_table's columns, are read as page 0, never outside the cache nor past a row of
+        the table. When None the lengths are checked and the schedule is computed next to
+        the kernel, per device for the local batch and heads when q is sharded (a given
+        metadata describes the whole batch and all heads, so it cannot be used with a split
+        q).
       softmax_scale: a Python float, compiled into the call; defaults to 576 ** -0.5, the
         scale of the 576-wide dot product. DeepSeek's is (qk_nope_head_dim +
         qk_rope_head_dim) ** -0.5, times mscale ** 2 under YaRN (MLAConfig.softmax_scale).
@@ -193,7 +199,7 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, metadata=None, softmax_sca
         seq_lens = safe_seq_lens(block_table, seq_lens, kv_cache.shape[0])
     else:
         q, block_table, seq_lens = _under_carried_lengths(q, kv_cache, block_table, seq_lens,
-                                                          metadata.seq_lens)
+                                                          metadata)
     operands = dict(q=q, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens)
     if fp8:
         scale = jnp.asarray(k_scale).reshape(1)
@@ -208,21 +214,30 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, metadata=None, softmax_sca
                                        implementation=implementation)
 
 
-def _under_carried_lengths(q, kv_cache, block_table, seq_lens, carried):
+def _under_carried_lengths(q, kv_cache, block_table, seq_lens, metadata):
     """(q, block_table, seq_lens) for a decode under a metadata: the kernels decode the
-    carried lengths, which are in range for the table the metadata was made with.
+    carried lengths, which are in range for the table the metadata was made with, over
+    this call's table padded with page 0 to that table's width where it is narrower (the
+    metadata's schedule names blocks up to its lengths, whatever length the kernel gets).
 
     A request the metadata did not make empty gets NaN in its q rows, so that its out is NaN
     rather than attention over other keys, where this call's length is not the metadata's (a
-    metadata of another step) or one of the pages it reads in this call's table is outside
-    the cache (a metadata of another table); those pages are read as page 0, so no table
-    makes a kernel read outside the cache. The reduction over the table fuses with what
-    computes the table (a layer's page offset), the rest into what computes q."""
+    metadata of another step), or its carried length passes this call's table or one of the
+    pages it reads there is outside the cache (a metadata of another table); those pages are
+    read as page 0, so no table makes a kernel read outside the cache or past a table's
+    row. The reduction over the table fuses with what computes the table (a layer's page
+    offset), the rest into what computes q."""
+    carried = metadata.seq_lens
     outside = jnp.any(checks.bad_entries(block_table, carried, kv_cache.shape[0]), axis=1)
-    poisoned = ((seq_lens != carried) | outside) & (carried != 0)
+    past = carried > block_table.shape[1] * validation.PAGE_SIZE
+    poisoned = ((seq_lens != carried) | outside | past) & (carried != 0)
     q = jnp.where(poisoned[:, None, None, None], jnp.asarray(jnp.nan, q.dtype), q)
     in_cache = (block_table >= 0) & (block_table < kv_cache.shape[0])
-    return q, jnp.where(in_cache, block_table, 0), carried
+    block_table = jnp.where(in_cache, block_table, 0)
+    missing = metadata.max_pages - block_table.shape[1]
+    if missing > 0:
+        block_table = jnp.pad(block_table, ((0, 0), (0, missing)))
+    return q, block_table, carried
 
 
 def _check_values(kv_cache, block_table, seq_lens, metadata, k_scale):
@@ -241,6 +256,7 @@ def _check_values(kv_cache, block_table, seq_lens, metadata, k_scale):
         return metadata
     expected = _make_metadata(metadata.seq_lens, num_heads_q=metadata.num_heads_q,
                               num_q_tokens=metadata.num_q_tokens,
+                              max_pages=metadata.max_pages,
                               num_sm_parts=metadata.tile_scheduler_metadata.shape[0],
                               fp8=metadata.fp8)
     names = ["tile_scheduler_metadata", "num_splits"]

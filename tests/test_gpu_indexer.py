@@ -122,3 +122,24 @@ def test_a_prefill_over_several_calls_selects_as_one(monkeypatch):
         IndexQuery(values, weights), cache, table, seq_lens, cu_seqlens)
     same = np.mean([set(a) == set(b) for a, b in zip(np.asarray(one), np.asarray(reference))])
     assert same >= 0.9, same  # all but float32 near-ties
+
+
+def test_int32_min_lengths_select_nothing_and_change_no_other_row():
+    """seq_lens of INT32_MIN: a decode's first token (s_q 2) and a prefill's rows but the last
+    would see 2**31 - 1 tokens if their count wrapped around int32."""
+    query, cache, table, seq_lens = _problem(9, [3000, 700, 130], s_q=2)
+    bad = seq_lens.at[1].set(np.iinfo(np.int32).min)
+    others = np.asarray([0, 2])
+    decode = jax.jit(functools.partial(indexer_decode, topk=2048, implementation="custom_call"))
+    got = np.asarray(decode(query, cache, table, bad))
+    assert np.all(got[1] == -1)
+    alone = decode(IndexQuery(*(x[others] for x in query)), cache, table[others],
+                   seq_lens[others])
+    np.testing.assert_array_equal(got[others], np.asarray(alone))
+    prefill = jax.jit(functools.partial(indexer_prefill, topk=2048, implementation="custom_call"))
+    rows = IndexQuery(*(x.reshape(6, *x.shape[2:]) for x in query))  # 2 new tokens a request
+    got = np.asarray(prefill(rows, cache, table, bad, jnp.asarray([0, 2, 4, 6], jnp.int32)))
+    assert np.all(got[2:4] == -1)
+    alone = prefill(IndexQuery(*(x[np.r_[0:2, 4:6]] for x in rows)), cache, table[others],
+                    seq_lens[others], jnp.asarray([0, 2, 4], jnp.int32))
+    np.testing.assert_array_equal(got[np.r_[0:2, 4:6]], np.asarray(alone))

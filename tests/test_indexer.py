@@ -8,9 +8,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from jax.experimental import checkify
 
 from indexer_cases import assert_same_selection, paged_block_table, selected_positions
-from jax_flashmla import kernels, token_slots
+from jax_flashmla import kernels, token_slots, value_checks
 from jax_flashmla.sparse import (IndexerWeights, IndexKeyCache, IndexQuery,
                                  dequantize_index_keys, index_keys, index_query, index_scores,
                                  indexer_decode, indexer_prefill, quantize_index_keys,
@@ -19,6 +20,7 @@ from jax_flashmla.sparse.index_cache import PAGE_BYTES
 
 PAGE = 64
 HEADS, HIDDEN, Q_LORA = 4, 64, 32
+INT32_MIN, INT32_MAX = np.iinfo(np.int32).min, np.iinfo(np.int32).max
 # HF's default rope over qk_rope_head_dim 64: what DeepseekV32RotaryEmbedding's inv_freq holds.
 INV_FREQ = (1.0 / 10000.0 ** (np.arange(0, 64, 2, dtype=np.float32) / 64)).astype(np.float32)
 
@@ -282,6 +284,90 @@ def test_prefill_is_causal_over_a_cached_prefix_and_matches_decode():
         np.testing.assert_array_equal(np.asarray(last)[0, 0], mine[-1])
 
 
+def _decode_problem(seed, lengths, s_q=2):
+    """A Problem and the (batch, s_q) IndexQuery of each request's last s_q tokens."""
+    problem = Problem(seed, lengths)
+    query = problem.query([(r, p) for r, n in enumerate(lengths) for p in range(n - s_q, n)])
+    return problem, IndexQuery(*(x.reshape(len(lengths), s_q, *x.shape[1:]) for x in query))
+
+
+@pytest.mark.parametrize("bad", [INT32_MIN, INT32_MIN + 1, -1])
+def test_a_negative_length_selects_nothing_and_changes_no_other_request(bad):
+    """seq_lens - s_q + j + 1 would wrap around int32 at INT32_MIN (to a token that sees all)."""
+    problem, query = _decode_problem(10, [150, 70, 64])
+    seq_lens = problem.lengths.copy()
+    seq_lens[1] = bad
+    got = np.asarray(_decode(query, problem.cache, problem.block_table, seq_lens, topk=16))
+    assert np.all(got[1] == -1)
+    others = np.asarray([0, 2])
+    alone = _decode(IndexQuery(*(x[others] for x in query)), problem.cache,
+                    problem.block_table[others], problem.lengths[others], topk=16)
+    np.testing.assert_array_equal(got[others], np.asarray(alone))
+
+
+def test_a_length_past_the_table_sees_every_token_the_table_holds():
+    problem, query = _decode_problem(12, [150, 70])
+    capacity = problem.block_table.shape[1] * PAGE
+    past = _decode(query, problem.cache, problem.block_table,
+                   np.asarray([INT32_MAX, 70], np.int32), topk=256)
+    every = _decode(query, problem.cache, problem.block_table,
+                    np.asarray([capacity + 1, 70], np.int32), topk=256)  # both tokens see all
+    np.testing.assert_array_equal(np.asarray(past), np.asarray(every))
+    assert np.all((np.asarray(past)[0] >= 0).sum(-1) == capacity)
+
+
+@pytest.mark.parametrize("bad", [INT32_MIN, -1])
+def test_prefill_rows_of_a_negative_length_select_nothing_and_change_no_other(bad):
+    lengths, new = [110, 50, 12], [70, 5, 12]
+    problem = Problem(11, lengths)
+    pairs = [(r, p) for r, (n, k) in enumerate(zip(lengths, new)) for p in range(n - k, n)]
+    query = problem.query(pairs)
+    cu_seqlens = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    seq_lens = problem.lengths.copy()
+    seq_lens[1] = bad
+    got = np.asarray(_prefill(query, problem.cache, problem.block_table, seq_lens, cu_seqlens,
+                              topk=16))
+    assert np.all(got[70:75] == -1)
+    others = np.r_[0:70, 75:87]
+    alone = _prefill(IndexQuery(*(x[others] for x in query)), problem.cache,
+                     problem.block_table[[0, 2]], problem.lengths[[0, 2]],
+                     np.asarray([0, 70, 82], np.int32), topk=16)
+    np.testing.assert_array_equal(got[others], np.asarray(alone))
+
+
+def _checked_error(seq_lens, cu_seqlens=None):
+    """value_checks()' error of indexer_decode (cu_seqlens None), or indexer_prefill, over two
+    requests of two new tokens."""
+    query = IndexQuery(jnp.ones((2, 2, HEADS, 128), jnp.float8_e4m3fn),
+                       jnp.ones((2, 2, HEADS), jnp.float32))
+    cache, table = IndexKeyCache.create(4), jnp.asarray([[0, 1], [2, 3]], jnp.int32)
+
+    def call(seq_lens, cu_seqlens):
+        if cu_seqlens is None:
+            return indexer_decode(query, cache, table, seq_lens, topk=16)
+        rows = IndexQuery(*(x.reshape(4, *x.shape[2:]) for x in query))
+        return indexer_prefill(rows, cache, table, seq_lens, cu_seqlens, topk=16)
+
+    as_int32 = lambda x: None if x is None else jnp.asarray(x, jnp.int32)
+    with value_checks():
+        return jax.jit(checkify.checkify(call))(as_int32(seq_lens), as_int32(cu_seqlens))[0]
+
+
+@pytest.mark.parametrize("seq_lens,cu_seqlens,message", [
+    ([5, INT32_MIN], None, rf"indexer_decode: seq_lens\[1\] = {INT32_MIN} is negative"),
+    ([-3, 9], [0, 2, 4], r"indexer_prefill: seq_lens\[0\] = -3 is negative"),
+    ([3, 9], [0, 3, 2], r"indexer_prefill: cu_seqlens\[2\] = 2; cu_seqlens must be "
+                        r"non-decreasing from 0 to at most the query's 4 tokens"),
+    ([3, 9], [0, 3, INT32_MAX], rf"indexer_prefill: cu_seqlens\[2\] = {INT32_MAX}; "),
+    ([3, 9], [1, 3, 4], r"indexer_prefill: cu_seqlens\[0\] = 1; "),
+])
+def test_value_checks_name_the_bad_lengths(seq_lens, cu_seqlens, message):
+    with pytest.raises(checkify.JaxRuntimeError, match=message):
+        _checked_error(seq_lens, cu_seqlens).throw()
+    _checked_error([5, 9]).throw()
+    _checked_error([3, 9], [0, 2, 4]).throw()
+
+
 def _hf_indexer(seed, topk):
     torch = pytest.importorskip("torch")
     modeling = pytest.importorskip("transformers.models.deepseek_v32.modeling_deepseek_v32")
@@ -395,6 +481,17 @@ def test_bad_arguments_are_named(call, exc, pattern):
     with pytest.raises(exc, match=pattern):
         call(query, IndexKeyCache.create(2), jnp.zeros((2, 2), jnp.int32),
              jnp.ones((2,), jnp.int32))
+
+
+def test_a_table_whose_positions_pass_int32_is_refused():
+    query = IndexQuery(jax.ShapeDtypeStruct((1, 1, HEADS, 128), jnp.float8_e4m3fn),
+                       jax.ShapeDtypeStruct((1, 1, HEADS), jnp.float32))
+    table = jax.ShapeDtypeStruct((1, 2 ** 25), jnp.int32)  # 2**31 positions
+    with pytest.raises(ValueError, match=r"indexer_decode: block_table may have at most "
+                                         r"33554431 pages a row, whose positions fit int32; "
+                                         r"got 33554432"):
+        jax.eval_shape(indexer_decode, query, IndexKeyCache.create(1), table,
+                       jax.ShapeDtypeStruct((1,), jnp.int32))
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="the custom call runs on a GPU")

@@ -10,6 +10,7 @@ import pytest
 
 import jax_flashmla as jf
 from helpers import K_SCALE, fp8_inputs, make_decode_inputs
+from jax_flashmla import fp8
 
 BAD = 1  # the request made bad
 
@@ -128,6 +129,52 @@ def test_a_metadata_of_another_table_poisons_the_requests_it_sends_outside(imple
     assert np.isnan(out[[0, BAD]]).all()
     np.testing.assert_array_equal(out[2:], want_out[2:])
     np.testing.assert_array_equal(np.asarray(lse[2:]), np.asarray(want_lse[2:]))
+
+
+def _metadata_of_a_wider_table(dtype, s_q, lengths, own, implementation):
+    """A metadata made for lengths (r0, r1) with a table of ceil(r1 / 64) pages, then a decode
+    of lengths (r0, own) with the first 4 of those pages: request 1 comes out NaN, where a
+    kernel given the carried r1 over 4 columns would read past the table (the C++ model
+    refuses it), and request 0 (4 pages) is bit for bit the metadata's own step."""
+    rng = np.random.default_rng(11)
+    pages = -(-lengths[1] // 64)
+    num_pages = 2 * pages + 2
+    kv = jnp.asarray(rng.normal(0, 0.1, (num_pages, 64, 1, 576)), jnp.float32)
+    q = jnp.asarray(rng.normal(0, 0.1, (2, s_q, 16, 576)), jnp.bfloat16)
+    wide = jnp.asarray(rng.permutation(num_pages)[:2 * pages].reshape(2, pages), jnp.int32)
+    k_scale = jnp.float32(K_SCALE) if dtype == "fp8" else None
+    kv = kv.astype(jnp.bfloat16) if k_scale is None else fp8.quantize(kv, k_scale)
+    md = jf.get_mla_metadata(jnp.asarray(lengths, jnp.int32), block_table=wide,
+                             num_pages=num_pages, num_heads_q=16, num_q_tokens=s_q,
+                             fp8=k_scale is not None, implementation=implementation)
+    decode = lambda table, seq_lens: jf.mla_decode(
+        q, kv, table, jnp.asarray(seq_lens, jnp.int32), metadata=md, softmax_scale=0.1,
+        implementation=implementation, k_scale=k_scale)
+    out, lse = decode(wide[:, :4], [lengths[0], own])
+    want_out, want_lse = decode(wide, lengths)
+    out, want_out = np.asarray(out, np.float32), np.asarray(want_out, np.float32)
+    assert np.isnan(out[1]).all() and not np.isnan(want_out).any()
+    np.testing.assert_array_equal(out[0], want_out[0])
+    np.testing.assert_array_equal(np.asarray(lse[0]), np.asarray(want_lse[0]))
+
+
+@pytest.mark.parametrize("own", [70, 300])  # another step's length; the metadata's, past 4 pages
+@pytest.mark.parametrize("implementation", ["reference", "custom_call"])
+@pytest.mark.parametrize("dtype,s_q", [("bf16", 1), ("bf16", 2), ("fp8", 1)])
+def test_a_metadata_of_a_wider_table_poisons_its_longer_requests(dtype, s_q, implementation,
+                                                                 own):
+    _metadata_of_a_wider_table(dtype, s_q, (200, 300), own, implementation)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [(200, 300), (200, 3000)])
+@pytest.mark.parametrize("own", [70, 300])
+@pytest.mark.parametrize("dtype,s_q", [("bf16", 1), ("bf16", 2), ("fp8", 1), ("fp8", 2)])
+def test_on_the_gpu_a_metadata_of_a_wider_table_poisons_its_longer_requests(dtype, s_q, own,
+                                                                            lengths):
+    """FlashMLA's kernels: the schedule names request 1's blocks up to the metadata's length
+    (for s_q = 1 the kernel runs to the schedule's last block whatever its length)."""
+    _metadata_of_a_wider_table(dtype, s_q, lengths, own, None)
 
 
 @pytest.mark.parametrize("kwargs,pattern", [

@@ -1,6 +1,8 @@
 """jax_flashmla.value_checks(): each bad value a scheduler can compute is a checkify error
 naming the argument, the request and the value; with the checks off the step holds none."""
 import dataclasses
+import inspect
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +11,7 @@ import pytest
 from jax.experimental import checkify
 
 import jax_flashmla as jf
-from jax_flashmla import fp8
+from jax_flashmla import checks, fp8
 from helpers import make_decode_inputs
 
 IMPLEMENTATIONS = ["custom_call", "reference"]
@@ -175,3 +177,57 @@ def test_a_bad_request_is_decoded_empty_and_changes_no_other(inputs, implementat
     ok_out, ok_lse = jax.jit(_step(implementation))(q, kv, bt, empty, empty)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ok_out, np.float32))
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(ok_lse))
+
+
+def _example(doc):
+    """The code of a docstring: its paragraphs indented by 4 or more, dedented."""
+    paragraphs = inspect.cleandoc(doc).split("\n\n")
+    return textwrap.dedent("\n".join(p for p in paragraphs
+                                     if all(line.startswith("    ") for line in p.splitlines())))
+
+
+@pytest.mark.parametrize("doc", [checks.__doc__, jf.value_checks.__doc__],
+                         ids=["module", "value_checks"])
+def test_the_documented_example_checks_the_step_it_runs(inputs, doc):
+    """The example as written, on a step whose metadata is another step's: its error is set
+    and names the value (jit traces at the first call, which must be inside the block)."""
+    q, kv, bt, sl = inputs
+    stale = jf.get_mla_metadata(sl.at[2].add(-5), block_table=bt, num_pages=kv.shape[0],
+                                num_heads_q=16, implementation="custom_call")
+
+    def step(q, kv, bt, sl, md):
+        return jf.mla_decode(q, kv, bt, sl, metadata=md, implementation="custom_call")
+
+    namespace = dict(jax=jax, jf=jf, jax_flashmla=jf, checkify=checkify, step=step,
+                     args=(q, kv, bt, sl, stale))
+    with pytest.raises(checkify.JaxRuntimeError,
+                       match=rf"mla_decode: seq_lens\[2\] = {int(sl[2])}, but the metadata was "
+                             rf"made for {int(sl[2]) - 5}"):
+        exec(_example(doc), namespace)
+    assert namespace["err"].get() is not None
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("own,message", [
+    (70, r"mla_decode: seq_lens\[1\] = 70, but the metadata was made for 300 "),
+    (300, r"mla_decode: seq_lens\[1\] = 300 is outside \[0, max_pages \* 64 = 256\]"),
+])
+def test_a_metadata_of_a_wider_table_is_named_by_the_decodes_own_length(implementation, own,
+                                                                        message):
+    """A metadata made for (200, 300) over 5 pages, a decode over 4 of them: the error names the
+    decode's length (and the metadata's), and the decode runs (request 1 NaN)."""
+    rng = np.random.default_rng(5)
+    kv = jnp.asarray(rng.normal(0, 0.1, (12, 64, 1, 576)), jnp.bfloat16)
+    q = jnp.asarray(rng.normal(0, 0.1, (2, 1, 16, 576)), jnp.bfloat16)
+    wide = jnp.arange(10, dtype=jnp.int32).reshape(2, 5)
+
+    def step(q, kv, sl):
+        md = jf.get_mla_metadata(jnp.asarray([200, 300], jnp.int32), block_table=wide,
+                                 num_pages=12, num_heads_q=16, implementation=implementation)
+        return jf.mla_decode(q, kv, wide[:, :4], sl, metadata=md, implementation=implementation)
+
+    err, (out, _) = _checked(step, q, kv, jnp.asarray([200, own], jnp.int32))
+    with pytest.raises(checkify.JaxRuntimeError, match=message):
+        err.throw()
+    assert np.isnan(np.asarray(out[1], np.float32)).all()
+    assert not np.isnan(np.asarray(out[0], np.float32)).any()

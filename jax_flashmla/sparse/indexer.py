@@ -27,8 +27,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
-from jax_flashmla import custom_calls, kernels, validation
+from jax_flashmla import checks, custom_calls, kernels, validation
 from jax_flashmla.cache import token_slots
 from jax_flashmla.sparse.index_cache import (INDEX_HEAD_DIM, index_cache_array,
                                              quantize_index_keys, read_index_keys)
@@ -37,6 +38,7 @@ from jax_flashmla.validation import PAGE_SIZE, _fail
 INDEX_TOPK = 2048
 LAYER_NORM_EPS = 1e-6
 ROWS_PER_BLOCK = 16  # query rows scored at once: memory grows with rows * context * heads
+MAX_PAGES = (2 ** 31 - 1) // PAGE_SIZE  # a row's positions, max_pages * 64 of them, fit int32
 SCORES_PER_CALL = 2 ** 26  # the custom call's scores buffer: at most 256 MB a call
 KERNEL_MAX_HEADS = 256  # the heads whose q the scoring kernel holds in shared memory
 HIGHEST = jax.lax.Precision.HIGHEST  # float32 matmuls in float32, not TF32 or bf16 passes
@@ -249,6 +251,9 @@ def _check_rows(where, query, cache, block_table, rows):
     if block_table.shape[1] < 1 or batch not in (None, block_table.shape[0]):
         _fail(ValueError, where, f"block_table must have shape ({batch or 'batch'}, max_pages >= "
                                  f"1); got {tuple(block_table.shape)}")
+    if block_table.shape[1] > MAX_PAGES:  # positions are int32
+        _fail(ValueError, where, f"block_table may have at most {MAX_PAGES} pages a row, whose "
+                                 f"positions fit int32; got {block_table.shape[1]}")
     return data
 
 
@@ -262,6 +267,23 @@ def _check_lengths(where, name, lengths, expected):
 def _check_topk(where, topk):
     if isinstance(topk, bool) or not isinstance(topk, (int, np.integer)) or topk < 1:
         _fail(ValueError, where, f"topk must be a positive Python int; got {topk!r}")
+
+
+def _visible(seq_lens, later):
+    """Tokens a new token sees: seq_lens less the `later` (>= 0) new tokens after it, computed
+    without wrapping int32; <= 0 (nothing) where seq_lens is negative."""
+    return jnp.maximum(seq_lens, 0) - later
+
+
+def _check_cu_seqlens(where, cu_seqlens, tokens):
+    """value_checks(): cu_seqlens non-decreasing from 0 to at most the query's tokens."""
+    lower = jnp.concatenate([jnp.zeros((1,), jnp.int32), cu_seqlens[:-1]])
+    bad = (cu_seqlens < lower) | (cu_seqlens > tokens) | ((jnp.arange(cu_seqlens.shape[0]) == 0)
+                                                          & (cu_seqlens != 0))
+    i = jnp.argmax(bad)
+    checkify.check(~jnp.any(bad), f"{where}: cu_seqlens[{{i}}] = {{value}}; cu_seqlens must be "
+                   f"non-decreasing from 0 to at most the query's {tokens} tokens", i=i,
+                   value=cu_seqlens[i])
 
 
 def index_scores(query, cache, block_table, visible, *, implementation=None):
@@ -301,12 +323,17 @@ def indexer_decode(query, cache, block_table, seq_lens, *, topk=INDEX_TOPK,
       cache: IndexKeyCache or its (num_pages, 8448) uint8 array, the new tokens' keys already
         written.
       block_table: (batch, max_pages) int32; seq_lens: (batch,) int32, each request's tokens
-        including the new ones. New token j sees seq_lens - s_q + j + 1 tokens.
+        including the new ones. New token j sees seq_lens - s_q + j + 1 tokens: none where
+        that is not positive (any negative seq_lens, down to -2**31, included), at most the
+        table's max_pages * 64 where it is larger.
       topk: a Python int, index_topk (2048 in V3.2).
       implementation: None picks "custom_call" (one CUDA kernel scoring the rows from the
         paged cache, one selecting their top positions) on a Hopper GPU where jax_flashmla's
         CUDA kernels were built, else "reference" (pure JAX, scores then lax.top_k). Given
         equal scores they select the same tokens; their scores may differ in the last bits.
+
+    With jax_flashmla.value_checks() on while the call is traced, a negative seq_lens is a
+    checkify error naming the request and the value.
 
     Returns:
       (batch, s_q, topk) int32 slots (page * 64 + offset, sparse_mla_decode's indices) of a
@@ -320,7 +347,9 @@ def indexer_decode(query, cache, block_table, seq_lens, *, topk=INDEX_TOPK,
     seq_lens = _check_lengths(where, "seq_lens", seq_lens, (batch,))
     _check_topk(where, topk)
     implementation = _implementation(where, implementation, query)
-    visible = seq_lens[:, None] - s_q + 1 + jnp.arange(s_q, dtype=jnp.int32)
+    if checks.enabled():
+        checks.lengths(where, seq_lens)
+    visible = _visible(seq_lens[:, None], s_q - 1 - jnp.arange(s_q, dtype=jnp.int32))
     rows = IndexQuery(*(x.reshape(batch * s_q, *x.shape[2:]) for x in query))
     block_table = jnp.repeat(jnp.asarray(block_table), s_q, axis=0)
     return _select(rows, data, block_table, visible.reshape(-1), topk,
@@ -339,8 +368,14 @@ def indexer_prefill(query, cache, block_table, seq_lens, cu_seqlens, *, topk=IND
       block_table: (batch, max_pages) int32; seq_lens: (batch,) int32, each request's tokens
         including the new ones; cu_seqlens: (batch + 1,) int32, non-decreasing from 0.
         New token j of request r sees seq_lens[r] - (cu_seqlens[r + 1] - cu_seqlens[r]) + j + 1
-        tokens; rows from cu_seqlens[batch] on (padding) see none.
+        tokens: none where that is not positive (any negative seq_lens included). Rows from
+        cu_seqlens[batch] on (padding) see none; where cu_seqlens is not non-decreasing from
+        0, neither does a row outside the span of the request a binary search gives it.
       topk, implementation: as indexer_decode's.
+
+    With jax_flashmla.value_checks() on while the call is traced, a negative seq_lens, and
+    cu_seqlens not non-decreasing from 0 to at most tokens, are checkify errors naming the
+    entry and the value.
 
     Returns:
       (tokens, topk) int32 slots, as indexer_decode's.
@@ -352,10 +387,16 @@ def indexer_prefill(query, cache, block_table, seq_lens, cu_seqlens, *, topk=IND
     cu_seqlens = _check_lengths(where, "cu_seqlens", cu_seqlens, (batch + 1,))
     _check_topk(where, topk)
     implementation = _implementation(where, implementation, query)
-    row = jnp.arange(query.values.shape[0], dtype=jnp.int32)
+    tokens = query.values.shape[0]
+    if checks.enabled():
+        checks.lengths(where, seq_lens)
+        _check_cu_seqlens(where, cu_seqlens, tokens)
+    row = jnp.arange(tokens, dtype=jnp.int32)
     request = jnp.clip(jnp.searchsorted(cu_seqlens[1:], row, side="right"), 0, batch - 1)
     start, end = cu_seqlens[request], cu_seqlens[request + 1]
-    visible = seq_lens[request] - (end - start) + (row - start) + 1
-    visible = jnp.where(row < cu_seqlens[batch], visible, 0).astype(jnp.int32)
+    # A row outside its request's [start, end) (cu_seqlens not non-decreasing from 0) sees
+    # nothing, as padding does; inside it, end - 1 - row cannot wrap around int32.
+    inside = (start <= row) & (row < end) & (row < cu_seqlens[batch])
+    visible = jnp.where(inside, _visible(seq_lens[request], end - 1 - row), 0)
     return _select(query, data, jnp.asarray(block_table)[request], visible, topk,
                    implementation)
