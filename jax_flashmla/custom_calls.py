@@ -200,7 +200,8 @@ def _decode_attributes(fp8, platform, *, softmax_scale, causal):
 #   (ops._under_carried_lengths).
 # - tile_scheduler_metadata and num_splits: METADATA's plan for exactly those lengths.
 #   Guaranteed by: decode_primitive._kernels (none given); a given MLAMetadata's plan is
-#   trusted as get_mla_metadata made it (value_checks() alone plans it again).
+#   trusted as get_mla_metadata made it, which alone makes one (jax_flashmla/trusted.py;
+#   value_checks() plans it again).
 _DECODE_RESULTS = ("out", "lse", "out_accum", "lse_accum")
 DECODE = CustomCall(
     "jax_flashmla_mla_decode",

@@ -1,23 +1,20 @@
 """Public ops: get_mla_metadata and mla_decode, the logical op over the custom calls
 (jax_flashmla/decode_primitive.py)."""
-import dataclasses
-import functools
-
 import jax
 import jax.numpy as jnp
 
 from jax_flashmla import fp8 as fp8_quant
-from jax_flashmla import checks, custom_calls, decode_primitive, kernels, validation
+from jax_flashmla import checks, custom_calls, decode_primitive, kernels, trusted, validation
 
 IMPLEMENTATIONS = ("custom_call", "reference")
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["seq_lens", "tile_scheduler_metadata", "num_splits"],
-                   meta_fields=["num_heads_q", "num_q_tokens", "max_pages", "fp8"])
-@dataclasses.dataclass(frozen=True)
+
+@trusted.library_made(["seq_lens", "tile_scheduler_metadata", "num_splits"],
+                      ["num_heads_q", "num_q_tokens", "max_pages", "fp8"], "get_mla_metadata")
 class MLAMetadata:
     """One decode step's lengths and FlashMLA's split-KV schedule for them, shared by every
-    layer of the step.
+    layer of the step. Made by get_mla_metadata alone (jax_flashmla/trusted.py): the kernels
+    trust its lengths and schedule.
 
     Attributes:
       seq_lens: (batch,) int32, the lengths it was made for: the step's, 0 for each request
@@ -33,13 +30,8 @@ class MLAMetadata:
       fp8: made by the FP8 decode's scheduler, for a float8_e4m3fn cache (static).
     """
 
-    seq_lens: jax.Array
-    tile_scheduler_metadata: jax.Array | None
-    num_splits: jax.Array | None
-    num_heads_q: int
-    num_q_tokens: int
-    max_pages: int
-    fp8: bool = False
+    __slots__ = ("seq_lens", "tile_scheduler_metadata", "num_splits", "num_heads_q",
+                 "num_q_tokens", "max_pages", "fp8")
 
 
 def _resolve(implementation):
@@ -99,8 +91,8 @@ def get_mla_metadata(seq_lens, *, block_table, num_pages, num_heads_q, num_q_tok
         checks.block_table_entries("get_mla_metadata", block_table, seq_lens, num_pages)
     seq_lens = safe_seq_lens(block_table, seq_lens, num_pages)
     if _resolve(implementation) == "reference":
-        return MLAMetadata(seq_lens, None, None, int(num_heads_q), int(num_q_tokens),
-                           block_table.shape[1], bool(fp8))
+        return MLAMetadata._make(seq_lens, None, None, int(num_heads_q), int(num_q_tokens),
+                                 block_table.shape[1], bool(fp8))
     parts = validation.num_sm_parts(num_sms or default_num_sms(), num_heads_q, num_q_tokens)
     return _make_metadata(seq_lens, num_heads_q=int(num_heads_q), num_q_tokens=int(num_q_tokens),
                           max_pages=block_table.shape[1], num_sm_parts=parts, fp8=bool(fp8))
@@ -110,7 +102,8 @@ def _make_metadata(seq_lens, *, num_heads_q, num_q_tokens, max_pages, num_sm_par
     tile_md, num_splits = custom_calls.schedule(seq_lens, num_heads_q=num_heads_q,
                                                 num_q_tokens=num_q_tokens,
                                                 num_sm_parts=num_sm_parts, fp8=fp8)
-    return MLAMetadata(seq_lens, tile_md, num_splits, num_heads_q, num_q_tokens, max_pages, fp8)
+    return MLAMetadata._make(seq_lens, tile_md, num_splits, num_heads_q, num_q_tokens, max_pages,
+                             fp8)
 
 
 def safe_seq_lens(block_table, seq_lens, num_pages):

@@ -1,8 +1,6 @@
 """The C++ target on metadata that does not fit the decode's inputs: every field out of range,
 and metadata made for other lengths, is an XLA error naming what is wrong, never a crash nor
 attention over part of the keys."""
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,8 +23,8 @@ def step():
 
 def _decode(step, tile_md=None, num_splits=None):
     q, kv, bt, sl, md = step
-    md = dataclasses.replace(
-        md, tile_scheduler_metadata=md.tile_scheduler_metadata if tile_md is None else tile_md,
+    md = md._replace(
+        tile_scheduler_metadata=md.tile_scheduler_metadata if tile_md is None else tile_md,
         num_splits=md.num_splits if num_splits is None else num_splits)
     return jax.block_until_ready(jf.mla_decode(q, kv, bt, sl, metadata=md,
                                                implementation="custom_call"))
@@ -69,3 +67,17 @@ def test_metadata_for_shorter_lengths_is_an_error(step):
                        match=r"covers 4 of the 5 blocks of request 0 .*these seq_lens"):
         _decode(step, shorter.tile_scheduler_metadata, shorter.num_splits)
     _decode(step)  # the step's own metadata still decodes
+
+
+def test_a_metadata_is_made_by_get_mla_metadata_alone(step):
+    """The kernels trust a metadata's lengths and schedule: none is built from arrays or
+    changed, while get_mla_metadata's crosses jit as it was."""
+    q, kv, bt, sl, md = step
+    with pytest.raises(TypeError, match="MLAMetadata is made by get_mla_metadata; it cannot be "
+                                        "built from arrays"):
+        jf.MLAMetadata(sl * 1000, md.tile_scheduler_metadata, md.num_splits, 16, 1, 8, False)
+    with pytest.raises(AttributeError, match="immutable"):
+        md.seq_lens = sl * 1000
+    through = jax.jit(lambda m: m)(md)
+    assert isinstance(through, jf.MLAMetadata) and through.max_pages == md.max_pages
+    np.testing.assert_array_equal(through.tile_scheduler_metadata, md.tile_scheduler_metadata)

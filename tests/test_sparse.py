@@ -254,7 +254,8 @@ def test_the_schedule_is_a_constant_of_the_shapes():
 def test_masked_indices_are_made_by_mask_indices_alone():
     """The kernel trusts MaskedIndices: none is built from an array or changed, while those
     mask_indices makes cross jit, scan and slicing as their array does."""
-    with pytest.raises(TypeError, match="made by mask_indices"):
+    with pytest.raises(TypeError, match=r"MaskedIndices is made by mask_indices\(indices, "
+                                        r"kv_cache\); it cannot be built from arrays"):
         MaskedIndices(jnp.full((1, 1, 4), 10**6, jnp.int32), 10**7)
     masked = mask_indices(jnp.asarray([[[3, 64, -5, 63]]] * 2, jnp.int32), SparseKVCache.create(1))
     with pytest.raises(AttributeError, match="immutable"):

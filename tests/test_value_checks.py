@@ -1,6 +1,5 @@
 """jax_flashmla.value_checks(): each bad value a scheduler can compute is a checkify error
 naming the argument, the request and the value; with the checks off the step holds none."""
-import dataclasses
 import inspect
 import textwrap
 
@@ -109,8 +108,8 @@ def test_a_schedule_not_of_the_metadatas_lengths_is_named(inputs):
                                  implementation="custom_call")
         other = jf.get_mla_metadata(sl - 100, block_table=bt, num_pages=kv.shape[0],
                                     num_heads_q=16, implementation="custom_call")
-        md = dataclasses.replace(md, tile_scheduler_metadata=other.tile_scheduler_metadata,
-                                 num_splits=other.num_splits)
+        md = md._replace(tile_scheduler_metadata=other.tile_scheduler_metadata,
+                         num_splits=other.num_splits)
         return jf.mla_decode(q, kv, bt, sl, metadata=md, implementation="custom_call")
 
     err, _ = _checked(step, q, kv, bt, jnp.maximum(sl, 100))

@@ -324,7 +324,13 @@ class MultiHeadLatentAttention(nnx.Module):
         to the end of seq_lens, so each row's tokens are moved to the end of its s_q window and
         back. Returns the attention (b, s, h, v_head_dim) before W_O."""
         s = q_nope.shape[1]
-        shift = (s - jnp.clip(lengths, 0, s))[:, None]
+        # A row whose length is outside [0, s], or whose prefix is negative or so long that
+        # prefix + s would wrap int32, is empty, as in the expanded form: its decode length 0.
+        empty = ((lengths < 0) | (lengths > s) | (prefix_lens < 0)
+                 | (prefix_lens > jnp.iinfo(jnp.int32).max - s))
+        lengths = jnp.where(empty, 0, lengths)
+        seq_lens = jnp.where(empty, 0, prefix_lens + lengths)
+        shift = (s - lengths)[:, None]
         index = jnp.arange(s)[None, :]
 
         def take(x, i):
@@ -332,7 +338,7 @@ class MultiHeadLatentAttention(nnx.Module):
 
         q = self.absorbed_query(q_nope, q_pe)
         q = take(q, index - shift).astype(cache_data.dtype if k_scale is None else jnp.bfloat16)
-        out, _ = ops.mla_decode(q, cache_data, block_table, prefix_lens + lengths,
+        out, _ = ops.mla_decode(q, cache_data, block_table, seq_lens,
                                 softmax_scale=self.config.softmax_scale, causal=True,
                                 implementation=implementation, k_scale=k_scale)
         out = take(out, index + shift)

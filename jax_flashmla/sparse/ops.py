@@ -12,7 +12,6 @@ FlashMLA's scheduler makes it once per shape at trace time, and each program hol
 constant, so no caller hands a kernel a schedule and no step computes one.
 A cache of no pages (kv of no keys) takes no kernel: every query gets the empty answer.
 Elsewhere, or where the kernel library lacks the op, the pure-JAX reference runs."""
-import dataclasses
 import functools
 import math
 
@@ -20,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flashmla import custom_calls, kernels, validation
+from jax_flashmla import custom_calls, kernels, trusted, validation
 from jax_flashmla.ops import default_num_sms
 from jax_flashmla.sparse import reference
 from jax_flashmla.sparse.cache import sparse_cache_array
@@ -137,14 +136,14 @@ def _kernel_decode(q, data, stack, layer, attn_sink, softmax_scale):
     return out[:, :, :h_q], lse[:, :h_q]
 
 
+@trusted.library_made(["slots"], ["num_keys"], "mask_indices(indices, kv_cache)")
 class MaskedIndices:
     """Sparse indices with every invalid entry already -1, as FlashMLA's kernel reads them:
     sparse_mla_decode takes them as they are, with no mask of its own.
 
-    Made by mask_indices alone, once for indices several decodes share (a step's layers, say):
-    the kernel trusts them, so they cannot be built from an array (the constructor refuses)
-    nor changed. A stack of them slices like its array (masked[layer], or as lax.scan's xs),
-    and sparse_mla_decode(..., layer=) reads a layer's row of it in place.
+    Made by mask_indices alone (jax_flashmla/trusted.py), once for indices several decodes
+    share (a step's layers, say). A stack of them slices like its array (masked[layer], or as
+    lax.scan's xs), and sparse_mla_decode(..., layer=) reads a layer's row of it in place.
 
     Attributes:
       slots: (..., topk) int32, each in [-1, num_keys).
@@ -153,33 +152,8 @@ class MaskedIndices:
 
     __slots__ = ("slots", "num_keys")
 
-    def __init__(self, *args, **kwargs):
-        raise TypeError("MaskedIndices are made by mask_indices(indices, kv_cache), which masks "
-                        "them for the cache; they cannot be built from an array")
-
-    @classmethod
-    def _trusted(cls, slots, num_keys):
-        """Indices this module masked (or a slice of such): the one way to make them."""
-        masked = object.__new__(cls)
-        object.__setattr__(masked, "slots", slots)
-        object.__setattr__(masked, "num_keys", num_keys)
-        return masked
-
-    def __setattr__(self, name, value):
-        raise AttributeError(f"MaskedIndices are immutable; got an assignment to {name!r}")
-
     def __getitem__(self, key):
-        return MaskedIndices._trusted(self.slots[key], self.num_keys)
-
-    def __repr__(self):
-        return f"MaskedIndices(slots={self.slots!r}, num_keys={self.num_keys})"
-
-
-# A pytree whose slots are its leaf, so that it crosses jit, scan and vmap: rebuilt from its
-# leaf as it was flattened.
-jax.tree_util.register_pytree_node(
-    MaskedIndices, lambda masked: ((masked.slots,), masked.num_keys),
-    lambda num_keys, leaves: MaskedIndices._trusted(leaves[0], num_keys))
+        return self._replace(slots=self.slots[key])
 
 
 def mask_indices(indices, kv_cache, *, topk_length=None):
@@ -201,7 +175,7 @@ def mask_indices(indices, kv_cache, *, topk_length=None):
             _fail(ValueError, where, f"topk_length must have shape {tuple(indices.shape[:1])}, "
                                      f"indices' first dimension; got {tuple(topk_length.shape)}")
     num_keys = data.shape[0] * PAGE_SIZE
-    return MaskedIndices._trusted(_masked(indices, num_keys, topk_length), num_keys)
+    return MaskedIndices._make(_masked(indices, num_keys, topk_length), num_keys)
 
 
 def _masked(indices, num_keys, topk_length):
