@@ -51,13 +51,20 @@ to both jax steps. Reported: µs per layer (the median step's wall clock / layer
 span per layer (from a profile); µs per layer with --steps steps launched before one sync
 (queued: the GPU's time per step wherever the host launches ahead of it, as a serving loop
 that schedules the next step while the GPU runs this one); whether every step's last out is
-torch's bit for bit.
+torch's bit for bit. With --unguarded the step also runs unrolled with FlashMLA's custom call in
+place of sparse_mla_decode on the raw indices (bare_decode: no mask, no checks; the indices are
+all in range), as bench_step.py's --unguarded: reported, the unrolled step's cost over it (the
+median ratio of the two steps run in turns, a step of each per turn; bar +2% at b=1, +1% at
+b=128, 61 layers) and whether their outs are the same bit for bit.
 
 On CPU, --tiny runs a small configuration through the pure-JAX sparse reference and the C++
-model of the dense decode, without torch.
+model of the dense decode, without torch (and --unguarded the reference on the raw indices in
+place of the custom call, which is CUDA only).
 
   python benchmarks/bench_sparse.py --out benchmarks/results/sparse_h200
   python benchmarks/bench_sparse.py --points 'call/*' --out /tmp/sparse_calls   # a part
+  python benchmarks/bench_sparse.py --unguarded --points 'step/b1/*' 'step/b128/*' \
+      --out benchmarks/results/sparse_unguarded_h200
 """
 import argparse
 import concurrent.futures
@@ -81,10 +88,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jax_flashmla as jf  # noqa: E402
-from jax_flashmla import kernels, serving  # noqa: E402
-from jax_flashmla.sparse import mask_indices, quantize_tokens, sparse_mla_decode  # noqa: E402
+from jax_flashmla import custom_calls, kernels, ops, serving  # noqa: E402
+from jax_flashmla.sparse import (mask_indices, quantize_tokens, reference,  # noqa: E402
+                                 sparse_mla_decode)
 from jax_flashmla.sparse.cache import TOKEN_BYTES  # noqa: E402
-from jax_flashmla.sparse.ops import KERNEL_HEADS  # noqa: E402
+from jax_flashmla.sparse.ops import KERNEL_HEADS, KERNEL_TOPK_BLOCK, _schedule  # noqa: E402
 
 import sparse_report  # noqa: E402
 from device_time import device_time_in_turns, spin_blockers  # noqa: E402
@@ -101,6 +109,8 @@ STEP_ROUNDS = 4
 # Layers an iteration of the scanned step's loop: its own kernels (the counter, the compare,
 # the select) run once an iteration, ~1.4 us a layer at 4 on the H200.
 SCAN_UNROLL = 8
+# With --unguarded: the unrolled step of bare decodes (bare_decode) on the raw indices.
+UNGUARDED = "jax_unrolled_unguarded"
 GPU = dict(call_b=(1, 16, 64, 128), call_contexts=(8192, 32768, 131072), call_h_q=(64, 128),
            call_s_q=(1, 2), step_b=(1, 16, 64, 128), step_context=32768, step_h_q=128,
            step_s_q=1, topk=2048, layers=61, rotations=4, target_ms=20.0, repeats=3, steps=40)
@@ -367,12 +377,32 @@ class StepInputs:
         return self.cache, self.q0, self.indices, self.rope
 
 
-def jax_steps(inp, scan_unroll=SCAN_UNROLL, xla_options=None, sliced=False):
+def bare_decode(q, cache, indices, layer):
+    """Layer `layer`'s out without sparse_mla_decode's protections (the mask of the indices,
+    the checks): FlashMLA's custom call on row `layer` of the raw index stack, as the op's
+    _kernel_decode calls it, less the padding that the step's shapes do not need; on CPU,
+    where the custom call cannot run, the reference on the raw row."""
+    if sparse_implementation() == "reference":
+        return reference.sparse_decode_reference(q, cache, indices[layer],
+                                                 softmax_scale=SOFTMAX_SCALE)[0]
+    b, s_q, h_q, _ = q.shape
+    topk = indices.shape[-1]
+    assert h_q in KERNEL_HEADS and topk % KERNEL_TOPK_BLOCK == 0, \
+        f"--unguarded pads nothing: h_q {h_q} must be 64 or 128, topk {topk} a multiple of 64"
+    out, *_ = custom_calls.SPARSE_DECODE(
+        q=q, kv_cache=cache, indices=indices, attn_sink=jnp.zeros((0,), jnp.float32),
+        schedule=_schedule(b, h_q, s_q, topk, ops.default_num_sms()),
+        softmax_scale=SOFTMAX_SCALE, with_sink=False, layer=layer)
+    return out[:, :, :h_q]
+
+
+def jax_steps(inp, scan_unroll=SCAN_UNROLL, xla_options=None, sliced=False, unguarded=False):
     """{name: (jitted step, its compiler options)}: the step unrolled and under lax.scan
     (scan_unroll layers an iteration), each returning its last out (q[..., :512] after the
     last layer); xla_options: more compiler options for both; sliced: also the unrolled step
     with each layer's indices sliced from the stack (masked[layer]) rather than read in place
-    (layer=), to compare the two."""
+    (layer=), to compare the two; unguarded: also the unrolled step of bare_decode on the raw
+    indices (UNGUARDED), to measure what the protections cost."""
     def decode(q, cache, indices, rope, layer=None):
         out, _ = sparse_mla_decode(q, cache, indices, softmax_scale=SOFTMAX_SCALE, layer=layer,
                                    implementation=sparse_implementation())
@@ -383,6 +413,11 @@ def jax_steps(inp, scan_unroll=SCAN_UNROLL, xla_options=None, sliced=False):
         for layer in range(inp.layers):  # each layer's row of the stack, read in place
             q = (decode(q, cache, masked, rope[layer], layer) if in_place
                  else decode(q, cache, masked[layer], rope[layer]))
+        return q[..., :D_V]
+
+    def unrolled_unguarded(cache, q, indices, rope):
+        for layer in range(inp.layers):
+            q = bench_step._next(bare_decode(q, cache, indices, layer), rope[layer])[0]
         return q[..., :D_V]
 
     def scanned(cache, q, indices, rope):
@@ -397,10 +432,13 @@ def jax_steps(inp, scan_unroll=SCAN_UNROLL, xla_options=None, sliced=False):
     if sliced:
         steps["jax_unrolled_sliced"] = (functools.partial(unrolled, in_place=False),
                                         extra or None)
+    if unguarded:
+        steps[UNGUARDED] = (unrolled_unguarded, extra or None)
     return steps
 
 
-def compiled_jax_steps(inp, scan_unroll=SCAN_UNROLL, xla_options=None, sliced=False):
+def compiled_jax_steps(inp, scan_unroll=SCAN_UNROLL, xla_options=None, sliced=False,
+                       unguarded=False):
     """[(name, the HostQueue its step pushes to, the step through AlternatingStep)] of
     jax_steps, each pushing its out as bench_step.py's steps do, compiled for inp's
     arguments."""
@@ -413,13 +451,15 @@ def compiled_jax_steps(inp, scan_unroll=SCAN_UNROLL, xla_options=None, sliced=Fa
         return name, queue, serving.AlternatingStep(
             jax.jit(pushing, compiler_options=options).lower(*arguments).compile())
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # XLA compiles off Python's thread
-        return list(pool.map(compiled,
-                             jax_steps(inp, scan_unroll, xla_options, sliced).items()))
+        return list(pool.map(compiled, jax_steps(inp, scan_unroll, xla_options, sliced,
+                                                 unguarded).items()))
 
 
 def run_step_point(inp, steps, torch_sparse, shared_schedule=True,
-                   scan_unroll=SCAN_UNROLL, xla_options=None):
-    """The step's record at StepInputs inp: µs per layer, GPU span per layer, outs compared."""
+                   scan_unroll=SCAN_UNROLL, xla_options=None, unguarded=False):
+    """The step's record at StepInputs inp: µs per layer, GPU span per layer, outs compared;
+    unguarded: also the UNGUARDED step, the protected unrolled step's cost over it
+    (unguarded_cost) and whether their outs are the same bit for bit (unguarded_identical)."""
     started = time.perf_counter()
     record = dict(label=step_label(inp.b, inp.context, inp.h_q, inp.s_q), b=inp.b,
                   context=inp.context, h_q=inp.h_q, s_q=inp.s_q, topk=inp.topk,
@@ -427,7 +467,7 @@ def run_step_point(inp, steps, torch_sparse, shared_schedule=True,
     arguments = inp.arguments()
     launches, outs = {}, {}  # name: (launch a step, sync); name: the last step's out
     start = time.perf_counter()
-    made = compiled_jax_steps(inp, scan_unroll, xla_options)
+    made = compiled_jax_steps(inp, scan_unroll, xla_options, unguarded=unguarded)
     record["compile_s"] = round(time.perf_counter() - start, 1)
     for name, queue, step in made:
         pending = [0]  # steps launched and not yet popped: each pushed once
@@ -455,6 +495,10 @@ def run_step_point(inp, steps, torch_sparse, shared_schedule=True,
                                                  warmup=3 if round_ == 0 else 1)
     for name, samples in times.items():
         record[f"{name}_us"] = round(statistics.median(samples) / inp.layers, 2)
+    if unguarded:  # in turns, a step of each per turn: steps timed one variant after the
+        # other drifted by up to 3% in bench_step.py, more than the cost's bar
+        record["unguarded_cost"] = round(bench_step.cost_in_turns(
+            runs[UNGUARDED], runs["jax_unrolled"], steps), 5)
     for name, (launch, sync) in launches.items():
         record[f"{name}_queued_us"] = round(
             bench_step.queued_steps_us(launch, sync, steps) / inp.layers, 2)
@@ -463,12 +507,15 @@ def run_step_point(inp, steps, torch_sparse, shared_schedule=True,
             record[f"{name}_gpu_us"] = None if span is None else round(span / inp.layers, 2)
     as_array = lambda out: np.asarray(out if isinstance(out, jax.Array) else out.float().cpu(),
                                       np.float32)
-    jax_outs = [as_array(outs[name]) for name, _, _ in made]
+    jax_outs = [as_array(outs[name]) for name, _, _ in made if name != UNGUARDED]
     record["steps_agree"] = all(np.array_equal(out, jax_outs[0]) for out in jax_outs[1:])
+    if unguarded:  # the indices are all in range: the protections change no bit
+        record["unguarded_identical"] = bool(np.array_equal(as_array(outs[UNGUARDED]),
+                                                            as_array(outs["jax_unrolled"])))
     if torch_sparse is not None:
         expected = as_array(torch_outs["torch_graph"])
         for name, out in [*outs.items(), *torch_outs.items()]:
-            if name != "torch_graph":
+            if name not in ("torch_graph", UNGUARDED):
                 record[f"{name}_out_identical"] = bool(np.array_equal(as_array(out), expected))
     record["point_s"] = round(time.perf_counter() - started, 1)
     return record
@@ -507,6 +554,10 @@ def main(argv=None):
     parser.add_argument("--deadline-s", type=float, default=None,
                         help="start no point after this many seconds; the report is still "
                              "written (default: none)")
+    parser.add_argument("--unguarded", action="store_true",
+                        help="also the unrolled step of the bare custom call on the raw indices "
+                             "(no mask, no checks), and the protected step's cost over it "
+                             "(h_q 64 or 128, topk a multiple of 64)")
     parser.add_argument("--tiny", action="store_true",
                         help="a small configuration on the default device, without torch")
     parser.add_argument("--out", default=None, help="path prefix of the .json/.md/.png results")
@@ -567,7 +618,7 @@ def main(argv=None):
         inp = StepInputs(b, context, h_q, s_q, grid["topk"], grid["layers"], args.cache_gb)
         result["step"].append(run_step_point(inp, grid["steps"], torch_sparse,
                                              not args.no_shared_schedule, args.scan_unroll,
-                                             xla_options))
+                                             xla_options, args.unguarded))
         print(json.dumps(result["step"][-1]), flush=True)
         del inp
         save_report()

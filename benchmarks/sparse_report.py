@@ -22,6 +22,10 @@ STEP_VARIANTS = (("jax_scan", "scan, alt."), ("jax_unrolled", "unrolled, alt."),
                  ("torch_graph", "torch graph"),
                  ("torch_graph_shared", "torch graph, schedule per step"))
 JAX_STEPS = ("jax_scan", "jax_unrolled")
+# --unguarded's bars by (b, layers): the unrolled step's cost over the same step of bare
+# decodes (what the mask of the indices and the op's checks cost) at most this.
+PROTECTION_BARS = {(1, 61): 0.02, (128, 61): 0.01}
+UNGUARDED_TITLE = "## The cost of out-of-range protection in the step"
 
 
 def _paired(record, impl, base, field):
@@ -85,6 +89,14 @@ def step_bar_met(record):
     if not ratios:
         return None
     return max(ratios.values()) <= step_report.bar(dict(record, torch_graph_us=best_graph_us(record)))
+
+
+def protection_bar_met(record):
+    """Whether the protections' cost is within PROTECTION_BARS; None without a bar or a cost."""
+    bar = PROTECTION_BARS.get((record["b"], record["layers"]))
+    if bar is None or "unguarded_cost" not in record:
+        return None
+    return record["unguarded_cost"] <= bar
 
 
 def _fmt(value, spec=".1f"):
@@ -167,6 +179,15 @@ def summary_lines(result):
     if queued:
         lines.append(f"- Step queued (steps launched before one sync), jax_flashmla / torch "
                      f"graph: {_stats(queued)}.")
+    guarded = [r for r in steps if "unguarded_cost" in r]
+    if guarded:
+        met = [m for m in map(protection_bar_met, guarded) if m is not None]
+        costs = ", ".join(f"{100 * r['unguarded_cost']:+.2f}% at b={r['b']}" for r in guarded)
+        within = f"; within its bar at {sum(met)} of {len(met)} points" if met else ""
+        lines.append(f"- Out-of-range protection in the step (the unrolled step's cost over "
+                     f"the same step of bare decodes): {costs}{within}; outs the same bit for "
+                     f"bit at {sum(r['unguarded_identical'] for r in guarded)} of "
+                     f"{len(guarded)} points.")
     if result["not_run"]:
         lines.append(f"- Not run (deadline): {', '.join(result['not_run'])}.")
     return lines
@@ -257,7 +278,38 @@ def markdown(result):
                 lines.append("| " + " | ".join(
                     [str(r["b"])] + [_fmt(r.get(name + "_queued_us")) for name, _ in STEP_VARIANTS]
                     + [_fmt(ratios.get(name), ".3f") for name in JAX_STEPS]) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _unguarded_section(result)) + "\n"
+
+
+def _unguarded_section(result):
+    """The step points measured with --unguarded: the unrolled step against the same step of
+    bare decodes, measured in the same run."""
+    rows = [r for r in result["step"] if "unguarded_cost" in r]
+    if not rows:
+        return []
+    bare = ("FlashMLA's custom call" if result["meta"]["implementation"] == "custom_call"
+            else "the sparse reference (the custom call is CUDA only)")
+    bars = ", ".join(f"+{100 * bar:g}% at b={b} over {layers} layers"
+                     for (b, layers), bar in PROTECTION_BARS.items())
+    lines = ["", UNGUARDED_TITLE, "",
+             "The unrolled step (its layers' indices masked once, `mask_indices`, each layer's "
+             f"`sparse_mla_decode` reading its row) against the same step with {bare} in place "
+             "of `sparse_mla_decode` on the raw indices (no mask, no checks; the bench's "
+             "indices are all in range), both through AlternatingStep. Measured in the same "
+             "run, µs per layer (GPU span per layer in brackets). Cost: the median over the "
+             "run's steps of the ratio of the two steps' times, a step of each per turn, their "
+             "order alternating. Bar: "
+             f"{bars}. Identical: the two steps' outs bit for bit.", "",
+             "| b | context | h_q | s_q | L | caches | unguarded | sparse_mla_decode | cost "
+             "| bar met | identical |", "| " + " | ".join(["---"] * 11) + " |"]
+    for r in rows:
+        lines.append("| " + " | ".join(
+            [str(r[k]) for k in ("b", "context", "h_q", "s_q", "layers", "layer_caches")]
+            + [f"{_fmt(r.get(name + '_us'))} ({_fmt(r.get(name + '_gpu_us'))})"
+               for name in ("jax_unrolled_unguarded", "jax_unrolled")]
+            + [f"{100 * r['unguarded_cost']:+.2f}%", _yes(protection_bar_met(r)),
+               _yes(r["unguarded_identical"])]) + " |")
+    return lines
 
 
 def plot(result, path):

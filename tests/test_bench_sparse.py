@@ -1,6 +1,6 @@
 """benchmarks/bench_sparse.py's tiny configuration (on CPU through the sparse reference and the
 C++ model of the dense decode): its points and fields, and the report; the report's ratios and
-bars from per-repeat times, and parts merged."""
+bars from per-repeat times, --unguarded's step and table, and parts merged."""
 import statistics
 import sys
 
@@ -54,6 +54,21 @@ def test_the_scanned_step_takes_its_layers_an_iteration_from_the_command_line(tm
     assert result["meta"]["scan_unroll"] == 2 and result["per_call"] == []
     (step,) = result["step"]
     assert step["steps_agree"]
+
+
+def test_the_unguarded_step_runs_beside_the_protected_one(tmp_path):
+    """--unguarded on CPU: the reference on the raw indices stands in for the custom call (CUDA
+    only); its cost measured, its out the protected step's bit for bit, the report's table."""
+    prefix = tmp_path / "unguarded"
+    result = run_tiny_benchmark("bench_sparse.py", prefix, "--unguarded", "--points", "step/*")
+    (step,) = result["step"]
+    assert {"jax_unrolled_unguarded_us", "unguarded_cost"} <= set(step)
+    assert step["unguarded_identical"] and step["steps_agree"]
+    markdown = prefix.with_suffix(".md").read_text()
+    assert sparse_report.UNGUARDED_TITLE in markdown and "the sparse reference" in markdown
+    assert f"| 2 | 128 | 16 | 1 | 3 | 3 | {step['jax_unrolled_unguarded_us']:.1f} (-) | " \
+           f"{step['jax_unrolled_us']:.1f} (-) | {100 * step['unguarded_cost']:+.2f}% | - | " \
+           "yes |" in markdown
 
 
 def _call(b, sparse, torch, dense=(400.0, 400.0, 400.0), premasked=None):
@@ -111,6 +126,34 @@ def test_the_report_states_the_bars_from_the_runs_times():
     assert "| 128 | 40.0 | 39.0 | 40.0 | - | 1.000 | 0.975 |" in markdown  # queued
     assert "Step queued (steps launched before one sync), jax_flashmla / torch graph: " \
            "median 0.988" in markdown
+    assert sparse_report.UNGUARDED_TITLE not in markdown  # run without --unguarded
+
+
+def test_the_report_states_the_cost_of_the_protections_against_its_bars():
+    """+1.5% at b=1 (bar +2%), +1.2% at b=128 (bar +1%), b=16 without a bar; b=1's outs
+    differing."""
+    steps = [dict(_step(b, 30.0, 31.0, unrolled), jax_unrolled_gpu_us=unrolled - 0.5,
+                  jax_unrolled_unguarded_us=bare, jax_unrolled_unguarded_gpu_us=bare - 0.5,
+                  unguarded_cost=cost, unguarded_identical=identical)
+             for b, unrolled, bare, cost, identical in ((1, 20.3, 20.0, 0.015, False),
+                                                        (16, 40.0, 40.0, 0.0, True),
+                                                        (128, 194.3, 192.0, 0.012, True))]
+    assert [sparse_report.protection_bar_met(r) for r in steps] == [True, None, False]
+    result = dict(meta=dict(device="H200", jax="x", date="today", implementation="custom_call",
+                            topk=2048, softmax_scale=192 ** -0.5, rotations=4, layers=61),
+                  per_call=[], step=steps, not_run=[])
+    markdown = sparse_report.markdown(result)
+    assert "with FlashMLA's custom call in place of `sparse_mla_decode`" in markdown
+    assert "Bar: +2% at b=1 over 61 layers, +1% at b=128 over 61 layers." in markdown
+    assert "| 1 | 32768 | 128 | 1 | 61 | 61 | 20.0 (19.5) | 20.3 (19.8) | +1.50% | yes | NO |" \
+        in markdown
+    assert "| 16 | 32768 | 128 | 1 | 61 | 61 | 40.0 (39.5) | 40.0 (39.5) | +0.00% | - | yes |" \
+        in markdown
+    assert "| 128 | 32768 | 128 | 1 | 61 | 61 | 192.0 (191.5) | 194.3 (193.8) | +1.20% | NO " \
+           "| yes |" in markdown
+    assert "- Out-of-range protection in the step (the unrolled step's cost over the same step " \
+           "of bare decodes): +1.50% at b=1, +0.00% at b=16, +1.20% at b=128; within its bar " \
+           "at 1 of 2 points; outs the same bit for bit at 2 of 3 points." in markdown
 
 
 def test_a_merged_part_replaces_the_points_it_measured_again():
