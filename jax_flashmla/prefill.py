@@ -19,7 +19,6 @@ max_prefix_tokens past it. Each part is ragged flash attention (ragged_attention
 GPU, or a blockwise pure-JAX one. Nothing holds a (tokens x keys) array.
 """
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -37,30 +36,60 @@ PREFIX_SLICE_BYTES = 4 << 30
 # (fewer keys than this) is attended in one part of this many, with a padding mask. Smaller
 # parts would cost more in their merges (elementwise over out) than they save.
 PREFIX_PART_KEYS = 2048
+# DeepSeek's rope key: the cache rows' columns past the latent.
+ROPE_DIM = validation.HEAD_DIM - validation.HEAD_DIM_V
+
+
+def _cudnn_missing():
+    """None where cuDNN's flash attention with v narrower than q/k can run (cuDNN >= 9.10 on a
+    Hopper GPU, JAX's default device), else what it needs and what is here, for an error."""
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return f"a Hopper GPU as JAX's default backend; got {device.platform}"
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as fa
+        capability = tuple(int(x) for x in str(device.compute_capability).split("."))
+        version = fa.check_cudnn_version()
+    except Exception as e:  # noqa: BLE001 - no cuDNN, or a jax or GPU without what is asked
+        return f"cuDNN on a Hopper GPU; looking for them raised {e!r}"
+    if capability < (9, 0):
+        return f"a Hopper GPU; got compute capability {device.compute_capability}"
+    if version < 91000:
+        return f"cuDNN >= 9.10; got {version}"
+    return None
 
 
 def _cudnn_usable():
-    """cuDNN flash attention with v narrower than q/k: cuDNN >= 9.10 on a Hopper GPU."""
-    try:
-        from jax._src.cudnn import fused_attention_stablehlo as fa
-        device = jax.devices()[0]
-        capability = tuple(int(x) for x in str(device.compute_capability).split("."))
-        return (device.platform == "gpu" and capability >= (9, 0)
-                and fa.check_cudnn_version() >= 91000)
-    except Exception:  # noqa: BLE001 - no GPU, no cuDNN, or a jax without the wrapper
-        return False
+    """Whether cuDNN's flash attention can run here (benchmarks/bench_prefill.py asks too)."""
+    return _cudnn_missing() is None
 
 
-def _resolve(implementation, dtype):
+def _resolve(implementation, dtype, head_dim=None):
+    """The implementation for q of this dtype and head dim (unchecked where None): None picks
+    "cudnn" where it can run, else "xla"; "cudnn" where it cannot is an error naming it."""
+    where = "mla_prefill"
+    # jax's wrapper of cuDNN takes q/k head dims that are multiples of 8, up to 256.
+    head_dim_fits = head_dim is None or (head_dim % 8 == 0 and head_dim <= 256)
     if implementation is None:
-        cudnn = dtype in validation.SUPPORTED_DTYPES and _cudnn_usable()
+        cudnn = dtype in validation.SUPPORTED_DTYPES and head_dim_fits and _cudnn_usable()
         return "cudnn" if cudnn else "xla"
     if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"mla_prefill: implementation must be None or one of "
-                         f"{IMPLEMENTATIONS}; got {implementation!r}")
-    if implementation == "cudnn" and dtype not in validation.SUPPORTED_DTYPES:
-        raise TypeError(f"mla_prefill: implementation 'cudnn' takes bfloat16 or float16 q; got "
-                        f"{dtype}")
+        validation._fail(ValueError, where, f"implementation must be None or one of "
+                                            f"{IMPLEMENTATIONS}; got {implementation!r}")
+    if implementation == "cudnn":
+        way_out = "; pass implementation='xla' or None"
+        if dtype not in validation.SUPPORTED_DTYPES:
+            validation._fail(TypeError, where, f"implementation='cudnn' takes bfloat16 or "
+                                               f"float16 q; got {dtype}{way_out}")
+        # Here, not in jax's wrapper, whose errors name neither the argument nor the way out.
+        missing = _cudnn_missing()
+        if missing is not None:
+            validation._fail(ValueError, where, f"implementation='cudnn' needs {missing}"
+                                                f"{way_out}")
+        if not head_dim_fits:
+            validation._fail(ValueError, where, f"implementation='cudnn' needs q's head dim a "
+                                                f"multiple of 8 up to 256; got {head_dim}"
+                                                f"{way_out}")
     return implementation
 
 
@@ -111,6 +140,20 @@ def _decompress(rows, w_k, w_v):
     # Products in rows' dtype: a GPU's matmul accumulates bf16 in float32 and writes bf16,
     # half the bytes of a float32 product rounded after.
     return jnp.einsum("sc,chd->shd", rows_k, w_k), jnp.einsum("sc,chd->shd", rows_v, w_v)
+
+
+def _non_finite_values_in_keys(k, v):
+    """(k, v) for the xla core, which multiplies every value of a key block by each query's
+    weight, 0 for the queries that do not see the key, and 0 * NaN is NaN: a NaN in one
+    request's value would reach the queries of the others whose rows share its block. A key
+    whose value (for a head) holds a NaN or inf becomes NaN, and its value 0: the core masks
+    scores with a select, so the NaN reaches exactly the queries that see the key, making their
+    out NaN, and the others weigh an exact 0. Finite values pass unchanged. (A NaN or inf in a
+    row makes its key NaN anyway: each entry reaches every column of k, some by a weight of 0.)
+    """
+    bad = ~jnp.all(jnp.isfinite(v), axis=-1, keepdims=True)  # (s, h, 1)
+    return (jnp.where(bad, jnp.asarray(jnp.nan, k.dtype), k),
+            jnp.where(bad, jnp.zeros((), v.dtype), v))
 
 
 # -- the prefix's parts ------------------------------------------------------------------------
@@ -176,21 +219,36 @@ def _layout(block_table, prefix_lens, query_lens, query_starts, num_pages, capac
     """(bad, prefix_starts): the requests answered empty, and where each request's prefix
     starts on the prefix axis: the prefixes of the others one after the other, in order, each
     from a page boundary (so that a request's keys fall into the cores' blocks alike wherever
-    its prefix lies, and its answer does not change with the requests before it)."""
+    its prefix lies, and its answer does not change with the requests before it); past the
+    axis, some position at least capacity + 1."""
     in_range = _in_range(query_lens, query_starts, t)
     bad = ~in_range | _overlaps(query_starts, query_lens, in_range)[0]
     bad = bad | (prefix_lens < 0) | (prefix_lens > capacity)
     if capacity:
         bad = bad | checks.bad_requests(block_table, jnp.clip(prefix_lens, 0, capacity),
                                         num_pages)
-    held = jnp.where(bad, 0, (prefix_lens + PAGE_SIZE - 1) // PAGE_SIZE * PAGE_SIZE)
-    prefix_starts = (jnp.cumsum(held) - held).astype(jnp.int32)
-    return bad | (prefix_starts + prefix_lens > capacity), prefix_starts
+    taken = (jnp.clip(prefix_lens, 0, capacity) + PAGE_SIZE - 1) // PAGE_SIZE * PAGE_SIZE
+    prefix_starts = _starts(jnp.where(bad, 0, taken), capacity + 1)
+    return bad | (prefix_lens > capacity - prefix_starts), prefix_starts
+
+
+def _starts(lens, cap):
+    """(batch,) int32: where segments of these lengths (each in [0, cap]) start, one after the
+    other from 0: exact up to cap; past it, some value at least cap, never one wrapped back
+    below it, whatever the batch."""
+    ends = jnp.cumsum(lens)
+    if lens.shape[0] * cap >= 2**31:  # else no sum can wrap
+        # The first sum past cap is above it or, wrapped, negative (no length exceeds cap);
+        # the sums after it may wrap anywhere, but are past cap from there on.
+        past = jax.lax.cummax(((ends > cap) | (ends < 0)).astype(jnp.int32)) > 0
+        ends = jnp.where(past, cap, ends)
+    return jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
 
 
 def _in_range(query_lens, query_starts, t):
-    """(batch,): requests whose rows lie within the t rows of q."""
-    return (query_lens >= 0) & (query_starts >= 0) & (query_starts + query_lens <= t)
+    """(batch,): requests whose rows lie within the t rows of q (compared so as not to wrap:
+    t - a start >= 0 fits int32)."""
+    return (query_lens >= 0) & (query_starts >= 0) & (query_lens <= t - query_starts)
 
 
 def _overlaps(query_starts, query_lens, in_range):
@@ -202,7 +260,9 @@ def _overlaps(query_starts, query_lens, in_range):
 
 
 def _check_values(block_table, prefix_lens, query_lens, query_starts, prefix_starts, num_pages,
-                  capacity, t, k_scale):
+                  capacity, t, k_scale, packed):
+    """The checkify checks of what _layout answers empty: each names the first request at
+    fault and its values."""
     from jax.experimental import checkify
     where = "mla_prefill"
 
@@ -212,18 +272,28 @@ def _check_values(block_table, prefix_lens, query_lens, query_starts, prefix_sta
                        **{name: v[i] for name, v in values.items()})
 
     in_range = _in_range(query_lens, query_starts, t)
-    check(~in_range, f"query_lens[{{i}}] = {{length}} with query_starts[{{i}}] = {{start}}: "
-          f"rows outside [0, {t})", length=query_lens, start=query_starts)
+    # The first request out of range starts within [0, t] when packed: those before it fit.
+    start = ("from row {start}, packed after the requests before it" if packed
+             else "with query_starts[{i}] = {start}")
+    check(~in_range, f"query_lens[{{i}}] = {{length}} {start}: rows outside [0, {t})",
+          length=query_lens, start=query_starts)
     overlaps, before = _overlaps(query_starts, query_lens, in_range)
     check(overlaps, "query_starts[{i}] = {start} is before the end of an earlier request's "
           "rows ({end}); requests go in order, apart", start=query_starts, end=before)
     check((prefix_lens < 0) | (prefix_lens > capacity),
           f"prefix_lens[{{i}}] = {{value}} is outside [0, {capacity}]", value=prefix_lens)
-    check(prefix_starts + prefix_lens > capacity,
-          f"prefix_lens[{{i}}] = {{value}} ends its prefix at {{end}} (the prefixes one after "
-          f"the other, each from a page), past max_prefix_tokens = {capacity}",
-          value=prefix_lens, end=prefix_starts + prefix_lens)
+    # The first prefix past the axis starts within it: the prefixes before it fit.
+    check(prefix_lens > capacity - prefix_starts,
+          f"prefix_lens[{{i}}] = {{value}} from position {{start}} of the prefix axis (the "
+          f"prefixes one after the other, each from a page) ends past max_prefix_tokens = "
+          f"{capacity}",
+          value=prefix_lens, start=prefix_starts)
     if capacity:
+        max_pages = block_table.shape[1]
+        if max_pages * PAGE_SIZE < capacity:  # else each prefix within the axis fits its row
+            check(prefix_lens > max_pages * PAGE_SIZE, f"prefix_lens[{{i}}] = {{value}} needs "
+                  f"more pages than block_table's rows hold ({max_pages} of {PAGE_SIZE} "
+                  "tokens)", value=prefix_lens)
         checks.block_table_entries(where, block_table, jnp.clip(prefix_lens, 0, capacity),
                                    num_pages)
     if k_scale is not None:
@@ -235,30 +305,42 @@ def _check_values(block_table, prefix_lens, query_lens, query_starts, prefix_sta
 def _check_args(q, kv, kv_cache, block_table, prefix_lens, query_lens, query_starts, w_uk, w_uv,
                 capacity, k_scale):
     where = "mla_prefill"
+    fail = functools.partial(validation._fail, ValueError, where)
     validation.check_rank(where, "q", q, 3, "(tokens, heads, qk_nope_head_dim + rope)")
     t, h, d_qk = q.shape
     if q.dtype not in validation.SUPPORTED_DTYPES + (np.dtype("float32"),):
-        raise TypeError(f"{where}: q must be bfloat16, float16 or float32; got {q.dtype}")
+        validation._fail(TypeError, where, f"q must be bfloat16, float16 or float32; got "
+                                           f"{q.dtype}")
     for name, w in (("w_uk", w_uk), ("w_uv", w_uv)):
         validation.check_rank(where, name, w, 3, "(kv_lora_rank, heads, head_dim)")
         if w.shape[1] != h or w.shape[0] != w_uk.shape[0]:
-            raise ValueError(f"{where}: {name} must have shape ({w_uk.shape[0]}, {h}, head_dim) "
-                             f"for q's {h} heads; got {tuple(w.shape)}")
-    rope = d_qk - w_uk.shape[2]
+            fail(f"{name} must have shape ({w_uk.shape[0]}, {h}, head_dim) for q's {h} heads; "
+                 f"got {tuple(w.shape)}")
+    rank, nope = w_uk.shape[0], w_uk.shape[2]
+    validation.check_rank(where, "kv", kv, 2, "(tokens, kv_lora_rank + rope)")
+    # q and kv each say how wide the rope key is: where they disagree, the one that says
+    # DeepSeek's 64 is taken to be right, else kv (its rows are the cache's).
+    rope_q, rope_kv = d_qk - nope, kv.shape[1] - rank
+    rope = rope_q if rope_q == ROPE_DIM or (rope_q > 0 and rope_kv < 1) else rope_kv
     if rope < 1:
-        raise ValueError(f"{where}: q's last dim ({d_qk}) must exceed w_uk's head_dim "
-                         f"({w_uk.shape[2]}) by the rope dim")
-    width = w_uk.shape[0] + rope
-    validation.check_rank(where, "kv", kv, 2, f"(tokens, {width})")
-    if kv.shape != (t, width):
-        raise ValueError(f"{where}: kv must have shape {(t, width)} (the new tokens' cache "
-                         f"rows: kv_lora_rank latent, then the {rope}-d rope key); got "
-                         f"{tuple(kv.shape)}")
+        fail(f"q's last dim ({d_qk}) must exceed w_uk's head_dim ({nope}) by the rope dim")
+    if rope_q != rope:
+        absorbed = (f" (a {d_qk}-wide q is the decode's absorbed one; mla_prefill takes the "
+                    "non-absorbed q, its heads' no-rope part then rope part)"
+                    if d_qk == validation.HEAD_DIM else "")
+        fail(f"q must have shape ({t}, {h}, {nope + rope}): qk_nope_head_dim {nope} (w_uk's "
+             f"last dim) + the {rope}-d rope key (kv's {kv.shape[1]}-wide rows less "
+             f"kv_lora_rank {rank}); got {tuple(q.shape)}{absorbed}")
+    if kv.shape != (t, rank + rope):
+        fail(f"kv must have shape {(t, rank + rope)} (the new tokens' cache rows: kv_lora_rank "
+             f"latent, then the {rope}-d rope key of q's {d_qk} = {nope} + {rope}); got "
+             f"{tuple(kv.shape)}")
+    width = rank + rope
     if (not isinstance(capacity, (int, np.integer)) or isinstance(capacity, bool)
-            or capacity < 0 or capacity % PAGE_SIZE):
-        raise ValueError(f"{where}: max_prefix_tokens must be a non-negative int, a multiple "
-                         f"of {PAGE_SIZE} (static: the prefix keys read for the whole batch); "
-                         f"got {capacity!r}")
+            or not 0 <= capacity < 2**31 or capacity % PAGE_SIZE):
+        fail(f"max_prefix_tokens must be a non-negative int below 2**31 (positions on it are "
+             f"int32), a multiple of {PAGE_SIZE} (static: the prefix keys read for the whole "
+             f"batch); got {capacity!r}")
     b = None
     for name, lens in (("query_lens", query_lens), ("prefix_lens", prefix_lens),
                        ("query_starts", query_starts)):
@@ -267,35 +349,31 @@ def _check_args(q, kv, kv_cache, block_table, prefix_lens, query_lens, query_sta
         validation.check_rank(where, name, lens, 1, "(batch,)")
         validation.check_int32(where, name, lens)
         if b is not None and lens.shape[0] != b:
-            raise ValueError(f"{where}: {name} must have shape ({b},) like query_lens; got "
-                             f"{tuple(lens.shape)}")
+            fail(f"{name} must have shape ({b},) like query_lens; got {tuple(lens.shape)}")
         b = lens.shape[0] if b is None else b
     if (query_starts is not None or prefix_lens is not None) and query_lens is None:
-        raise ValueError(f"{where}: query_lens is needed with prefix_lens or query_starts (it "
-                         "says how many requests there are and how many new tokens each has)")
+        fail("query_lens is needed with prefix_lens or query_starts (it says how many requests "
+             "there are and how many new tokens each has)")
     if b == 0:
-        raise ValueError(f"{where}: query_lens must hold at least one request; got shape (0,)")
+        fail("query_lens must hold at least one request; got shape (0,)")
     if capacity == 0:
         return
     if kv_cache is None or block_table is None or prefix_lens is None:
-        raise ValueError(f"{where}: max_prefix_tokens = {capacity} needs kv_cache, block_table "
-                         "and prefix_lens")
+        fail(f"max_prefix_tokens = {capacity} needs kv_cache, block_table and prefix_lens")
     validation.check_rank(where, "kv_cache", kv_cache, 4, f"(num_pages, 64, 1, {width})")
     if kv_cache.shape[1:] != (PAGE_SIZE, 1, width):
-        raise ValueError(f"{where}: kv_cache must have shape (num_pages, 64, 1, {width}); got "
-                         f"{tuple(kv_cache.shape)}")
+        fail(f"kv_cache must have shape (num_pages, 64, 1, {width}); got "
+             f"{tuple(kv_cache.shape)}")
     fp8_cache = np.dtype(kv_cache.dtype) == validation.FP8_DTYPE
     if fp8_cache != (k_scale is not None):
-        raise ValueError(f"{where}: k_scale goes with a float8_e4m3fn kv_cache and only with it; "
-                         f"got kv_cache {kv_cache.dtype} and k_scale "
-                         f"{'given' if k_scale is not None else 'None'}")
+        fail(f"k_scale goes with a float8_e4m3fn kv_cache and only with it; got kv_cache "
+             f"{kv_cache.dtype} and k_scale {'given' if k_scale is not None else 'None'}")
     if k_scale is not None:
         validation.check_scale(where, "k_scale", k_scale)
     validation.check_rank(where, "block_table", block_table, 2, "(batch, max_pages)")
     validation.check_int32(where, "block_table", block_table)
     if block_table.shape[0] != b:
-        raise ValueError(f"{where}: block_table must have {b} rows, one per request; got "
-                         f"{tuple(block_table.shape)}")
+        fail(f"block_table must have {b} rows, one per request; got {tuple(block_table.shape)}")
 
 
 def mla_prefill(q, kv, kv_cache=None, block_table=None, prefix_lens=None, query_lens=None, *,
@@ -333,16 +411,22 @@ def mla_prefill(q, kv, kv_cache=None, block_table=None, prefix_lens=None, query_
         the one before, from row 0.
       k_scale: with a float8_e4m3fn kv_cache (and only then), its float32 scale (an array of
         shape () or (1,)); prefix rows are dequantized with it.
-      implementation: None picks "cudnn" (cuDNN's flash attention) on a Hopper GPU, else
-        "xla" (a blockwise pure-JAX attention).
+      implementation: None picks "cudnn" (cuDNN's flash attention) where it can run (cuDNN
+        >= 9.10 on a Hopper GPU, JAX's default backend; q bfloat16 or float16 of a head dim a
+        multiple of 8 up to 256), else "xla" (a blockwise pure-JAX attention). "cudnn" where
+        it cannot run is an error.
 
     A request is answered empty (out 0, lse +inf), the others untouched and nothing outside
     the cache read, when its rows leave [0, tokens) or overlap an earlier request's, when its
     prefix_len is outside [0, max_prefix_tokens] or needs more pages than its block table
     row has, when one of those pages is outside [0, num_pages), or when its prefix ends past
-    max_prefix_tokens after the pages of the requests before it not answered empty. With
-    jax_flashmla.value_checks() on while tracing, such values are also checkify errors naming
-    the request and the value.
+    max_prefix_tokens after the pages of the requests before it not answered empty, whatever
+    the values (no int32 sum of them wraps). With jax_flashmla.value_checks() on while
+    tracing, such values are also checkify errors naming the argument, the request and the
+    value.
+
+    A NaN or inf in kv or in a prefix row reaches no other request's queries; with "xla",
+    exactly the queries that see its key, whose out it makes NaN.
 
     Returns:
       out: (tokens, h, v_head_dim) in q's dtype; 0 in padding rows.
@@ -361,7 +445,7 @@ def mla_prefill(q, kv, kv_cache=None, block_table=None, prefix_lens=None, query_
     return _prefill(q, kv, kv_cache, block_table, prefix_lens, query_lens, query_starts,
                     w_uk.astype(q.dtype), w_uv.astype(q.dtype), k_scale,
                     scale=float(softmax_scale), capacity=max_prefix_tokens,
-                    implementation=_resolve(implementation, q.dtype),
+                    implementation=_resolve(implementation, q.dtype, q.shape[2]),
                     value_checks=checks.enabled())
 
 
@@ -375,14 +459,13 @@ def _prefill(q, kv, kv_cache, block_table, prefix_lens, query_lens, query_starts
     t, b = q.shape[0], query_lens.shape[0]
     packed = query_starts is None
     if packed:
-        held = jnp.maximum(query_lens, 0)
-        query_starts = (jnp.cumsum(held) - held).astype(jnp.int32)
+        query_starts = _starts(jnp.clip(query_lens, 0, t + 1), t + 1)
     num_pages = 0 if kv_cache is None else kv_cache.shape[0]
     bad, prefix_starts = _layout(block_table, prefix_lens, query_lens, query_starts, num_pages,
                                  capacity, t)
     if value_checks:
         _check_values(block_table, prefix_lens, query_lens, query_starts, prefix_starts,
-                      num_pages, capacity, t, k_scale)
+                      num_pages, capacity, t, k_scale, packed)
     shift = None
     if b == 1 and not packed:
         # One request goes through cuDNN's plain layout, which reads from row 0.
@@ -394,7 +477,12 @@ def _prefill(q, kv, kv_cache, block_table, prefix_lens, query_lens, query_starts
     owner, _ = ragged_attention.owners(q_segments, t)
     new_rows = jnp.where((owner >= 0)[:, None], kv.astype(q.dtype), jnp.zeros((), q.dtype))
     w_k, w_v = _row_weights(w_uk, w_uv, kv.shape[1] - w_uk.shape[0])
-    k, v = _decompress(new_rows, w_k, w_v)
+
+    def keys_values(rows):
+        k, v = _decompress(rows, w_k, w_v)
+        return _non_finite_values_in_keys(k, v) if implementation == "xla" else (k, v)
+
+    k, v = keys_values(new_rows)
     out, lse = core(q, k, v, q_segments, q_segments, causal=True)
     if capacity:
         prefixes = ragged_attention.ordered(prefix_starts, jnp.where(bad, 0, prefix_lens))
@@ -407,8 +495,8 @@ def _prefill(q, kv, kv_cache, block_table, prefix_lens, query_lens, query_starts
         def attend(first, size):
             """The queries' attention to prefix rows [first, first + size) of the axis, read
             and decompressed here; first may be traced."""
-            rows = _prefix_rows(kv_cache, block_table, prefixes, first, size, k_scale, q.dtype)
-            k, v = _decompress(rows, w_k, w_v)
+            k, v = keys_values(_prefix_rows(kv_cache, block_table, prefixes, first, size,
+                                            k_scale, q.dtype))
             return core(q, k, v, q_segments, ragged_attention.clip(prefixes, first, size),
                         causal=False)
 

@@ -100,6 +100,15 @@ def oracle(case, scale):
     return out, lse
 
 
+def without(case, r):
+    """The case with request r dropped from the batch, the others' rows where they were."""
+    keep = np.arange(len(case["query_lens"])) != r
+    starts = np.asarray([first for first, _ in rows_of(case)], np.int32)[keep]
+    return case | {name: case[name][keep] for name in ("prefix_lens", "query_lens",
+                                                       "block_table")} | dict(
+        query_starts=jnp.asarray(starts))
+
+
 def call(op, case, **kwargs):
     names = ("q", "kv", "kv_cache", "block_table", "prefix_lens", "query_lens")
     return op(*(case[n] for n in names), w_uk=case["w_uk"], w_uv=case["w_uv"],

@@ -189,7 +189,8 @@ def test_prefixes_past_the_capacity_empty_the_requests_they_reach():
     assert np.all(np.asarray(out)[11:] == 0) and np.all(np.isposinf(np.asarray(lse)[:, 11:]))
     err, _ = checked_call(case)
     with pytest.raises(checkify.JaxRuntimeError,
-                       match=r"prefix_lens\[2\] = 50 ends its prefix at 434 .* past "):
+                       match=r"prefix_lens\[2\] = 50 from position 384 .* past "
+                             r"max_prefix_tokens = 384"):
         err.throw()
 
 
