@@ -12,8 +12,18 @@ from helpers import make_decode_inputs
 BEGIN_REQ, END_REQ, BEGIN_BLOCK, END_BLOCK, BEGIN_SPLIT = range(5)
 
 
+# The C++ model's checks: on a GPU, FlashMLA's kernel would take these schedules as they are
+# and read outside its buffers, poisoning the process's CUDA context.
+pytestmark = pytest.mark.usefixtures("on_cpu")
+
+
 @pytest.fixture(scope="module")
 def step():
+    with jax.default_device(jax.devices("cpu")[0]):
+        return _step()
+
+
+def _step():
     q, kv, bt, sl = make_decode_inputs(np.random.default_rng(0), batch=3, s_q=1, h_q=16,
                                        mean_sk=300, varlen=True, dtype=jnp.bfloat16)
     bt, sl = jnp.asarray(bt), jnp.asarray(sl)
