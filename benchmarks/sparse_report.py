@@ -63,9 +63,9 @@ def mask_us(record):
 
 
 def best_graph_us(record, field="us"):
-    """The faster torch graph's µs per layer (the jax steps share one schedule per step, as
-    the graph with get_mla_decoding_metadata does), or None where neither ran; field
-    "queued_us" for the steps queued."""
+    """The faster torch graph's µs per layer (the jax steps' schedule is a constant of the
+    program; the graph with get_mla_decoding_metadata makes one per step), or None where
+    neither ran; field "queued_us" for the steps queued."""
     times = [record.get(f"{name}_{field}") for name, _ in STEP_VARIANTS
              if name.startswith("torch")]
     times = [t for t in times if t is not None]
@@ -245,8 +245,8 @@ def markdown(result):
             + ". The jax steps are called through AlternatingStep"
             + _step_options(meta) + "; the torch graph is sparse_decode_fwd "
             "per layer making its own schedule, captured in a CUDA graph, and the same with "
-            "one get_mla_decoding_metadata per step (SGLang's; the jax steps share one "
-            "schedule per step too). "
+            "one get_mla_decoding_metadata per step (SGLang's; the jax steps' schedule is a "
+            "constant of the program). "
             "Ratio: a jax step over the faster torch graph; bar 1.05 where that graph's step "
             "takes >= 2 ms, else 1.15. `caches`: distinct layer caches in the stacked cache (layer l "
             "reads cache l mod that many).", "",
