@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_flashmla as jf
-from jax_flashmla import fp8
+from jax_flashmla.caches import fp8
 
 from timing import in_turns, paired_ratios
 

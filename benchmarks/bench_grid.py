@@ -58,7 +58,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_flashmla as jf
-from jax_flashmla import fp8
+from jax_flashmla.caches import fp8
 
 import grid_report
 from device_time import QUEUED_CALLS, device_time_in_turns, spin_blockers

@@ -45,7 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_flashmla as jf
-from jax_flashmla import fp8, prefill
+from jax_flashmla.caches import fp8
+from jax_flashmla.ops import prefill
 
 from grid_report import write_json
 from timing import compiler_option, time_in_turns

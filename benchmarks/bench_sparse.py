@@ -5,7 +5,7 @@ decode (jax_flashmla.mla_decode) over the same context.
 Each request attends to topk (2048) of its context's tokens: one random token of each of topk
 equal stretches of the context, in random order (distinct, spread over the whole context),
 through a random page order as a block table places them. The sparse cache holds 656-byte FP8
-tokens (jax_flashmla.sparse.cache), copies of 1024 quantized pages of random rows; the dense
+tokens (jax_flashmla.caches.sparse), copies of 1024 quantized pages of random rows; the dense
 cache the same context in bf16.
 
 Per call, at b in {1, 16, 64, 128}, h_q in {64, 128}, s_q in {1, 2} over contexts of 8192,
@@ -88,11 +88,14 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jax_flashmla as jf  # noqa: E402
-from jax_flashmla import custom_calls, kernels, ops, serving  # noqa: E402
-from jax_flashmla.sparse import (mask_indices, quantize_tokens, reference,  # noqa: E402
-                                 sparse_mla_decode)
-from jax_flashmla.sparse.cache import TOKEN_BYTES  # noqa: E402
-from jax_flashmla.sparse.ops import KERNEL_HEADS, KERNEL_TOPK_BLOCK, _schedule  # noqa: E402
+from jax_flashmla import serving  # noqa: E402
+from jax_flashmla.kernels import custom_calls  # noqa: E402
+from jax_flashmla.kernels import library as kernels  # noqa: E402
+from jax_flashmla.ops import decode as ops  # noqa: E402
+from jax_flashmla.reference import sparse as reference  # noqa: E402
+from jax_flashmla.sparse import mask_indices, quantize_tokens, sparse_mla_decode  # noqa: E402
+from jax_flashmla.caches.sparse import TOKEN_BYTES  # noqa: E402
+from jax_flashmla.ops.sparse import KERNEL_HEADS, KERNEL_TOPK_BLOCK, _schedule  # noqa: E402
 
 import sparse_report  # noqa: E402
 from device_time import device_time_in_turns, spin_blockers  # noqa: E402

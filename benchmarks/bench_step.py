@@ -52,8 +52,11 @@ import numpy as np  # noqa: E402
 from jax.experimental import checkify  # noqa: E402
 
 import jax_flashmla as jf  # noqa: E402
-from jax_flashmla import (custom_calls, decode_primitive, fp8, ops, serving,  # noqa: E402
-                          validation)
+from jax_flashmla import serving  # noqa: E402
+from jax_flashmla.base import validation  # noqa: E402
+from jax_flashmla.caches import fp8  # noqa: E402
+from jax_flashmla.kernels import custom_calls, decode_primitive  # noqa: E402
+from jax_flashmla.ops import decode as ops  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from device_time import profile_options, traced  # noqa: E402

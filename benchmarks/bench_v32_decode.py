@@ -65,13 +65,14 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jax_flashmla as jf  # noqa: E402
-from jax_flashmla import kernels, serving  # noqa: E402
+from jax_flashmla import serving  # noqa: E402
+from jax_flashmla.kernels import library as kernels  # noqa: E402
 from jax_flashmla.sparse import (IndexKeyCache, IndexQuery, indexer_decode,  # noqa: E402
                                  quantize_index_keys, sparse_mla_decode, write_index_keys)
-from jax_flashmla.sparse.cache import TOKEN_BYTES as SPARSE_TOKEN_BYTES  # noqa: E402
-from jax_flashmla.sparse.index_cache import INDEX_HEAD_DIM  # noqa: E402
-from jax_flashmla.sparse.index_cache import TOKEN_BYTES as INDEX_TOKEN_BYTES  # noqa: E402
-from jax_flashmla.sparse.indexer import INDEX_TOPK  # noqa: E402
+from jax_flashmla.caches.sparse import TOKEN_BYTES as SPARSE_TOKEN_BYTES  # noqa: E402
+from jax_flashmla.caches.index_keys import INDEX_HEAD_DIM  # noqa: E402
+from jax_flashmla.caches.index_keys import TOKEN_BYTES as INDEX_TOKEN_BYTES  # noqa: E402
+from jax_flashmla.ops.indexer import INDEX_TOPK  # noqa: E402
 
 import bench_sparse  # noqa: E402
 import v32_report  # noqa: E402

@@ -7,7 +7,8 @@ import gc
 import jax
 import jax.numpy as jnp
 
-from jax_flashmla import fp8, kernels
+from jax_flashmla.caches import fp8
+from jax_flashmla.kernels import library as kernels
 
 FP8 = "float8_e4m3fn"
 D_QK, D_V = 576, 512
@@ -124,7 +125,7 @@ class TorchStep:
         return self.torch.from_dlpack(x)
 
     def _quantize(self, x, scale):
-        """jax_flashmla.fp8.quantize in torch: x * (1 / scale) in float32, clamped, rounded."""
+        """jax_flashmla.caches.fp8.quantize in torch: x * (1 / scale) in float32, clamped, rounded."""
         torch = self.torch
         return (x.float() * (1.0 / scale)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
 

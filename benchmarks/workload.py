@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flashmla import fp8
+from jax_flashmla.caches import fp8
 
 from torch_side import FP8
 

@@ -7,12 +7,14 @@ context_parallel (the KV cache split over devices), sparse (DeepSeek-V3.2's spar
 and its FP8 cache), flax (the DeepSeek attention layer; needs flax, imported on first use)."""
 import importlib
 
-from jax_flashmla import context_parallel, serving, sparse, speculative
-from jax_flashmla.cache import PagedKVCache, token_slots, write_kv
-from jax_flashmla.checks import value_checks
-from jax_flashmla.context_parallel import merge_attention_states
-from jax_flashmla.ops import MLAMetadata, get_mla_metadata, mla_decode
-from jax_flashmla.prefill import mla_prefill
+from jax_flashmla import serving, sparse
+from jax_flashmla.base.checks import value_checks
+from jax_flashmla.caches.paged import PagedKVCache, token_slots, write_kv
+from jax_flashmla.ops import context_parallel
+from jax_flashmla.ops.context_parallel import merge_attention_states
+from jax_flashmla.ops.decode import MLAMetadata, get_mla_metadata, mla_decode
+from jax_flashmla.ops.prefill import mla_prefill
+from jax_flashmla.serving import speculative
 
 __all__ = [
     "MLAMetadata", "PagedKVCache", "context_parallel", "flax", "get_mla_metadata",

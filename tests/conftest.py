@@ -21,7 +21,7 @@ REQUIRED_GPUS = int(os.environ.get("JAX_FLASHMLA_REQUIRE_GPU") or 0)
 def _gpu_unavailable_reason(count):
     import jax
 
-    from jax_flashmla import kernels
+    from jax_flashmla.kernels import library as kernels
 
     if not kernels.flashmla_available():
         return ("needs a Hopper GPU as JAX's default backend, FlashMLA's kernels and the CUDA "

@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_flashmla as jf
-from jax_flashmla import custom_calls, kernels
+from jax_flashmla.kernels import custom_calls
+from jax_flashmla.kernels import library as kernels
 
 # Enough layers for XLA to make a command buffer of the step (>= 5 commands by default).
 LAYERS = 6

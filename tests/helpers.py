@@ -14,7 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_flashmla as jf
-from jax_flashmla import context_parallel as cp, fp8, kernels
+from jax_flashmla import context_parallel as cp
+from jax_flashmla.caches import fp8
+from jax_flashmla.kernels import library as kernels
 
 PAGE = 64
 # Large page indices in block-table slots past a request's last page: a kernel or reference

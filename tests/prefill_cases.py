@@ -7,7 +7,7 @@ tables hold out-of-range sentinels past each request's prefix pages.
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flashmla import fp8
+from jax_flashmla.caches import fp8
 
 PAGE = 64
 K_SCALE = 0.02

@@ -32,7 +32,7 @@ CHILD = textwrap.dedent("""
     import jax.numpy as jnp
     import numpy as np
     import jax_flashmla
-    from jax_flashmla import custom_calls
+    from jax_flashmla.kernels import custom_calls
 
     batch, s_q, h_q, page = 3, 2, 16, 64
     seq_lens = np.array([3, 70, 150], np.int32)  # >= s_q: every query sees a key

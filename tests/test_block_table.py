@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from jax_flashmla.serving import (PAD_PAGE, block_table_from_pages, build_block_table,
-                                      pages_for_tokens)
-from jax_flashmla.cache import token_slots
+                                  pages_for_tokens)
+from jax_flashmla.caches.paged import token_slots
 
 
 def _random_pool(rng, pool_size, max_context, num_pages, page_size=64):

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_flashmla.cache import INVALID_SLOT, PagedKVCache, token_slots, write_kv
+from jax_flashmla.caches.paged import INVALID_SLOT, PagedKVCache, token_slots, write_kv
 from helpers import cache_shaped_buffers
 
 DTYPES = [jnp.bfloat16, jnp.float16]

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("flax")
 
-from jax_flashmla.cache import PagedKVCache  # noqa: E402
+from jax_flashmla.caches.paged import PagedKVCache  # noqa: E402
 from jax_flashmla.serving import block_table_from_pages, length_bucket, plan_chunks  # noqa: E402
 from test_flax_mla import load_example  # noqa: E402
 

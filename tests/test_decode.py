@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jax_flashmla as jf
-from jax_flashmla.reference import mla_decode_reference
+from jax_flashmla.reference.dense import mla_decode_reference
 from helpers import (LSE_TOL, OUT_TOL, SENTINEL_PAGE, assert_flashmla_close, dense_attention_f64,
                      make_decode_inputs)
 

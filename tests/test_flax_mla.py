@@ -17,8 +17,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf  # noqa: E402
 
-from jax_flashmla import cache  # noqa: E402
-from jax_flashmla.flax import MLAConfig, MultiHeadLatentAttention, load_attention_weights  # noqa: E402
+from jax_flashmla.caches import paged as cache  # noqa: E402
+from jax_flashmla.flax import (MLAConfig, MultiHeadLatentAttention,  # noqa: E402
+                               load_attention_weights)
 
 YARN = {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 64,
         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}

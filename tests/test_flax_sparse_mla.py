@@ -27,15 +27,15 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf  # noqa: E402
 
-from jax_flashmla import PagedKVCache, kernels  # noqa: E402
+from jax_flashmla import PagedKVCache  # noqa: E402
+from jax_flashmla.kernels import library as kernels
 from jax_flashmla.flax import (MLAConfig, SparseMLAConfig,  # noqa: E402
-                               SparseMultiHeadLatentAttention,
-                               load_sparse_attention_safetensors, load_sparse_attention_weights,
-                               sparse_attention_parameter_names)
+                               SparseMultiHeadLatentAttention, load_sparse_attention_safetensors,
+                               load_sparse_attention_weights, sparse_attention_parameter_names)
 from jax_flashmla.sparse import (IndexKeyCache, IndexQuery, SparseKVCache,  # noqa: E402
                                  index_scores, indexer_decode, indexer_prefill)
-from jax_flashmla.sparse.cache import TOKEN_BYTES  # noqa: E402
-from jax_flashmla.sparse.index_cache import PAGE_BYTES  # noqa: E402
+from jax_flashmla.caches.sparse import TOKEN_BYTES  # noqa: E402
+from jax_flashmla.caches.index_keys import PAGE_BYTES  # noqa: E402
 from test_flax_mla import float32_matmuls, rel_err  # noqa: E402,F401
 from indexer_cases import (assert_same_selection, paged_block_table,  # noqa: E402
                            selected_positions)

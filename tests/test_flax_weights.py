@@ -10,8 +10,9 @@ torch = pytest.importorskip("torch")
 import flax.nnx as nnx  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jax_flashmla.flax import (MLAConfig, MultiHeadLatentAttention, attention_parameter_names,  # noqa: E402
-                               load_attention_safetensors, load_attention_weights)
+from jax_flashmla.flax import (MLAConfig, MultiHeadLatentAttention,  # noqa: E402
+                               attention_parameter_names, load_attention_safetensors,
+                               load_attention_weights)
 
 PREFIX = "model.layers.1.self_attn."
 

@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_flashmla as jf
-from jax_flashmla import fp8
+from jax_flashmla.caches import fp8
 from helpers import (K_SCALE, LSE_TOL, OUT_TOL, assert_flashmla_close, dense_attention_f64,
                      fp8_inputs, fp8_kernel_tables, make_decode_inputs)
 

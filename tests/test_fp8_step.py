@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_flashmla as jf
-from jax_flashmla import fp8
+from jax_flashmla.caches import fp8
 from helpers import FP8_LAYERS, K_SCALE, fp8_kernel_tables, fp8_layers, scan_over_fp8_layers
 
 

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 import jax_flashmla as jf
-from jax_flashmla import custom_calls, kernels
+from jax_flashmla.kernels import custom_calls
+from jax_flashmla.kernels import library as kernels
 from helpers import K_SCALE, call_by_name, fp8_inputs, make_decode_inputs, torch_decode
 
 pytestmark = pytest.mark.gpu

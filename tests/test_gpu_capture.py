@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import jax_flashmla as jf
-from jax_flashmla import custom_calls, fp8
+from jax_flashmla.kernels import custom_calls
+from jax_flashmla.caches import fp8
 from helpers import K_SCALE, make_decode_inputs, torch_decode
 
 pytestmark = pytest.mark.gpu

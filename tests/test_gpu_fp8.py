@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 import jax_flashmla as jf
-from jax_flashmla import fp8, kernels, validation
+from jax_flashmla.caches import fp8
+from jax_flashmla.kernels import library as kernels
+from jax_flashmla.base import validation
 from helpers import (K_SCALE, cache_shaped_buffers, call_by_name, dense_attention_f64,
                      fp8_kernel_tables, make_decode_inputs, scan_over_fp8_layers, torch_view)
 

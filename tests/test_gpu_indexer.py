@@ -14,8 +14,8 @@ from helpers import SENTINEL_PAGE
 from jax_flashmla import token_slots
 from jax_flashmla.sparse import (IndexKeyCache, IndexQuery, index_scores, indexer_decode,
                                  indexer_prefill, quantize_index_keys, write_index_keys)
-from jax_flashmla.sparse import indexer
-from jax_flashmla.sparse.index_cache import PAGE_BYTES
+from jax_flashmla.ops import indexer
+from jax_flashmla.caches.index_keys import PAGE_BYTES
 
 pytestmark = pytest.mark.gpu
 HEADS, PAGE = 64, 64

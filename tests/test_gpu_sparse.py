@@ -9,9 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_flashmla import kernels
-from jax_flashmla.sparse import (mask_indices, quantize_tokens, sparse_mla_decode,
-                                 sparse_mla_prefill)
+from jax_flashmla.kernels import library as kernels
+from jax_flashmla.sparse import mask_indices, quantize_tokens, sparse_mla_decode, sparse_mla_prefill
 from helpers import torch_view
 
 pytestmark = pytest.mark.gpu

@@ -13,7 +13,7 @@ import pytest
 
 import jax_flashmla as jf
 from jax_flashmla.serving import HostQueue, HostQueueOverrunError
-from jax_flashmla import custom_calls
+from jax_flashmla.kernels import custom_calls
 from test_gpu_capture import _probe, captures, custom_call_targets, driver_calls
 
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("gpu", id="gpu", marks=pytest.mark.gpu)]

@@ -11,12 +11,12 @@ import pytest
 from jax.experimental import checkify
 
 from indexer_cases import assert_same_selection, paged_block_table, selected_positions
-from jax_flashmla import kernels, token_slots, value_checks
-from jax_flashmla.sparse import (IndexerWeights, IndexKeyCache, IndexQuery,
-                                 dequantize_index_keys, index_keys, index_query, index_scores,
-                                 indexer_decode, indexer_prefill, quantize_index_keys,
-                                 write_index_keys)
-from jax_flashmla.sparse.index_cache import PAGE_BYTES
+from jax_flashmla import token_slots, value_checks
+from jax_flashmla.kernels import library as kernels
+from jax_flashmla.sparse import (IndexerWeights, IndexKeyCache, IndexQuery, dequantize_index_keys,
+                                 index_keys, index_query, index_scores, indexer_decode,
+                                 indexer_prefill, quantize_index_keys, write_index_keys)
+from jax_flashmla.caches.index_keys import PAGE_BYTES
 
 PAGE = 64
 HEADS, HIDDEN, Q_LORA = 4, 64, 32

@@ -6,7 +6,7 @@ import sys
 import jax
 import pytest
 
-from jax_flashmla import kernels
+from jax_flashmla.kernels import library as kernels
 
 
 @pytest.fixture

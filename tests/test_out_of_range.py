@@ -10,7 +10,7 @@ import pytest
 
 import jax_flashmla as jf
 from helpers import K_SCALE, fp8_inputs, make_decode_inputs
-from jax_flashmla import fp8
+from jax_flashmla.caches import fp8
 
 BAD = 1  # the request made bad
 

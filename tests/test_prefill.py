@@ -10,7 +10,7 @@ import pytest
 from jax.experimental import checkify
 
 import jax_flashmla as jf
-from jax_flashmla import prefill
+from jax_flashmla.ops import prefill
 from prefill_cases import SENTINEL, call, make_case, oracle, rows_of
 
 SCALE = 96 ** -0.5

@@ -13,7 +13,7 @@ import pytest
 from jax.experimental import checkify
 
 import jax_flashmla as jf
-from jax_flashmla import prefill
+from jax_flashmla.ops import prefill
 from prefill_cases import call, make_case, rows_of, without
 from test_prefill import SCALE, checked_call
 

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jax_flashmla.fp8
-from jax_flashmla.cache import PagedKVCache
+import jax_flashmla.caches.fp8
+from jax_flashmla.caches.paged import PagedKVCache
 from jax_flashmla.serving import (PageAllocator, bucket_for, decode_loop, decode_step, pad_batch,
                                   write_prompt)
 from helpers import request_attention_f64
@@ -153,8 +153,8 @@ def check_against_f64(r, dtype, k_scale=None, tolerance=None):
         rows = jnp.asarray(rows)
         if k_scale is None:
             return np.asarray(rows.astype(dtype), np.float64)
-        quantized = jax_flashmla.fp8.quantize(rows, k_scale)
-        return np.asarray(jax_flashmla.fp8.dequantize(quantized, k_scale), np.float64)
+        quantized = jax_flashmla.caches.fp8.quantize(rows, k_scale)
+        return np.asarray(jax_flashmla.caches.fp8.dequantize(quantized, k_scale), np.float64)
 
     flat = np.asarray(r["cache"].data, np.float64).reshape(-1, 576)
     if k_scale is not None:
@@ -257,7 +257,7 @@ def _check_fp8_loops(got, want):
     prompt_rows = jnp.asarray(got["prompt_kv"][0, :got["prefix"][0]])
     first_page = np.asarray(got["cache"].data[got["table"][0][0], :got["prefix"][0], 0])
     np.testing.assert_array_equal(first_page.view(np.uint8), np.asarray(
-        jax_flashmla.fp8.quantize(prompt_rows, K_SCALE)).view(np.uint8))
+        jax_flashmla.caches.fp8.quantize(prompt_rows, K_SCALE)).view(np.uint8))
 
 
 def test_fp8_decode_loop_custom_call_equals_reference():

@@ -11,7 +11,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_flashmla as jf
-from jax_flashmla import context_parallel as cp, fp8
+from jax_flashmla import context_parallel as cp
+from jax_flashmla.caches import fp8
 from helpers import (LSE_TOL, OUT_TOL, assert_flashmla_close, dense_attention_f64,
                      sharding_problem, split_for_dcp)
 

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 import jax_flashmla as jf
-from jax_flashmla import kernels
+from jax_flashmla.kernels import library as kernels
 from jax_flashmla.sparse import (MaskedIndices, SparseKVCache, dequantize_tokens, mask_indices,
                                  quantize_tokens, sparse_mla_decode, sparse_mla_prefill,
                                  write_sparse_kv)
-from jax_flashmla.sparse import ops as sparse_ops
-from jax_flashmla.sparse.cache import TOKEN_BYTES, tile_scales
+from jax_flashmla.ops import sparse as sparse_ops
+from jax_flashmla.caches.sparse import TOKEN_BYTES, tile_scales
 
 # out in bf16 from float32 arithmetic: a few bf16 ulps of the largest value; lse in float32.
 OUT_TOL = dict(rtol=2e-2, atol=2e-2)

@@ -4,10 +4,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_flashmla import fp8
+from jax_flashmla.caches import fp8
 from jax_flashmla.serving import decode_loop, decode_step
-from jax_flashmla.speculative import (multi_step_draft, multi_step_draft_metadata,
-                                      target_verify, target_verify_metadata, verify_seq_lens)
+from jax_flashmla.serving.speculative import (multi_step_draft, multi_step_draft_metadata,
+                                              target_verify, target_verify_metadata,
+                                              verify_seq_lens)
 from helpers import request_attention_f64
 
 IMPLEMENTATIONS = ["custom_call", "reference"]

@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
                                 "benchmarks"))
 from torch_side import FP8, TorchSide  # noqa: E402
 
-from jax_flashmla import fp8  # noqa: E402
+from jax_flashmla.caches import fp8  # noqa: E402
 
 SCHEMAS = {
     "get_mla_decoding_metadata": "(Tensor seqlens_k, int num_q_tokens_per_head_k, int h_k, "

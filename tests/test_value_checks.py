@@ -10,7 +10,8 @@ import pytest
 from jax.experimental import checkify
 
 import jax_flashmla as jf
-from jax_flashmla import checks, fp8
+from jax_flashmla.base import checks
+from jax_flashmla.caches import fp8
 from helpers import make_decode_inputs
 
 IMPLEMENTATIONS = ["custom_call", "reference"]

@@ -6,8 +6,7 @@ Needs flax (NNX); imported only from here, never by `import jax_flashmla`.
 """
 from jax_flashmla.flax.mla import MLAConfig, MultiHeadLatentAttention, RMSNorm
 from jax_flashmla.flax.rope import softmax_scale, yarn_get_mscale
-from jax_flashmla.flax.sparse_mla import (SparseMLAConfig,
-                                          SparseMultiHeadLatentAttention,
+from jax_flashmla.flax.sparse_mla import (SparseMLAConfig, SparseMultiHeadLatentAttention,
                                           load_sparse_attention_safetensors,
                                           load_sparse_attention_weights,
                                           sparse_attention_parameter_names)

@@ -17,8 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flashmla import cache, ops, prefill, validation
+from jax_flashmla.base import validation
+from jax_flashmla.caches.paged import token_slots, write_kv
 from jax_flashmla.flax import rope
+from jax_flashmla.ops import prefill
+from jax_flashmla.ops.decode import default_num_sms, mla_decode
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,7 +291,7 @@ class MultiHeadLatentAttention(nnx.Module):
             lengths = jnp.full((b,), s, jnp.int32)
         if slots is None:
             real = jnp.arange(s)[None, :] < lengths[:, None]
-            slots = jnp.where(real, cache.token_slots(block_table, positions), -1)
+            slots = jnp.where(real, token_slots(block_table, positions), -1)
         form = self._extend_form(form, s)
         if form == "expanded":
             out = self._attend(q_nope, q_pe, latent, k_pe, lengths=lengths,
@@ -304,7 +307,7 @@ class MultiHeadLatentAttention(nnx.Module):
         return self._output(attn), kv_cache
 
     def _extend_form(self, form, s):
-        sms = ops.default_num_sms()
+        sms = default_num_sms()
         fits = (s * self.config.num_heads <= sms * validation.QUERY_TILE_ROWS
                 and np.dtype(self.dtype) in validation.SUPPORTED_DTYPES)
         if form is None:
@@ -338,7 +341,7 @@ class MultiHeadLatentAttention(nnx.Module):
 
         q = self.absorbed_query(q_nope, q_pe)
         q = take(q, index - shift).astype(cache_data.dtype if k_scale is None else jnp.bfloat16)
-        out, _ = ops.mla_decode(q, cache_data, block_table, seq_lens,
+        out, _ = mla_decode(q, cache_data, block_table, seq_lens,
                                 softmax_scale=self.config.softmax_scale, causal=True,
                                 implementation=implementation, k_scale=k_scale)
         out = take(out, index + shift)
@@ -388,7 +391,7 @@ class MultiHeadLatentAttention(nnx.Module):
             request past its block table (a length over max_pages * 64) writes nothing and
             attends to nothing, as mla_decode decodes an out-of-range request.
           slots: (b, s_q) int32 cache slots of the new tokens; by default
-            jax_flashmla.cache.token_slots(block_table, positions).
+            jax_flashmla.caches.paged.token_slots(block_table, positions).
           metadata: MLAMetadata from get_mla_metadata, shared by the layers of one step (made
             with block_table and num_pages, so that out-of-range requests come out empty).
           implementation: as in jax_flashmla.mla_decode.
@@ -402,13 +405,13 @@ class MultiHeadLatentAttention(nnx.Module):
         self.config.check_decode()
         q_nope, q_pe, latent, k_pe = self.project(hidden_states, positions)
         if slots is None:
-            slots = cache.token_slots(block_table, positions)
+            slots = token_slots(block_table, positions)
         kv_cache = _write(kv_cache, slots, latent, k_pe, k_scale)
         cache_data = getattr(kv_cache, "data", kv_cache)
         # The FP8 decode takes q in bf16 and quantizes it with the cache's scale itself.
         q_dtype = cache_data.dtype if k_scale is None else jnp.bfloat16
         q = self.absorbed_query(q_nope, q_pe).astype(q_dtype)
-        out_latent, _ = ops.mla_decode(q, cache_data, block_table, seq_lens, metadata=metadata,
+        out_latent, _ = mla_decode(q, cache_data, block_table, seq_lens, metadata=metadata,
                                        softmax_scale=self.config.softmax_scale, causal=True,
                                        implementation=implementation, k_scale=k_scale)
         _, w_uv = self._kv_b_split()
@@ -418,4 +421,4 @@ class MultiHeadLatentAttention(nnx.Module):
 
 def _write(kv_cache, slots, latent, k_pe, scale=None):
     """Writes rows [latent | k_pe] at slots into an array cache or a PagedKVCache."""
-    return cache.write_kv(kv_cache, slots, latent=latent, rope=k_pe, scale=scale)
+    return write_kv(kv_cache, slots, latent=latent, rope=k_pe, scale=scale)

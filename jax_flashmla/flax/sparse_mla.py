@@ -21,19 +21,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flashmla import validation
-from jax_flashmla.cache import droppable_slots, token_slots
+from jax_flashmla.base import validation
+from jax_flashmla.caches.paged import droppable_slots, token_slots
 from jax_flashmla.flax.mla import MLAConfig, MultiHeadLatentAttention
-from jax_flashmla.flax.weights import (_to_numpy, attention_parameter_names,
-                                       load_attention_weights, read_safetensors)
-from jax_flashmla.sparse.cache import TOKEN_BYTES, SparseKVCache, write_sparse_kv
-from jax_flashmla.sparse.index_cache import (INDEX_HEAD_DIM, PAGE_BYTES, IndexKeyCache,
-                                             write_index_keys)
-from jax_flashmla.sparse.indexer import (HF_NAMES, INDEX_TOPK, IndexerWeights, IndexQuery,
-                                         index_keys, index_query, indexer_decode,
-                                         indexer_prefill)
-from jax_flashmla.sparse.ops import sparse_mla_decode, sparse_mla_prefill
-from jax_flashmla.validation import PAGE_SIZE, _fail
+from jax_flashmla.flax.weights import (_to_numpy, attention_parameter_names, load_attention_weights,
+                                       read_safetensors)
+from jax_flashmla.caches.sparse import TOKEN_BYTES, SparseKVCache, write_sparse_kv
+from jax_flashmla.caches.index_keys import (INDEX_HEAD_DIM, PAGE_BYTES, IndexKeyCache,
+                                            write_index_keys)
+from jax_flashmla.ops.indexer import (HF_NAMES, INDEX_TOPK, IndexerWeights, IndexQuery, index_keys,
+                                      index_query, indexer_decode, indexer_prefill)
+from jax_flashmla.ops.sparse import sparse_mla_decode, sparse_mla_prefill
+from jax_flashmla.base.validation import PAGE_SIZE, _fail
 
 INDEX_KEYS = ("index_n_heads", "index_head_dim", "index_topk")
 INDEXER_PREFIX = "indexer."  # HF's name of the indexer under a layer's self_attn
@@ -81,7 +80,7 @@ class Indexer(nnx.Module):
     """The lightning indexer's parameters, each an nnx.Param named as IndexerWeights' field and
     laid out as HF stores it: wq_b (index_n_heads * 128, q_lora_rank), wk (128, hidden_size),
     weights_proj (index_n_heads, hidden_size) — (out, in), unlike MLA's nnx.Linear kernels —
-    and k_norm_weight, k_norm_bias (128,). The arithmetic is jax_flashmla.sparse.indexer's."""
+    and k_norm_weight, k_norm_bias (128,). The arithmetic is jax_flashmla.ops.indexer's."""
 
     def __init__(self, config, *, rngs, param_dtype=jnp.float32):
         heads, dim = config.index_n_heads, config.index_head_dim
@@ -94,7 +93,7 @@ class Indexer(nnx.Module):
                                            param_dtype))
 
     def weights(self):
-        """The parameters' current values as IndexerWeights, for jax_flashmla.sparse.indexer."""
+        """The parameters' current values as IndexerWeights, for jax_flashmla.ops.indexer."""
         return IndexerWeights(**{field: getattr(self, field)[...] for field in HF_NAMES})
 
 

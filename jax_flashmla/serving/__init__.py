@@ -6,8 +6,8 @@ results (sampled tokens) to the host as soon as the device wrote them, a compile
 as two copies in turn, the compiler options of a step written as a loop, and the lse's layout
 as FlashMLA writes it."""
 from jax_flashmla.serving.allocator import OutOfPagesError, PageAllocator
-from jax_flashmla.serving.block_table import (PAD_PAGE, block_table_from_pages,
-                                              build_block_table, pages_for_tokens)
+from jax_flashmla.serving.block_table import (PAD_PAGE, block_table_from_pages, build_block_table,
+                                              pages_for_tokens)
 from jax_flashmla.serving.chunks import length_bucket, plan_chunks
 from jax_flashmla.serving.host_queue import HostQueue, HostQueueOverrunError
 from jax_flashmla.serving.loop import (DEFAULT_BUCKETS, bucket_for, decode_loop, decode_step,

@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flashmla import validation
-from jax_flashmla.validation import PAGE_SIZE
+from jax_flashmla.base import validation
+from jax_flashmla.base.validation import PAGE_SIZE
 
 PAD_PAGE = -1
 

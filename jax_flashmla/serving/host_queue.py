@@ -7,7 +7,9 @@ import time
 import jax
 import numpy as np
 
-from jax_flashmla import _cpu, custom_calls, kernels
+import jax_flashmla._cpu as _cpu
+from jax_flashmla.kernels import custom_calls
+from jax_flashmla.kernels import library as kernels
 
 HEADER_BYTES = 64  # ffi/host_queue.h
 WRITING = 1 << 63

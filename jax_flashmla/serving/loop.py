@@ -1,6 +1,6 @@
 """Decode steps over a paged cache: one step, batch buckets, and a jitted decode loop.
 
-Conventions shared with jax_flashmla/speculative.py:
+Conventions shared with jax_flashmla/serving/speculative.py:
   - decode_step takes seq_lens that count the tokens it writes (SGLang's decode convention):
     the s_q new tokens of request i sit at positions seq_lens[i] - s_q .. seq_lens[i] - 1.
   - Multi-step functions take prefix_lens, the lengths before their first new token.
@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flashmla import validation
+from jax_flashmla.base import validation
 from jax_flashmla.serving.block_table import PAD_PAGE
-from jax_flashmla.cache import cache_array, token_slots, write_kv
-from jax_flashmla.ops import mla_decode
+from jax_flashmla.caches.paged import cache_array, token_slots, write_kv
+from jax_flashmla.ops.decode import mla_decode
 
 # Batch sizes to compile a step for, the counterpart of SGLang's CUDA-graph batch sizes: a
 # serving loop pads each step to the next bucket and so compiles a handful of shapes.

@@ -4,7 +4,7 @@ import jax
 from jax.experimental import serialize_executable
 from jax.experimental.layout import Format, Layout
 
-from jax_flashmla import custom_calls
+from jax_flashmla.kernels import custom_calls
 
 # Compiler options for a jitted decode step whose layers are a loop (lax.scan, fori_loop):
 # XLA's default command-buffer types (jax 0.11) plus WHILE, and command buffers however few

@@ -11,48 +11,15 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax_flashmla import cache, checks
-from jax_flashmla.ops import mla_decode
+from jax_flashmla.base import checks
+from jax_flashmla.caches import paged
+from jax_flashmla.ops.decode import mla_decode
+from jax_flashmla.reference.merge import merge_attention_states, merge_weights
 
 __all__ = ["LAYOUTS", "dcp_mla_decode", "dcp_write_kv", "local_lengths", "local_positions",
            "merge_attention_states"]
 
 LAYOUTS = ("contiguous", "round_robin")
-
-
-def _merge_weights(lses):
-    """Normalised weight of each part, (n, b, h, s), and the merged LSE, (b, h, s). A NaN lse
-    of any part gives that query a NaN weight (so a NaN out) and a NaN merged lse: a part's
-    NaN is never weighted away as a part that saw no key."""
-    poisoned = jnp.any(jnp.isnan(lses), axis=0)
-    lses = jnp.where(jnp.isposinf(lses), -jnp.inf, lses.astype(jnp.float32))
-    top = jnp.max(lses, axis=0)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    weights = jnp.exp(lses - top)  # exactly 0 for parts that saw no key
-    total = jnp.sum(weights, axis=0)
-    seen = total > 0
-    safe_total = jnp.where(seen, total, 1.0)
-    lse = jnp.where(seen, top + jnp.log(safe_total), jnp.inf)
-    return weights / safe_total, jnp.where(poisoned, jnp.nan, lse)
-
-
-def merge_attention_states(outs, lses):
-    """Merges partial attention results over disjoint key sets.
-
-    Args:
-      outs: (n, batch, s_q, h_q, dv), each normalised over its own keys (any float dtype).
-      lses: (n, batch, h_q, s_q) float32 natural-log sums of exp(scores); +inf (FlashMLA's
-        mark for no key) or -inf means that part saw no key and contributes nothing.
-
-    Returns:
-      (out (batch, s_q, h_q, dv) in outs' dtype, lse (batch, h_q, s_q) float32); a query no
-      part saw gets out 0 and lse +inf; one with a NaN lse or out in any part gets a NaN out,
-      and with a NaN lse a NaN lse.
-    """
-    weights, lse = _merge_weights(lses)
-    out = jnp.einsum("nbhs,nbshd->bshd", weights, outs.astype(jnp.float32),
-                     precision=jax.lax.Precision.HIGHEST)
-    return out.astype(outs.dtype), lse
 
 
 def _check_layout(layout, tokens_per_device):
@@ -108,8 +75,8 @@ def dcp_write_kv(kv_cache, block_tables, positions, *, mesh, axis, layout,
         rank = jax.lax.axis_index(axis)
         local = local_positions(positions, rank, n, layout=layout,
                                 tokens_per_device=tokens_per_device)
-        slots = cache.token_slots(table[0], local)
-        return cache.write_kv(local_cache, slots, **rows, scale=scale)
+        slots = paged.token_slots(table[0], local)
+        return paged.write_kv(local_cache, slots, **rows, scale=scale)
 
     replicated = jax.tree.map(lambda _: P(), (rows, scale))
     return jax.shard_map(write, mesh=mesh, in_specs=(P(axis), P(axis), P(), *replicated),
@@ -163,7 +130,7 @@ def dcp_mla_decode(q, kv_cache, block_tables, seq_lens, *, mesh, axis, head_axis
         out_of_range = checks.bad_requests(table[0], lens[0], kv.shape[0])
         lses = jax.lax.all_gather(jnp.where(out_of_range[:, None, None], -jnp.inf, lse), axis)
         lses = jnp.where(jnp.any(jnp.isneginf(lses), axis=0), jnp.inf, lses)
-        weights, merged_lse = _merge_weights(lses)
+        weights, merged_lse = merge_weights(lses)
         rank = jax.lax.axis_index(axis)
         part = out.astype(jnp.float32) * weights[rank].transpose(0, 2, 1)[..., None]
         if not scatter_heads:

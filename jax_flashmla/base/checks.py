@@ -36,7 +36,7 @@ import contextvars
 import jax.numpy as jnp
 from jax.experimental import checkify
 
-from jax_flashmla.validation import PAGE_SIZE
+from jax_flashmla.base.validation import PAGE_SIZE
 
 _ENABLED = contextvars.ContextVar("jax_flashmla_value_checks", default=False)
 

@@ -8,7 +8,7 @@ Page p holds, in this order:
 key = e4m3 value * its token's scale. As DeepSeek's act_quant with V3.2's scale_fmt "ue8m0"
 quantizes it, a scale is amax / 448 (amax clamped up to 1e-4) rounded up to a power of two: the
 values never saturate and multiplying by the scale is exact. Slots are the MLA cache's,
-slot = page * 64 + offset (jax_flashmla.cache), and writes drop the same invalid slots.
+slot = page * 64 + offset (jax_flashmla.caches.paged), and writes drop the same invalid slots.
 """
 import dataclasses
 import functools
@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flashmla import validation
-from jax_flashmla.cache import PagedArray, check_num_pages, droppable_slots, scatter_rows
-from jax_flashmla.validation import PAGE_SIZE, _fail
+from jax_flashmla.base import validation
+from jax_flashmla.caches.paged import PagedArray, check_num_pages, droppable_slots, scatter_rows
+from jax_flashmla.base.validation import PAGE_SIZE, _fail
 
 INDEX_HEAD_DIM = 128
 SCALE_BYTES = 4

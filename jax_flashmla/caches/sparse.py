@@ -7,7 +7,7 @@ Each token of a (num_pages, 64, 1, 656) uint8 cache holds, in this order:
 A tile's scale is amax / 448 rounded up to a power of two, as DeepSeek quantizes it: the e4m3
 values then never saturate, and multiplying by the scale is exact. An all-zero tile gets the
 smallest normal float32 scale, 2**-126 (its values are 0 whatever the scale). Slots, their writes and
-their invalid values follow jax_flashmla.cache: slot = page * 64 + offset.
+their invalid values follow jax_flashmla.caches.paged: slot = page * 64 + offset.
 """
 import dataclasses
 import functools
@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flashmla import validation
-from jax_flashmla.cache import PagedArray, check_num_pages, droppable_slots, scatter_rows
-from jax_flashmla.validation import HEAD_DIM, HEAD_DIM_V, PAGE_SIZE
+from jax_flashmla.base import validation
+from jax_flashmla.caches.paged import PagedArray, check_num_pages, droppable_slots, scatter_rows
+from jax_flashmla.base.validation import HEAD_DIM, HEAD_DIM_V, PAGE_SIZE
 
 TILE = 128
 TILES = HEAD_DIM_V // TILE

@@ -1,10 +1,15 @@
 """Public ops: get_mla_metadata and mla_decode, the logical op over the custom calls
-(jax_flashmla/decode_primitive.py)."""
+(jax_flashmla/kernels/decode_primitive.py)."""
 import jax
 import jax.numpy as jnp
 
-from jax_flashmla import fp8 as fp8_quant
-from jax_flashmla import checks, custom_calls, decode_primitive, kernels, trusted, validation
+from jax_flashmla.caches import fp8 as fp8_quant
+from jax_flashmla.base import checks
+from jax_flashmla.kernels import custom_calls
+from jax_flashmla.kernels import decode_primitive
+from jax_flashmla.kernels import library as kernels
+from jax_flashmla.base import trusted
+from jax_flashmla.base import validation
 
 IMPLEMENTATIONS = ("custom_call", "reference")
 
@@ -13,7 +18,7 @@ IMPLEMENTATIONS = ("custom_call", "reference")
                       ["num_heads_q", "num_q_tokens", "max_pages", "fp8"], "get_mla_metadata")
 class MLAMetadata:
     """One decode step's lengths and FlashMLA's split-KV schedule for them, shared by every
-    layer of the step. Made by get_mla_metadata alone (jax_flashmla/trusted.py): the kernels
+    layer of the step. Made by get_mla_metadata alone (jax_flashmla/base/trusted.py): the kernels
     trust its lengths and schedule.
 
     Attributes:
@@ -153,11 +158,11 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, metadata=None, softmax_sca
       k_scale: with a float8_e4m3fn kv_cache (and only then), its per-tensor scale: float32 of
         shape () or (1,), an array so that one compiled step serves any scale. As SGLang does,
         q is quantized to float8_e4m3fn with this same scale (saturating at +-448, see
-        jax_flashmla/fp8.py) unless it comes quantized, and the kernel gets the scale as
+        jax_flashmla/caches/fp8.py) unless it comes quantized, and the kernel gets the scale as
         descale_q and descale_k.
 
     Values are not checked unless jax_flashmla.value_checks() is on while the call is traced
-    (jax_flashmla/checks.py: lengths, block-table entries, the metadata and the FP8 scale, as
+    (jax_flashmla/base/checks.py: lengths, block-table entries, the metadata and the FP8 scale, as
     checkify errors).
 
     Returns:
@@ -234,7 +239,7 @@ def _under_carried_lengths(q, kv_cache, block_table, seq_lens, metadata):
 
 
 def _check_values(kv_cache, block_table, seq_lens, metadata, k_scale):
-    """jax_flashmla.checks' checks of one decode's values (value_checks() on). Returns the
+    """jax_flashmla.base.checks' checks of one decode's values (value_checks() on). Returns the
     metadata to decode with: the given one's lengths with their schedule made anew, so that
     no schedule, whatever its fields, reaches a kernel while its error is on its way."""
     where = "mla_decode"

@@ -1,6 +1,6 @@
 """sparse_mla_decode and sparse_mla_prefill: DeepSeek-V3.2's sparse attention over MLA rows.
 
-jax_flashmla/sparse/reference.py states the semantics. On a Hopper GPU both run FlashMLA's
+jax_flashmla/reference/sparse.py states the semantics. On a Hopper GPU both run FlashMLA's
 kernels as custom calls (jax_flashmla_mla_sparse_decode, jax_flashmla_mla_sparse_prefill):
 indices past the keys or past topk_length are made -1 first (the kernels read any other; the
 decode takes MaskedIndices, made once for several decodes, as they are, and a row of a stack of
@@ -19,11 +19,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flashmla import custom_calls, kernels, trusted, validation
-from jax_flashmla.ops import default_num_sms
-from jax_flashmla.sparse import reference
-from jax_flashmla.sparse.cache import sparse_cache_array
-from jax_flashmla.validation import HEAD_DIM, HEAD_DIM_V, PAGE_SIZE, _fail
+from jax_flashmla.kernels import custom_calls
+from jax_flashmla.kernels import library as kernels
+from jax_flashmla.base import trusted
+from jax_flashmla.base import validation
+from jax_flashmla.ops.decode import default_num_sms
+from jax_flashmla.reference import sparse as reference
+from jax_flashmla.caches.sparse import sparse_cache_array
+from jax_flashmla.base.validation import HEAD_DIM, HEAD_DIM_V, PAGE_SIZE, _fail
 
 KERNEL_HEADS = (64, 128)  # what FlashMLA's sparse kernels take
 KERNEL_QUERY_TOKENS = (1, 2)  # the sparse decode's
@@ -141,7 +144,7 @@ class MaskedIndices:
     """Sparse indices with every invalid entry already -1, as FlashMLA's kernel reads them:
     sparse_mla_decode takes them as they are, with no mask of its own.
 
-    Made by mask_indices alone (jax_flashmla/trusted.py), once for indices several decodes
+    Made by mask_indices alone (jax_flashmla/base/trusted.py), once for indices several decodes
     share (a step's layers, say). A stack of them slices like its array (masked[layer], or as
     lax.scan's xs), and sparse_mla_decode(..., layer=) reads a layer's row of it in place.
 

@@ -23,7 +23,9 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 from jax.interpreters import partial_eval as pe
 
-from jax_flashmla import _cpu, kernels, validation
+import jax_flashmla._cpu as _cpu
+from jax_flashmla.kernels import library as kernels
+from jax_flashmla.base import validation
 
 # Each operand's and result's dims as Shardy factors: b batch, s query tokens, h query heads,
 # d head dim (576), v V dim (512), n pages, p page size, k KV heads (1), m block-table width,
@@ -200,7 +202,7 @@ def _decode_attributes(fp8, platform, *, softmax_scale, causal):
 #   (ops._under_carried_lengths).
 # - tile_scheduler_metadata and num_splits: METADATA's plan for exactly those lengths.
 #   Guaranteed by: decode_primitive._kernels (none given); a given MLAMetadata's plan is
-#   trusted as get_mla_metadata made it, which alone makes one (jax_flashmla/trusted.py;
+#   trusted as get_mla_metadata made it, which alone makes one (jax_flashmla/base/trusted.py;
 #   value_checks() plans it again).
 _DECODE_RESULTS = ("out", "lse", "out_accum", "lse_accum")
 DECODE = CustomCall(
@@ -244,7 +246,7 @@ def _sparse_attributes(name, what, platform, *, softmax_scale, with_sink, layer=
 # (off the GPU, jax_flashmla.sparse runs its pure-JAX reference). Its indices are a stack
 # (layers, batch, s_q, topk) of which it reads row `layer` (static) in place; its schedule is
 # METADATA's over requests of topk keys as one int32 array, the scheduler's rows (parts, 8)
-# then num_splits (batch + 1) (jax_flashmla/sparse/ops.py); the results after out and lse are
+# then num_splits (batch + 1) (jax_flashmla/ops/sparse.py); the results after out and lse are
 # the split-KV accumulators, scratch.
 # Trusts: every entry of row `layer` of indices in [-1, num_pages * 64) (the kernel skips -1
 # alone). Guaranteed by: sparse.ops._masked on raw indices (the row read, at each call), or
@@ -283,7 +285,7 @@ SPARSE_PREFILL = CustomCall(
 
 # DeepSeek-V3.2's indexer (ffi/index_topk.h): each query row's scores over its request's tokens
 # in the index-key cache, and the positions of its top k in ascending order. CUDA only (off
-# the GPU, jax_flashmla.sparse.indexer runs its pure-JAX reference). The scores are a result
+# the GPU, jax_flashmla.ops.indexer runs its pure-JAX reference). The scores are a result
 # so that XLA allocates them: the selection reads them, and tests compare them.
 # Trusts no operand value: the scoring kernel reads only pages in [0, num_pages) and clamps a
 # negative visible to 0; shapes are checked again by its handler (ffi/cuda_handlers.cc).

@@ -158,7 +158,7 @@ def register_cuda_targets():
     """Registers the CUDA targets of jax_flashmla's own kernels (the host queue's push, the
     indexer), which need neither torch nor FlashMLA's kernels; returns their module."""
     try:
-        from jax_flashmla import _cuda
+        import jax_flashmla._cuda as _cuda
     except ImportError as e:
         raise RuntimeError(
             "jax_flashmla was built without its CUDA targets (jax_flashmla._cuda): reinstall it "
@@ -181,7 +181,7 @@ def ensure_cuda_targets():
             f"FlashMLA's decode kernels need a Hopper GPU (sm 9.x); JAX sees {kinds}")
     ops = load_kernels()
     try:
-        from jax_flashmla import _flashmla
+        import jax_flashmla._flashmla as _flashmla
     except ImportError as e:
         raise RuntimeError(
             "jax_flashmla was built without its CUDA bridge (jax_flashmla._flashmla): reinstall "

@@ -14,9 +14,9 @@ Prefix length 0 marks a padded request, as in jax_flashmla/serving/loop.py.
 import jax
 import jax.numpy as jnp
 
-from jax_flashmla import validation
-from jax_flashmla.cache import PagedKVCache
-from jax_flashmla.ops import get_mla_metadata
+from jax_flashmla.base import validation
+from jax_flashmla.caches.paged import PagedKVCache
+from jax_flashmla.ops.decode import get_mla_metadata
 from jax_flashmla.serving.loop import decode_step, run_steps, step_seq_lens
 
 __all__ = ["multi_step_draft", "multi_step_draft_metadata", "target_verify",

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_flashmla.context_parallel import _merge_weights
+from jax_flashmla.reference.merge import merge_weights
 
 # Keys per step of the pure-JAX core: its scores are (heads, queries, KEY_BLOCK). A page, so
 # that prefixes that start on a page see their keys in the same blocks wherever they lie.
@@ -162,7 +162,7 @@ def merge(outs, lses):
     """Parts of each query's keys merged through their LSEs (merge_attention_states' rule),
     elementwise so that it fuses into one pass over the parts: outs [(t, h, d)], lses [(h, t)]
     -> out (t, h, d) float32, lse (h, t)."""
-    weights, lse = _merge_weights(jnp.stack(lses))
+    weights, lse = merge_weights(jnp.stack(lses))
     weights = weights.transpose(0, 2, 1)[..., None]  # (parts, t, h, 1)
     out = sum(w * o.astype(jnp.float32) for w, o in zip(weights, outs))
     return out, lse

@@ -18,8 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flashmla import checks, fp8, validation
-from jax_flashmla.validation import HEAD_DIM, HEAD_DIM_V, PAGE_SIZE
+from jax_flashmla.base import checks
+from jax_flashmla.caches import fp8
+from jax_flashmla.base import validation
+from jax_flashmla.base.validation import HEAD_DIM, HEAD_DIM_V, PAGE_SIZE
 
 ROPE_DIM = HEAD_DIM - HEAD_DIM_V  # 64-d decoupled rope key after the 512-d latent
 INVALID_SLOT = -1
@@ -171,7 +173,7 @@ def write_kv(kv_cache, slots, *, latent=None, rope=None, kv=None, scale=None):
       latent: S + (512,) latent (the V part), with rope: S + (64,) rope key; or
       kv: S + (576,) whole rows. Cast to the cache's dtype.
       scale: with a float8_e4m3fn cache (and only then), its float32 scale of shape () or (1,):
-        rows are stored as rows / scale, saturated at +-448 (jax_flashmla/fp8.py).
+        rows are stored as rows / scale, saturated at +-448 (jax_flashmla/caches/fp8.py).
 
     Returns:
       The updated cache, of kv_cache's kind (PagedKVCache or array). Under

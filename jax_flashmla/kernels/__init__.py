@@ -1,0 +1,3 @@
+"""Floor 3: FlashMLA's library and our compiled modules (library), the physical custom calls
+each stated once (custom_calls), the dense decode's logical primitive (decode_primitive), and
+the ragged attention cores of the prefill (ragged_attention: cuDNN's and XLA's)."""
