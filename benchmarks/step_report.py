@@ -182,10 +182,14 @@ def write_report(result, prefix):
 
 def merge(parts):
     """One result of parts; a point (b, s_k, h_q, s_q, dtype) in a later part replaces its
-    records in the earlier ones."""
+    records in the earlier ones. "records" (bench_step.records_by_layout of "raw") only where
+    every part has them: the committed results hold "raw" alone."""
     merged = dict(parts[0])
     point = lambda r: (r["s_k"], r["dtype"], r["s_q"], r["h_q"], r["b"])
     for key in ("records", "raw"):
+        if not all(key in part for part in parts):
+            merged.pop(key, None)
+            continue
         latest = {}
         for part in parts:
             by_point = {}
