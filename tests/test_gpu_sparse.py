@@ -237,7 +237,7 @@ def _torch_prefill(q, kv, indices, sink, lengths):
 
 
 @pytest.mark.parametrize("tokens,h_q,topk,with_sink,with_length", [
-    (70, 64, 128, False, False),  # dev/probe_sparse.py's sizes
+    (70, 64, 128, False, False),
     (70, 128, 256, True, True), (33, 32, 100, False, True)])
 def test_the_prefill_is_flashmlas_op_with_a_natural_lse(tokens, h_q, topk, with_sink,
                                                         with_length):

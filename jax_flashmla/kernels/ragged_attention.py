@@ -84,7 +84,7 @@ def cudnn_attention(q, k, v, q_segments, kv_segments, *, causal, scale):
                 q, k, v, scale=scale, qkv_layout="BTNH", return_residual=True,
                 mask_type=fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK)
 
-        # cuDNN's padding masks slow a call even where they hide nothing (dev/NOTES.md), so a
+        # cuDNN's padding masks slow a call even where they hide nothing (docs/design.md), so a
         # request that holds every row (a full chunk, a whole prefix slice) goes without them.
         every_row = (q_segments.lens[0] == t) & (kv_segments.lens[0] == k.shape[0])
         out, stats = jax.lax.cond(every_row, whole, padded, q[None], k[None], v[None])
