@@ -171,8 +171,8 @@ def test_a_layered_step_sharing_one_schedule_replays_with_new_inputs(s_q, h_q):
 
 
 def test_a_step_reads_its_layers_rows_of_one_masked_stack_in_place():
-    """A step masking its layers' indices once and handing each decode its layer's row with
-    layer=: every custom call takes the whole stack (no slice of it, no dynamic-slice thunk in
+    """A step masking its layers' indices once and handing each decode its layer's row
+    (masked[i]): every custom call takes the whole stack (no slice of it, no dynamic-slice thunk in
     the compiled module), and each layer is bit-identical to sparse_decode_fwd from torch on
     its own indices, called again with new inputs."""
     kernels.ensure_cuda_targets()
@@ -181,7 +181,7 @@ def test_a_step_reads_its_layers_rows_of_one_masked_stack_in_place():
     @jax.jit
     def step(qs, cache, indices):
         masked = mask_indices(indices, cache)
-        return [sparse_mla_decode(qs[i], cache, masked, layer=i, softmax_scale=SCALE,
+        return [sparse_mla_decode(qs[i], cache, masked[i], softmax_scale=SCALE,
                                   implementation="custom_call")
                 for i in range(layers)]
 

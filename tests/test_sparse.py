@@ -330,9 +330,9 @@ def test_masked_indices_are_the_masks_answer_and_slice_like_their_array():
 
 
 def test_the_kernel_takes_masked_indices_as_they_are(monkeypatch):
-    """On the custom call's path, raw indices reach the kernel through the mask (of the row
-    read alone); MaskedIndices reach it as they are, a stack of them whole with its layer (the
-    kernel call stood in for, so that this runs on any backend)."""
+    """On the custom call's path, raw indices reach the kernel through the mask; MaskedIndices
+    reach it as they are, and a layer's row of a stack of them as the whole stack with the
+    row's number (the kernel call stood in for, so that this runs on any backend)."""
     q, cache, indices = _decode_problem(12, h_q=64)
     reached = []
     monkeypatch.setattr(sparse_ops, "_implementation", lambda *_: "custom_call")
@@ -343,18 +343,37 @@ def test_the_kernel_takes_masked_indices_as_they_are(monkeypatch):
     masked_stack = mask_indices(stacked, cache)
     sparse_mla_decode(q, cache, indices)
     sparse_mla_decode(q, cache, masked)
-    sparse_mla_decode(q, cache, stacked, layer=1)
-    sparse_mla_decode(q, cache, masked_stack, layer=1)
-    (raw, raw_layer), (premasked, premasked_layer), (raw_row, row_layer), (stack, layer) = reached
+    sparse_mla_decode(q, cache, stacked[1])
+    sparse_mla_decode(q, cache, masked_stack[1])
+    sparse_mla_decode(q, cache, masked_stack[-1])
+    (raw, raw_layer), (premasked, premasked_layer), (raw_row, row_layer), *rows = reached
     for got in (raw, premasked, raw_row):  # the row read, masked, as a stack of one
         np.testing.assert_array_equal(np.asarray(got), np.asarray(masked.slots)[None])
     assert (raw_layer, premasked_layer, row_layer) == (0, 0, 0)
-    assert stack is masked_stack.slots and layer == 1
+    assert all(stack is masked_stack.slots and layer == 1 for stack, layer in rows)
 
 
-def test_the_decode_custom_call_takes_the_stack_and_its_layer():
+def test_a_row_that_crosses_jit_is_its_slice():
+    """A layer's row read in place where it is taken; passed through jit or scan, it is the
+    row's slice, and decodes to the same answer (the reference off the GPU, the custom call on
+    it, bit for bit)."""
+    q, cache, indices = _decode_problem(15)
+    stack = jnp.stack([indices, indices[::-1], jnp.full_like(indices, -1)])
+    masked = mask_indices(stack, cache)
+    decode = functools.partial(sparse_mla_decode, softmax_scale=0.1)
+    for layer in range(3):
+        want = jax.jit(decode)(q, cache, stack[layer])
+        crossed = jax.jit(lambda m: m)(masked[layer])
+        assert crossed.slots.shape == indices.shape and crossed._in_place()[1] == 0
+        for got in (jax.jit(lambda q, c, m, l=layer: decode(q, c, m[l]))(q, cache, masked),
+                    jax.jit(decode)(q, cache, masked[layer])):
+            for g, w in zip(got, want):
+                np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_the_decode_custom_call_takes_the_stack_and_its_row():
     """What the decode's custom call is given, traced on any backend: the whole stack of
-    indices (layers, batch, s_q, topk) and the layer as a static parameter."""
+    indices (layers, batch, s_q, topk) and the row as a static parameter."""
     q, cache, indices = _decode_problem(14, h_q=64)
     stack = jnp.stack([indices] * 3)
     jaxpr = jax.make_jaxpr(sparse_ops._kernel_decode, static_argnums=(3, 4, 5))(
@@ -362,36 +381,6 @@ def test_the_decode_custom_call_takes_the_stack_and_its_layer():
     (call,) = [e for e in jaxpr.eqns if e.primitive.name == "jax_flashmla_mla_sparse_decode"]
     assert call.invars[2].aval.shape == (3,) + indices.shape[:2] + (64,)  # topk 40 padded
     assert call.params == dict(softmax_scale=0.1, with_sink=False, layer=2)
-
-
-def test_a_layer_of_a_stack_decodes_as_its_slice():
-    """layer=l on a stack of indices, raw or masked, is indices[l]: the same answer, bit for
-    bit (the reference off the GPU, the custom call on it)."""
-    q, cache, indices = _decode_problem(15)
-    stack = jnp.stack([indices, indices[::-1], jnp.full_like(indices, -1)])
-    masked = mask_indices(stack, cache)
-    decode = jax.jit(functools.partial(sparse_mla_decode, softmax_scale=0.1),
-                     static_argnames="layer")
-    for layer in range(3):
-        want = decode(q, cache, stack[layer])
-        for got in (decode(q, cache, stack, layer=layer), decode(q, cache, masked, layer=layer)):
-            for g, w in zip(got, want):
-                np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-
-
-@pytest.mark.parametrize("indices_shape,layer,exc,pattern", [
-    ((2, 3, 1, 64), 2, ValueError, r"with layer=2, indices must be a stack \(layers, batch, "
-                                   r"s_q, topk\) with more than 2 layers; got \(2, 3, 1, 64\)"),
-    ((2, 3, 1, 64), -1, ValueError, r"with layer=-1, indices must be a stack"),
-    ((3, 1, 64), 0, ValueError, r"with layer=0, indices must be a stack .* got \(3, 1, 64\)"),
-    ((2, 3, 1, 64), 1.0, TypeError, r"layer must be a Python int .* got float"),
-    ((2, 3, 1, 64), True, TypeError, r"layer must be a Python int .* got bool"),
-])
-def test_bad_layers_are_named(indices_shape, layer, exc, pattern):
-    q = jnp.zeros((3, 1, 16, 576), jnp.bfloat16)
-    with pytest.raises(exc, match="sparse_mla_decode: " + pattern):
-        sparse_mla_decode(q, SparseKVCache.create(1), jnp.zeros(indices_shape, jnp.int32),
-                          layer=layer)
 
 
 @pytest.mark.parametrize("call,pattern", [

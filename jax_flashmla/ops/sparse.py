@@ -146,17 +146,28 @@ class MaskedIndices:
 
     Made by mask_indices alone (jax_flashmla/base/trusted.py), once for indices several decodes
     share (a step's layers, say). A stack of them slices like its array (masked[layer], or as
-    lax.scan's xs), and sparse_mla_decode(..., layer=) reads a layer's row of it in place.
+    lax.scan's xs). A layer's row of a stack (layers, batch, s_q, topk), masked[layer] with a
+    Python int, reaches the GPU's kernel in place: the custom call takes the stack and the row's
+    number, where a slice's address would be computed on the host at every execution.
 
     Attributes:
       slots: (..., topk) int32, each in [-1, num_keys).
       num_keys: the keys they were masked for (static): a cache of at least as many takes them.
     """
 
-    __slots__ = ("slots", "num_keys")
+    __slots__ = ("slots", "num_keys", "_stack_row")
 
     def __getitem__(self, key):
-        return self._replace(slots=self.slots[key])
+        row = self._replace(slots=self.slots[key])
+        if isinstance(key, int) and not isinstance(key, bool) and self.slots.ndim == 4:
+            # Kept beside the slice (which XLA drops, unused): not a field, so that a row that
+            # crosses jit or scan is its slice alone.
+            object.__setattr__(row, "_stack_row", (self.slots, key % self.slots.shape[0]))
+        return row
+
+    def _in_place(self):
+        """(the stack (layers, batch, s_q, topk) the kernel reads, the row it reads)."""
+        return getattr(self, "_stack_row", None) or (self.slots[None], 0)
 
 
 def mask_indices(indices, kv_cache, *, topk_length=None):
@@ -186,36 +197,17 @@ def _masked(indices, num_keys, topk_length):
     return jnp.where(reference.valid_indices(indices, num_keys, topk_length), indices, -1)
 
 
-def _unmasked(where, indices, data, topk_length):
-    """(the index array, whether it still needs the mask) of sparse_mla_decode's indices."""
-    if not isinstance(indices, MaskedIndices):
-        return indices, True
+def _check_masked(where, indices, data, topk_length):
     if topk_length is not None:
         _fail(ValueError, where, "topk_length goes to mask_indices with MaskedIndices, which "
                                  "already hold it; got a topk_length here too")
     if indices.num_keys > data.shape[0] * PAGE_SIZE:
         _fail(ValueError, where, f"indices were masked for {indices.num_keys} keys, but the cache "
                                  f"holds {data.shape[0] * PAGE_SIZE}")
-    return indices.slots, False
-
-
-def _stack_row(where, indices, layer):
-    """(indices (batch, s_q, topk) the decode reads, the (layers, batch, s_q, topk) stack it
-    reads them from and their row in it): the stack and `layer` where one is given."""
-    if layer is None:
-        return indices, indices[None], 0
-    if not isinstance(layer, int) or isinstance(layer, bool):
-        _fail(TypeError, where, f"layer must be a Python int (the row of a stack of indices) "
-                                f"or None; got {type(layer).__name__}")
-    if indices.ndim != 4 or not 0 <= layer < indices.shape[0]:
-        _fail(ValueError, where, f"with layer={layer}, indices must be a stack (layers, batch, "
-                                 f"s_q, topk) with more than {layer} layers; got "
-                                 f"{tuple(indices.shape)}")
-    return indices[layer], indices, layer
 
 
 def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale=None, topk_length=None,
-                      attn_sink=None, layer=None, implementation=None):
+                      attn_sink=None, implementation=None):
     """Sparse MLA decode over DeepSeek-V3.2's FP8 cache (FlashMLA's sparse_decode_fwd).
 
     Args:
@@ -223,15 +215,12 @@ def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale=None, topk_length=N
       kv_cache: SparseKVCache or its (num_pages, 64, 1, 656) uint8 array.
       indices: (batch, s_q, topk) int32 slots (page * 64 + offset) each query attends to;
         outside [0, num_pages * 64) (e.g. -1) an index is invalid and never read. Or
-        MaskedIndices of that shape (mask_indices), taken as they are.
+        MaskedIndices of that shape (mask_indices), taken as they are (a layer's row of a
+        stack of them, masked[layer], read in place).
       softmax_scale: a Python float; defaults to 576 ** -0.5.
       topk_length: (batch,) int32 or None: a request's entries from topk_length on are
         invalid.
       attn_sink: (h_q,) float32 or None: a logit per head added to each softmax's denominator.
-      layer: a Python int or None. Given, indices are a stack (layers, batch, s_q, topk) (or
-        MaskedIndices of one) and the decode reads row `layer` of it, as indices[layer] but in
-        place: on the GPU, MaskedIndices' row is handed to the kernel without a copy or a
-        slice computed at each execution.
       implementation: None picks "custom_call" on a Hopper GPU whose FlashMLA kernels and CUDA
         bridge are available, else "reference". "custom_call" is FlashMLA's sparse_decode_fwd
         (CUDA only; bfloat16 q, at most 128 heads, s_q 1 or 2); "reference" is pure JAX.
@@ -243,8 +232,10 @@ def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale=None, topk_length=N
     where = "sparse_mla_decode"
     validation.check_rank(where, "q", q, 4, "(batch, s_q, h_q, 576)")
     data = sparse_cache_array(kv_cache, where)
-    stack, needs_mask = _unmasked(where, indices, data, topk_length)
-    indices, stack, layer = _stack_row(where, stack, layer)
+    masked = indices if isinstance(indices, MaskedIndices) else None
+    if masked is not None:
+        _check_masked(where, masked, data, topk_length)
+        indices = masked.slots
     scale = _check_common(where, q, indices, tuple(q.shape[:2]), topk_length, attn_sink,
                           softmax_scale)
     implementation = _implementation(where, implementation, "sparse_decode")
@@ -253,12 +244,12 @@ def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale=None, topk_length=N
     if implementation == "reference":
         return reference.sparse_decode_reference(q, data, indices, softmax_scale=scale,
                                                  topk_length=topk_length, attn_sink=attn_sink)
-    if needs_mask:
+    if masked is None:
         # The kernel skips -1 alone: it would read an index past the cache, and it takes no
-        # topk_length with this cache format. Only the row read is masked.
-        masked = _masked(indices, data.shape[0] * PAGE_SIZE, topk_length)
-        return _kernel_decode(q, data, masked[None], 0, attn_sink, scale)
-    return _kernel_decode(q, data, stack, layer, attn_sink, scale)
+        # topk_length with this cache format.
+        return _kernel_decode(q, data, _masked(indices, data.shape[0] * PAGE_SIZE,
+                                               topk_length)[None], 0, attn_sink, scale)
+    return _kernel_decode(q, data, *masked._in_place(), attn_sink, scale)
 
 
 def _kernel_prefill(q, kv, indices, attn_sink, softmax_scale):
