@@ -2,12 +2,13 @@
 
 Run bare, the script starts --num-processes copies of itself on this machine and waits for
 them; each copy, or each process of a real deployment, runs it with its own --process-id (one
-process per GPU on GPUs; on CPU each process takes --local-devices devices). jax.distributed joins them; one mesh axis, "dcp",
-spans every device of every process. A batch of prompts is written through dcp_write_kv, each
-token into the cache of the one device that holds its position (round-robin), so that no
-process holds another's tokens; then one decode step through dcp_mla_decode merges the
-devices' partial attention through their LSEs. Each process checks the merged result against
-the pure-JAX reference of the whole cache on one of its own devices.
+process per GPU on GPUs; on CPU each process takes --local-devices devices). jax.distributed
+joins them; one mesh axis, "dcp", spans every device of every process. A batch of prompts
+(seeded) is written through dcp_write_kv, each token into the cache of the one device that
+holds its position (round-robin), so that no process holds another's tokens; then one decode
+step through dcp_mla_decode merges the devices' partial attention through their LSEs. Each
+process checks the merged result against the pure-JAX reference of the whole cache on one of
+its own devices.
 
     python examples/dcp_across_processes.py                # 2 processes on this machine
     python examples/dcp_across_processes.py --process-id 0 --num-processes 2 &
@@ -20,9 +21,14 @@ import subprocess
 import sys
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Each option's default, and the epilog's command lines as they are written."""
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description="\n\n".join(__doc__.split("\n\n")[:2]),
+                                epilog="suggested command lines:\n" + __doc__.split("\n\n")[2],
+                                formatter_class=HelpFormatter)
     p.add_argument("--process-id", type=int,
                    help="this process's index; unset: start every process here and wait")
     p.add_argument("--num-processes", type=int, default=2, help="processes in all")

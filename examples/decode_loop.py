@@ -1,24 +1,42 @@
 """A paged-cache decode loop: admit requests, write their prompts, decode T tokens, jitted.
 
+    python examples/decode_loop.py                  # CPU: the pure-JAX reference, in seconds
+    python examples/decode_loop.py --custom-call    # FlashMLA's C++ model (on Hopper: kernels)
+    python examples/decode_loop.py --prompt-lens 1000 2000 --steps 64 --heads 128  # larger
+
 Runs on CPU in seconds (the pure-JAX path, or FlashMLA's C++ model with --custom-call) and on a
-Hopper GPU with FlashMLA's kernels. The "model" is a toy: the next token's query and cache row
-are a fixed projection of this step's attention output.
+Hopper GPU with FlashMLA's kernels. The "model" is a toy, its weights and inputs seeded: the
+next token's query and cache row are a fixed projection of this step's attention output.
 """
 import argparse
 import functools
+import importlib.util
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flashmla import kernels
-from jax_flashmla.cache import PagedKVCache
+from jax_flashmla import PagedKVCache
 from jax_flashmla.serving import PageAllocator, bucket_for, decode_loop, pad_batch, write_prompt
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def hopper_gpu():
+    """Whether JAX's default backend is a Hopper GPU (sm 9.x), where FlashMLA's kernels run."""
+    return jax.default_backend() == "gpu" and any(
+        str(getattr(d, "compute_capability", "")).startswith("9.") for d in jax.devices())
+
+
+def flashmla_here():
+    """Whether implementation=None picks FlashMLA's kernels here: a Hopper GPU, and
+    jax_flashmla built with its bridge to them."""
+    return hopper_gpu() and importlib.util.find_spec("jax_flashmla._flashmla") is not None
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[2],
+        epilog="suggested command lines:\n" + __doc__.split("\n\n")[1] + "\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=[5, 64, 130],
                         help="prompt length of each request (default: 5 64 130)")
     parser.add_argument("--steps", type=int, default=8, help="tokens to decode (default: 8)")
@@ -26,14 +44,22 @@ def main():
     parser.add_argument("--custom-call", action="store_true",
                         help="implementation='custom_call' (FlashMLA's C++ model on CPU); "
                              "default: FlashMLA on a Hopper GPU, else the pure-JAX reference")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if min(args.prompt_lens) < 1 or args.steps < 1 or args.heads < 1:
         parser.error("--prompt-lens, --steps and --heads must be >= 1")
     if sum(-(-(n + args.steps) // 64) for n in args.prompt_lens) > 64:
         parser.error("the requests need more than the 64 pages of the cache: shorter "
                      "--prompt-lens or fewer --steps")
+    if args.custom_call and jax.default_backend() != "cpu" and not hopper_gpu():
+        parser.error(f"--custom-call runs FlashMLA's kernels on a Hopper GPU or its C++ model "
+                     f"on CPU, and JAX's default backend here is {jax.default_backend()}, "
+                     "neither: leave it out")
+    return args
+
+
+def main(args):
     implementation = "custom_call" if args.custom_call else None
-    if kernels.flashmla_available():
+    if flashmla_here():
         runs = "FlashMLA's kernels"
     else:
         runs = "FlashMLA's C++ model" if args.custom_call else "the pure-JAX reference"
@@ -81,4 +107,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(parse_args())

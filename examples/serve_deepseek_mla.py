@@ -5,9 +5,11 @@
     python examples/serve_deepseek_mla.py --kv-cache-dtype fp8  # an FP8 (e4m3) cache
     python examples/serve_deepseek_mla.py --max-prompt 600 --prefill-chunk 256  # chunked
     python examples/serve_deepseek_mla.py --turns 2             # a second turn over the cache
+    python examples/serve_deepseek_mla.py --attention v32 --index-topk 64  # V3.2's sparse MLA
+    # On a Hopper GPU (the defaults there: FlashMLA's kernels, cuDNN's prefill):
     python examples/serve_deepseek_mla.py --min-prompt 16384 --max-prompt 32768 --turns 2
-                                                   # a Hopper GPU: 32k-token prompts, two turns
-    python examples/serve_deepseek_mla.py --attention v32 --index-topk 64  # DeepSeek-V3.2's
+    python examples/serve_deepseek_mla.py --attention v32 --implementation custom_call
+    python examples/serve_deepseek_mla.py --max-prompt 2048 --prefill-implementation cudnn
 
 A few decoder layers (RMSNorm -> jax_flashmla.flax.MultiHeadLatentAttention -> RMSNorm ->
 SwiGLU MLP) with seeded random weights serve requests of different prompt lengths. Each
@@ -47,6 +49,7 @@ import argparse
 import collections
 import dataclasses
 import functools
+import importlib.util
 import sys
 import time
 
@@ -56,8 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_flashmla as jf
-from jax_flashmla import kernels
-from jax_flashmla.cache import PagedKVCache
+from jax_flashmla import PagedKVCache
 from jax_flashmla.serving import (HostQueue, PageAllocator, length_bucket, pages_for_tokens,
                                   plan_chunks)
 from jax_flashmla.flax import (MLAConfig, MultiHeadLatentAttention, RMSNorm, SparseMLAConfig,
@@ -561,18 +563,60 @@ def serve(args, report=None):
     return outputs
 
 
+def hopper_gpu():
+    """Whether JAX's default backend is a Hopper GPU (sm 9.x), where FlashMLA's kernels and
+    cuDNN's prefill run."""
+    return jax.default_backend() == "gpu" and any(
+        str(getattr(d, "compute_capability", "")).startswith("9.") for d in jax.devices())
+
+
+def flashmla_here():
+    """Whether implementation=None picks FlashMLA's kernels here: a Hopper GPU, and
+    jax_flashmla built with its bridge to them."""
+    return hopper_gpu() and importlib.util.find_spec("jax_flashmla._flashmla") is not None
+
+
 def implementation_in_use(implementation):
     """(the implementation's name, what it runs here in words)."""
-    name = implementation or ("custom_call" if kernels.flashmla_available() else "reference")
+    name = implementation or ("custom_call" if flashmla_here() else "reference")
     if name == "reference":
         return name, "the pure-JAX reference"
-    on_gpu = kernels.flashmla_available()
-    return name, "FlashMLA's kernels" if on_gpu else "FlashMLA's C++ model, no Hopper GPU here"
+    return name, ("FlashMLA's kernels" if hopper_gpu()
+                  else "FlashMLA's C++ model, no Hopper GPU here")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Each option's default, and the epilog's command lines as they are written."""
+
+
+# --help ends with the command lines of this docstring.
+COMMAND_LINES = "suggested command lines:\n" + __doc__.split("\n\n")[1] + "\n"
+
+
+def refuse_gpu_only_options(p, args):
+    """Off a Hopper GPU, an option that needs one is an argument error of one sentence, not a
+    traceback from inside the first step."""
+    if hopper_gpu():
+        return
+    backend = jax.default_backend()
+    if backend == "gpu":
+        backend = f"a {jax.devices()[0].device_kind}"
+    here = f"JAX's default backend here is {backend}"
+    if args.prefill_implementation == "cudnn":
+        p.error(f"--prefill-implementation cudnn runs cuDNN's flash attention, which needs a "
+                f"Hopper GPU, and {here}: pass --prefill-implementation xla or leave it unset")
+    if args.implementation == "custom_call" and args.attention == "v32":
+        p.error(f"--implementation custom_call with --attention v32 runs FlashMLA's sparse "
+                f"kernels and the indexer's CUDA kernels, which need a Hopper GPU, and {here}: "
+                "pass --implementation reference or leave it unset")
+    if args.implementation == "custom_call" and jax.default_backend() != "cpu":
+        p.error(f"--implementation custom_call runs FlashMLA's kernels, which need a Hopper "
+                f"GPU, and {here}: pass --implementation reference or leave it unset")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=COMMAND_LINES,
+                                formatter_class=HelpFormatter)
     p.add_argument("--implementation", choices=["custom_call", "reference"], default=None,
                    help="mla_decode's path; unset: FlashMLA on a Hopper GPU, else the reference")
     p.add_argument("--prefill-implementation", choices=["cudnn", "xla"], default=None,
@@ -607,6 +651,7 @@ def parse_args(argv=None):
                    help="read each decode step's tokens before launching the next (default: "
                         "launch the next step first)")
     args = p.parse_args(argv)
+    refuse_gpu_only_options(p, args)
     if args.attention == "v32" and args.kv_cache_dtype != "bfloat16":
         p.error("--kv-cache-dtype is the dense MLA's: --attention v32 has its own FP8 cache")
     for name in ("layers", "requests", "batch", "min_prompt", "max_new", "turns", "turn_tokens",
