@@ -38,10 +38,11 @@ holds, so a layer finds little of what an earlier layer over the same cache read
 jax_flashmla's step runs jitted, unrolled and under lax.scan (--scan-unroll layers an
 iteration, by default SCAN_UNROLL, and LOOP_STEP_COMPILER_OPTIONS), each called
 through AlternatingStep and synced by popping what it pushed to a HostQueue, as
-bench_step.py's, their schedule a constant of the program and the layers' indices masked once per step (mask_indices: one kernel over the step's indices, where a layer
-of its own would run one a layer; in a model the mask fuses into the conversion of the
+bench_step.py's, their schedule a constant of the program and the layers' indices masked
+once per step (mask_indices: one kernel over the step's indices, where a layer of its own
+would run one a layer; in a model the mask fuses into the conversion of the
 indexer's positions to slots), the unrolled step's layers each reading its row of them in
-place (layer=, as torch's layers read views of one tensor); against the same torch ops
+place (masked[layer], as torch's layers read views of one tensor); against the same torch ops
 (sparse_decode_fwd making its own schedule per layer, the concatenation) captured in a torch
 CUDA graph and replayed, and that graph with the schedule made once per step by
 get_mla_decoding_metadata (topk), as SGLang serves V3.2. The steps are timed in turns
@@ -399,23 +400,21 @@ def bare_decode(q, cache, indices, layer):
     return out[:, :, :h_q]
 
 
-def jax_steps(inp, scan_unroll=SCAN_UNROLL, xla_options=None, sliced=False, unguarded=False):
+def jax_steps(inp, scan_unroll=SCAN_UNROLL, xla_options=None, unguarded=False):
     """{name: (jitted step, its compiler options)}: the step unrolled and under lax.scan
     (scan_unroll layers an iteration), each returning its last out (q[..., :512] after the
-    last layer); xla_options: more compiler options for both; sliced: also the unrolled step
-    with each layer's indices sliced from the stack (masked[layer]) rather than read in place
-    (layer=), to compare the two; unguarded: also the unrolled step of bare_decode on the raw
-    indices (UNGUARDED), to measure what the protections cost."""
-    def decode(q, cache, indices, rope, layer=None):
-        out, _ = sparse_mla_decode(q, cache, indices, softmax_scale=SOFTMAX_SCALE, layer=layer,
+    last layer); xla_options: more compiler options for both; unguarded: also the unrolled
+    step of bare_decode on the raw indices (UNGUARDED), to measure what the protections
+    cost."""
+    def decode(q, cache, indices, rope):
+        out, _ = sparse_mla_decode(q, cache, indices, softmax_scale=SOFTMAX_SCALE,
                                    implementation=sparse_implementation())
         return bench_step._next(out, rope)[0]
 
-    def unrolled(cache, q, indices, rope, in_place=True):
+    def unrolled(cache, q, indices, rope):
         masked = mask_indices(indices, cache)
         for layer in range(inp.layers):  # each layer's row of the stack, read in place
-            q = (decode(q, cache, masked, rope[layer], layer) if in_place
-                 else decode(q, cache, masked[layer], rope[layer]))
+            q = decode(q, cache, masked[layer], rope[layer])
         return q[..., :D_V]
 
     def unrolled_unguarded(cache, q, indices, rope):
@@ -432,16 +431,12 @@ def jax_steps(inp, scan_unroll=SCAN_UNROLL, xla_options=None, sliced=False, ungu
     extra = xla_options or {}
     steps = {"jax_unrolled": (unrolled, extra or None),
              "jax_scan": (scanned, {**serving.LOOP_STEP_COMPILER_OPTIONS, **extra})}
-    if sliced:
-        steps["jax_unrolled_sliced"] = (functools.partial(unrolled, in_place=False),
-                                        extra or None)
     if unguarded:
         steps[UNGUARDED] = (unrolled_unguarded, extra or None)
     return steps
 
 
-def compiled_jax_steps(inp, scan_unroll=SCAN_UNROLL, xla_options=None, sliced=False,
-                       unguarded=False):
+def compiled_jax_steps(inp, scan_unroll=SCAN_UNROLL, xla_options=None, unguarded=False):
     """[(name, the HostQueue its step pushes to, the step through AlternatingStep)] of
     jax_steps, each pushing its out as bench_step.py's steps do, compiled for inp's
     arguments."""
@@ -454,8 +449,8 @@ def compiled_jax_steps(inp, scan_unroll=SCAN_UNROLL, xla_options=None, sliced=Fa
         return name, queue, serving.AlternatingStep(
             jax.jit(pushing, compiler_options=options).lower(*arguments).compile())
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # XLA compiles off Python's thread
-        return list(pool.map(compiled, jax_steps(inp, scan_unroll, xla_options, sliced,
-                                                 unguarded).items()))
+        return list(pool.map(compiled,
+                             jax_steps(inp, scan_unroll, xla_options, unguarded).items()))
 
 
 def run_step_point(inp, steps, torch_sparse, shared_schedule=True,
