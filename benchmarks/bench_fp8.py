@@ -12,7 +12,6 @@ speed-up is the median of per-repeat ratios.
     python benchmarks/bench_fp8.py --tiny   # a small shape, for CPU (the custom call's C++ model)
 """
 import argparse
-import json
 import statistics
 
 import jax
@@ -22,6 +21,7 @@ import numpy as np
 import jax_flashmla as jf
 from jax_flashmla.caches import fp8
 
+from results_io import write_json
 from timing import in_turns, paired_ratios
 
 
@@ -96,8 +96,7 @@ def main():
         results[name].append(bench(batch, s_k, h_q, calls=calls, repeats=repeats))
         print(line(results[name][-1]), flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+        write_json(results, args.out)
 
 
 if __name__ == "__main__":

@@ -62,6 +62,7 @@ from jax_flashmla.caches import fp8
 
 import grid_report
 from device_time import QUEUED_CALLS, device_time_in_turns, spin_blockers
+from results_io import write_json
 from timing import device_copy, paired_ratios, time_in_turns
 from torch_side import FP8, TorchSide
 from workload import D_QK, D_V, Workload
@@ -390,10 +391,10 @@ def main():
             elapsed = time.perf_counter() - started
             print(f"[{len(results['points'])}/{total} {elapsed:.0f}s] {label}: "
                   f"{grid_report.point_summary(point)}", flush=True)
-            grid_report.write_json(results, stem + ".json")
+            write_json(results, stem + ".json")
             grid_report.write_markdown(results, stem + ".md")
         del work  # free this cache before the next one is made
-    grid_report.write_json(results, stem + ".json")
+    write_json(results, stem + ".json")
     grid_report.write_markdown(results, stem + ".md")
     written = grid_report.write_plots(results, stem)
     print("\n".join(grid_report.summary_lines(results)))

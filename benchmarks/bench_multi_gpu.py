@@ -33,6 +33,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 import jax_flashmla as jf  # noqa: E402
 from jax_flashmla import context_parallel as cp  # noqa: E402
 
+from results_io import save_png, write_json  # noqa: E402
+
 PAGE, D_QK, D_V = 64, 576, 512
 DEGREES = (1, 2, 4, 8)
 GRID_B = (16, 64)
@@ -170,7 +172,8 @@ def plot(result, path):
         ax.set_ylabel("µs per layer")
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path)
+    plt.close(fig)  # the report is written after every point
 
 
 def main():
@@ -199,8 +202,7 @@ def main():
                                        implementation)
         del p
         if args.out:  # after every point, so that a run cut short keeps what it measured
-            with open(args.out + ".json", "w") as f:
-                json.dump(result, f, indent=1)
+            write_json(result, args.out + ".json")
             with open(args.out + ".md", "w") as f:
                 f.write(markdown(result))
             plot(result, args.out + ".png")

@@ -48,7 +48,7 @@ import jax_flashmla as jf
 from jax_flashmla.caches import fp8
 from jax_flashmla.ops import prefill
 
-from grid_report import write_json
+from results_io import save_png, write_json
 from timing import compiler_option, time_in_turns
 
 D_NOPE, D_ROPE, D_V, RANK, PAGE = 128, 64, 128, 512, 64
@@ -377,7 +377,7 @@ def plot(results, path):
             if ax.lines:
                 ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path)
     plt.close(fig)
 
 

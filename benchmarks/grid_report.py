@@ -7,9 +7,10 @@ reports of a grid's parts run apart (e.g. on two GPUs at once, one part per GPU)
     python benchmarks/grid_report.py --merge grid_h200.json grid_h200_bf16.json grid_h200_fp8.json
 """
 import json
-import os
 import statistics
 import sys
+
+from results_io import save_png, write_json
 
 # Colour, marker and line of each implementation, the same in both plots.
 STYLE = {
@@ -25,13 +26,6 @@ SHARED_SETTINGS = ("device", "batch", "layers", "rotations", "target_ms", "repea
 # The large shapes: mean s_k from here on, where mla_decode is to be within 3% of torch-direct per
 # call.
 LARGE_S_K = 8192
-
-
-def write_json(results, path):
-    """Written whole to a side file, then renamed: a kill mid-write leaves the last good one."""
-    with open(path + ".tmp", "w") as f:
-        json.dump(results, f, indent=1)
-    os.replace(path + ".tmp", path)
 
 
 def merge(reports):
@@ -356,7 +350,7 @@ def _plots(plt, meta, points, dtype, stem):
                ncol=min(len(labels), 3 * len(cols)))
     fig.suptitle(f"FlashMLA decode, {meta['device']}, b={meta['batch']}, {dtype} cache")
     path = f"{stem}.png"
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    save_png(fig, path, bbox_inches="tight")
     plt.close(fig)
     return [path]
 

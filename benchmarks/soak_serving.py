@@ -33,6 +33,8 @@ import numpy as np
 import jax_flashmla as jf
 from jax_flashmla.serving import OutOfPagesError, PageAllocator, block_table_from_pages
 
+from results_io import write_json
+
 BAD_KINDS = ("length_past_table", "negative_length", "page_past_cache", "page_int32_max",
              "page_wrapping_int32", "negative_page")
 
@@ -276,8 +278,7 @@ def main(argv=None):
     result = run(args.steps, TINY if args.tiny else REAL, seed=args.seed,
                  cache_check_every=args.cache_check_every)
     if args.out:
-        with open(args.out + ".json", "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(result, args.out + ".json")
         with open(args.out + ".md", "w") as f:
             f.write(report_markdown(result))
     print(json.dumps(result))

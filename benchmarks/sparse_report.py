@@ -9,7 +9,8 @@ import json
 import statistics
 
 import step_report
-from grid_report import _stats, write_json
+from grid_report import _stats
+from results_io import save_png, write_json
 from timing import paired_ratios
 
 # Per call, by device time at b = CALL_BAR_B: the call on MaskedIndices within CALL_BAR of
@@ -343,7 +344,7 @@ def plot(result, path):
         if ax.has_data():
             ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path)
     plt.close(fig)  # the report is written after every point
 
 

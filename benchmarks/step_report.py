@@ -6,6 +6,8 @@ replaces the earlier part's."""
 import argparse
 import json
 
+from results_io import save_png, write_json
+
 VARIANTS = (("jax_scan", "jax_flashmla, stacked, lax.scan"),
             ("jax_scan_alternating", "jax_flashmla, stacked, lax.scan, AlternatingStep"),
             ("jax_unrolled", "jax_flashmla, stacked, unrolled"),
@@ -168,13 +170,12 @@ def plot(result, path):
     fig.legend(*axes[0][0].get_legend_handles_labels(), loc="lower center", ncol=4,
                fontsize=8)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
-    fig.savefig(path, dpi=110)
+    save_png(fig, path)
     plt.close(fig)  # bench_step writes the report after every point
 
 
 def write_report(result, prefix):
-    with open(prefix + ".json", "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(result, prefix + ".json")  # without "records": records_by_layout(raw) has them
     with open(prefix + ".md", "w") as f:
         f.write(markdown(result))
     plot(result, prefix + ".png")

@@ -8,7 +8,8 @@ replaces the earlier part's."""
 import argparse
 
 import sparse_report
-from grid_report import _stats, write_json
+from grid_report import _stats
+from results_io import save_png, write_json
 from sparse_report import _fmt, _load, _yes
 from timing import paired_ratios
 
@@ -160,7 +161,7 @@ def plot(result, path):
         ax.set_xlabel("batch")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path)
     plt.close(fig)  # the report is written after every point
 
 

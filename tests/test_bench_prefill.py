@@ -10,6 +10,7 @@ from helpers import BENCHMARKS
 
 sys.path.insert(0, str(BENCHMARKS))
 import bench_prefill  # noqa: E402
+import results_io  # noqa: E402
 
 SMALL_LABELS = ["new/T64/S0/h2/bf16", "new/T256/S0/h2/bf16", "extend/T64/S128/h2/bf16",
                 "extend/T64/S128/h2/fp8"]
@@ -18,7 +19,10 @@ SMALL_LABELS = ["new/T64/S0/h2/bf16", "new/T256/S0/h2/bf16", "extend/T64/S128/h2
 def test_the_small_mode_writes_its_report(tmp_path):
     out = str(tmp_path / "prefill_small")
     results = bench_prefill.main(["--small", "--out", out])
+    # The JSON is the result trimmed (results_io); the whole result is beside it.
     with open(out + ".json") as f:
+        assert json.load(f) == results_io.trimmed(results)[0]
+    with open(out + ".raw.json") as f:
         assert json.load(f) == json.loads(json.dumps(results))
     points = results["points"]
     assert [p["label"] for p in points] == SMALL_LABELS and not results["not_run"]

@@ -1,6 +1,7 @@
 """benchmarks/bench_sparse.py's tiny configuration (on CPU through the sparse reference and the
 C++ model of the dense decode): its points and fields, and the report; the report's ratios and
 bars from per-repeat times, --unguarded's step and table, and parts merged."""
+import json
 import statistics
 import sys
 
@@ -13,11 +14,15 @@ import sparse_report  # noqa: E402
 def test_the_tiny_run_writes_its_report(tmp_path):
     prefix = tmp_path / "sparse"
     result = run_tiny_benchmark("bench_sparse.py", prefix)
+    # The per-repeat samples are in the whole result beside the JSON, not in it.
+    whole = json.loads(prefix.with_suffix(".raw.json").read_text())
+    assert all("us_repeats" not in timed for record in result["per_call"]
+               for timed in record["impls"].values())
     assert [r["label"] for r in result["per_call"]] == ["call/b2/ctx128/h16/s1",
                                                         "call/b2/ctx128/h16/s2"]
     assert [r["label"] for r in result["step"]] == ["step/b2/ctx128/h16/s1"]
     assert result["not_run"] == [] and result["meta"]["topk"] == 64
-    for record in result["per_call"]:
+    for record in whole["per_call"]:
         assert set(record["impls"]) == {"sparse", "premasked", "dense"}  # no torch here
         assert record["checks"]["premasked_identical"]
         for timed in record["impls"].values():

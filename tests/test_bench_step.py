@@ -1,23 +1,32 @@
 """benchmarks/bench_step.py's tiny configuration on CPU: every layout runs through the C++
 target, their outs agree bit for bit, and the report is written."""
+import json
 import sys
 
 from helpers import BENCHMARKS, run_tiny_benchmark
 
 
 def test_the_tiny_step_runs_and_reports(tmp_path):
+    sys.path.insert(0, str(BENCHMARKS))
+    import bench_step
+
     prefix = tmp_path / "step"
     result = run_tiny_benchmark("bench_step.py", prefix)
     assert [(r["dtype"], r["s_q"]) for r in result["raw"]] == [("bfloat16", 1),
                                                                ("float8_e4m3fn", 2)]
     assert all(r["layouts_agree"] for r in result["raw"])
-    layouts = [r["layout"] for r in result["records"]]
+    # The JSON holds "raw" alone; the whole result beside it has the records it rebuilds.
+    whole = json.loads(prefix.with_suffix(".raw.json").read_text())
+    assert "records" not in result and whole["records"] == bench_step.records_by_layout(
+        whole["raw"])
+    records = bench_step.records_by_layout(result["raw"])
+    layouts = [r["layout"] for r in records]
     assert layouts == ["scan", "unrolled", "per_layer", "scan_alternating",
                        "unrolled_alternating"] * 2
-    for record in result["records"]:
+    for record in records:
         assert {"b", "s_k", "h_q", "s_q", "dtype", "layout", "layers", "jax_us"} <= set(record)
         assert record["jax_us"] > 0
-    queued = [r for r in result["records"] if "jax_queued_us" in r]
+    queued = [r for r in records if "jax_queued_us" in r]
     assert [r["layout"] for r in queued] == ["scan_alternating", "unrolled_alternating"] * 2
     assert all(r["jax_queued_us"] > 0 for r in queued)
     assert "| 2 | 128 | 16 | 2 | fp8 | 3 |" in prefix.with_suffix(".md").read_text()
