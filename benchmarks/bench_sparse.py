@@ -94,7 +94,8 @@ from jax_flashmla.kernels import custom_calls  # noqa: E402
 from jax_flashmla.kernels import library as kernels  # noqa: E402
 from jax_flashmla.ops import decode as ops  # noqa: E402
 from jax_flashmla.reference import sparse as reference  # noqa: E402
-from jax_flashmla.sparse import mask_indices, quantize_tokens, sparse_mla_decode  # noqa: E402
+from jax_flashmla.sparse import mask_indices, sparse_mla_decode  # noqa: E402
+from jax_flashmla.caches.sparse import quantize_tokens  # noqa: E402
 from jax_flashmla.caches.sparse import TOKEN_BYTES  # noqa: E402
 from jax_flashmla.ops.sparse import KERNEL_HEADS, KERNEL_TOPK_BLOCK, _schedule  # noqa: E402
 

@@ -67,8 +67,10 @@ import numpy as np  # noqa: E402
 import jax_flashmla as jf  # noqa: E402
 from jax_flashmla import serving  # noqa: E402
 from jax_flashmla.kernels import library as kernels  # noqa: E402
-from jax_flashmla.sparse import (IndexKeyCache, IndexQuery, indexer_decode,  # noqa: E402
-                                 quantize_index_keys, sparse_mla_decode, write_index_keys)
+from jax_flashmla.sparse import (IndexKeyCache, indexer_decode, sparse_mla_decode,  # noqa: E402
+                                 write_index_keys)
+from jax_flashmla.caches.index_keys import quantize_index_keys  # noqa: E402
+from jax_flashmla.ops.indexer import IndexQuery  # noqa: E402
 from jax_flashmla.caches.sparse import TOKEN_BYTES as SPARSE_TOKEN_BYTES  # noqa: E402
 from jax_flashmla.caches.index_keys import INDEX_HEAD_DIM  # noqa: E402
 from jax_flashmla.caches.index_keys import TOKEN_BYTES as INDEX_TOKEN_BYTES  # noqa: E402

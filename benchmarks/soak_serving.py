@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_flashmla as jf
-from jax_flashmla.serving import OutOfPagesError, PageAllocator, block_table_from_pages
+from jax_flashmla.serving import OutOfPagesError, PageAllocator
+from jax_flashmla.serving.block_table import block_table_from_pages
 
 from results_io import write_json
 

@@ -11,15 +11,13 @@ from jax_flashmla import serving, sparse
 from jax_flashmla.base.checks import value_checks
 from jax_flashmla.caches.paged import PagedKVCache, token_slots, write_kv
 from jax_flashmla.ops import context_parallel
-from jax_flashmla.ops.context_parallel import merge_attention_states
 from jax_flashmla.ops.decode import MLAMetadata, get_mla_metadata, mla_decode
 from jax_flashmla.ops.prefill import mla_prefill
 from jax_flashmla.serving import speculative
 
 __all__ = [
-    "MLAMetadata", "PagedKVCache", "context_parallel", "flax", "get_mla_metadata",
-    "merge_attention_states", "mla_decode", "mla_prefill", "serving", "sparse", "speculative",
-    "token_slots", "value_checks", "write_kv",
+    "MLAMetadata", "PagedKVCache", "context_parallel", "flax", "get_mla_metadata", "mla_decode",
+    "mla_prefill", "serving", "sparse", "speculative", "token_slots", "value_checks", "write_kv",
 ]
 
 

@@ -26,10 +26,13 @@ import numpy as np
 
 import jax_flashmla as jf
 from jax_flashmla.kernels import library as kernels
-from jax_flashmla.sparse import (IndexKeyCache, IndexQuery, MaskedIndices, SparseKVCache,
-                                 indexer_decode, indexer_prefill, mask_indices, quantize_index_keys,
-                                 quantize_tokens, sparse_mla_decode, sparse_mla_prefill,
+from jax_flashmla.sparse import (IndexKeyCache, SparseKVCache, indexer_decode, indexer_prefill,
+                                 mask_indices, sparse_mla_decode, sparse_mla_prefill,
                                  write_index_keys)
+from jax_flashmla.caches.index_keys import quantize_index_keys
+from jax_flashmla.caches.sparse import quantize_tokens
+from jax_flashmla.ops.indexer import IndexQuery
+from jax_flashmla.ops.sparse import MaskedIndices
 from jax_flashmla.caches.index_keys import PAGE_BYTES
 from helpers import SENTINEL_PAGE, make_decode_inputs, torch_decode, torch_view
 from prefill_cases import call, make_case, rows_of

@@ -4,8 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_flashmla.serving import (PAD_PAGE, block_table_from_pages, build_block_table,
-                                  pages_for_tokens)
+from jax_flashmla.serving import build_block_table, pages_for_tokens
+from jax_flashmla.serving.block_table import PAD_PAGE, block_table_from_pages
 from jax_flashmla.caches.paged import token_slots
 
 

@@ -12,7 +12,8 @@ import pytest
 pytest.importorskip("flax")
 
 from jax_flashmla.caches.paged import PagedKVCache  # noqa: E402
-from jax_flashmla.serving import block_table_from_pages, length_bucket, plan_chunks  # noqa: E402
+from jax_flashmla.serving import length_bucket, plan_chunks  # noqa: E402
+from jax_flashmla.serving.block_table import block_table_from_pages  # noqa: E402
 from test_flax_mla import load_example  # noqa: E402
 
 

@@ -31,9 +31,11 @@ from jax_flashmla import PagedKVCache  # noqa: E402
 from jax_flashmla.kernels import library as kernels
 from jax_flashmla.flax import (MLAConfig, SparseMLAConfig,  # noqa: E402
                                SparseMultiHeadLatentAttention, load_sparse_attention_safetensors,
-                               load_sparse_attention_weights, sparse_attention_parameter_names)
-from jax_flashmla.sparse import (IndexKeyCache, IndexQuery, SparseKVCache,  # noqa: E402
-                                 index_scores, indexer_decode, indexer_prefill)
+                               load_sparse_attention_weights)
+from jax_flashmla.flax.sparse_mla import sparse_attention_parameter_names  # noqa: E402
+from jax_flashmla.sparse import (IndexKeyCache, SparseKVCache, indexer_decode,  # noqa: E402
+                                 indexer_prefill)
+from jax_flashmla.ops.indexer import IndexQuery, index_scores  # noqa: E402
 from jax_flashmla.caches.sparse import TOKEN_BYTES  # noqa: E402
 from jax_flashmla.caches.index_keys import PAGE_BYTES  # noqa: E402
 from test_flax_mla import float32_matmuls, rel_err  # noqa: E402,F401

@@ -11,8 +11,8 @@ import flax.nnx as nnx  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jax_flashmla.flax import (MLAConfig, MultiHeadLatentAttention,  # noqa: E402
-                               attention_parameter_names, load_attention_safetensors,
-                               load_attention_weights)
+                               load_attention_safetensors, load_attention_weights)
+from jax_flashmla.flax.weights import attention_parameter_names  # noqa: E402
 
 PREFIX = "model.layers.1.self_attn."
 

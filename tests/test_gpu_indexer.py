@@ -12,8 +12,9 @@ import pytest
 
 from helpers import SENTINEL_PAGE
 from jax_flashmla import token_slots
-from jax_flashmla.sparse import (IndexKeyCache, IndexQuery, index_scores, indexer_decode,
-                                 indexer_prefill, quantize_index_keys, write_index_keys)
+from jax_flashmla.sparse import IndexKeyCache, indexer_decode, indexer_prefill, write_index_keys
+from jax_flashmla.caches.index_keys import quantize_index_keys
+from jax_flashmla.ops.indexer import IndexQuery, index_scores
 from jax_flashmla.ops import indexer
 from jax_flashmla.caches.index_keys import PAGE_BYTES
 

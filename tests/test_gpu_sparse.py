@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from jax_flashmla.kernels import library as kernels
-from jax_flashmla.sparse import mask_indices, quantize_tokens, sparse_mla_decode, sparse_mla_prefill
+from jax_flashmla.sparse import mask_indices, sparse_mla_decode, sparse_mla_prefill
+from jax_flashmla.caches.sparse import quantize_tokens
 from helpers import torch_view
 
 pytestmark = pytest.mark.gpu

@@ -13,9 +13,10 @@ from jax.experimental import checkify
 from indexer_cases import assert_same_selection, paged_block_table, selected_positions
 from jax_flashmla import token_slots, value_checks
 from jax_flashmla.kernels import library as kernels
-from jax_flashmla.sparse import (IndexerWeights, IndexKeyCache, IndexQuery, dequantize_index_keys,
-                                 index_keys, index_query, index_scores, indexer_decode,
-                                 indexer_prefill, quantize_index_keys, write_index_keys)
+from jax_flashmla.sparse import (IndexerWeights, IndexKeyCache, index_keys, index_query,
+                                 indexer_decode, indexer_prefill, write_index_keys)
+from jax_flashmla.caches.index_keys import dequantize_index_keys, quantize_index_keys
+from jax_flashmla.ops.indexer import IndexQuery, index_scores
 from jax_flashmla.caches.index_keys import PAGE_BYTES
 
 PAGE = 64

@@ -10,9 +10,10 @@ import pytest
 
 import jax_flashmla as jf
 from jax_flashmla.kernels import library as kernels
-from jax_flashmla.sparse import (MaskedIndices, SparseKVCache, dequantize_tokens, mask_indices,
-                                 quantize_tokens, sparse_mla_decode, sparse_mla_prefill,
+from jax_flashmla.sparse import (SparseKVCache, mask_indices, sparse_mla_decode, sparse_mla_prefill,
                                  write_sparse_kv)
+from jax_flashmla.caches.sparse import dequantize_tokens, quantize_tokens
+from jax_flashmla.ops.sparse import MaskedIndices
 from jax_flashmla.ops import sparse as sparse_ops
 from jax_flashmla.caches.sparse import TOKEN_BYTES, tile_scales
 

@@ -5,17 +5,12 @@
 Needs flax (NNX); imported only from here, never by `import jax_flashmla`.
 """
 from jax_flashmla.flax.mla import MLAConfig, MultiHeadLatentAttention, RMSNorm
-from jax_flashmla.flax.rope import softmax_scale, yarn_get_mscale
 from jax_flashmla.flax.sparse_mla import (SparseMLAConfig, SparseMultiHeadLatentAttention,
                                           load_sparse_attention_safetensors,
-                                          load_sparse_attention_weights,
-                                          sparse_attention_parameter_names)
-from jax_flashmla.flax.weights import (attention_parameter_names, load_attention_safetensors,
-                                       load_attention_weights, read_safetensors)
+                                          load_sparse_attention_weights)
+from jax_flashmla.flax.weights import load_attention_safetensors, load_attention_weights
 
 __all__ = ["MLAConfig", "MultiHeadLatentAttention", "RMSNorm", "SparseMLAConfig",
-           "SparseMultiHeadLatentAttention", "attention_parameter_names",
-           "load_attention_safetensors", "load_attention_weights",
-           "load_sparse_attention_safetensors", "load_sparse_attention_weights",
-           "read_safetensors", "softmax_scale", "sparse_attention_parameter_names",
-           "yarn_get_mscale"]
+           "SparseMultiHeadLatentAttention", "load_attention_safetensors",
+           "load_attention_weights", "load_sparse_attention_safetensors",
+           "load_sparse_attention_weights"]

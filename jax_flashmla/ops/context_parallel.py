@@ -16,8 +16,7 @@ from jax_flashmla.caches import paged
 from jax_flashmla.ops.decode import mla_decode
 from jax_flashmla.reference.merge import merge_attention_states, merge_weights
 
-__all__ = ["LAYOUTS", "dcp_mla_decode", "dcp_write_kv", "local_lengths", "local_positions",
-           "merge_attention_states"]
+__all__ = ["dcp_mla_decode", "dcp_write_kv", "local_lengths", "merge_attention_states"]
 
 LAYOUTS = ("contiguous", "round_robin")
 

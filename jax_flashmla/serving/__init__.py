@@ -6,16 +6,15 @@ results (sampled tokens) to the host as soon as the device wrote them, a compile
 as two copies in turn, the compiler options of a step written as a loop, and the lse's layout
 as FlashMLA writes it."""
 from jax_flashmla.serving.allocator import OutOfPagesError, PageAllocator
-from jax_flashmla.serving.block_table import (PAD_PAGE, block_table_from_pages, build_block_table,
-                                              pages_for_tokens)
+from jax_flashmla.serving.block_table import build_block_table, pages_for_tokens
 from jax_flashmla.serving.chunks import length_bucket, plan_chunks
 from jax_flashmla.serving.host_queue import HostQueue, HostQueueOverrunError
-from jax_flashmla.serving.loop import (DEFAULT_BUCKETS, bucket_for, decode_loop, decode_step,
-                                       pad_batch, write_prompt)
+from jax_flashmla.serving.loop import bucket_for, decode_loop, decode_step, pad_batch, write_prompt
 from jax_flashmla.serving.step import LOOP_STEP_COMPILER_OPTIONS, AlternatingStep, lse_format
 
 __all__ = [
-    "AlternatingStep", "DEFAULT_BUCKETS", "HostQueue", "LOOP_STEP_COMPILER_OPTIONS", "HostQueueOverrunError", "OutOfPagesError", "PAD_PAGE",
-    "PageAllocator", "block_table_from_pages", "bucket_for", "build_block_table", "decode_loop",
-    "decode_step", "length_bucket", "lse_format", "pad_batch", "pages_for_tokens", "plan_chunks", "write_prompt"
+    "AlternatingStep", "HostQueue", "HostQueueOverrunError", "LOOP_STEP_COMPILER_OPTIONS",
+    "OutOfPagesError", "PageAllocator", "bucket_for", "build_block_table", "decode_loop",
+    "decode_step", "length_bucket", "lse_format", "pad_batch", "pages_for_tokens", "plan_chunks",
+    "write_prompt",
 ]

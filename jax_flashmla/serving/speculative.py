@@ -20,7 +20,7 @@ from jax_flashmla.ops.decode import get_mla_metadata
 from jax_flashmla.serving.loop import decode_step, run_steps, step_seq_lens
 
 __all__ = ["multi_step_draft", "multi_step_draft_metadata", "target_verify",
-           "target_verify_metadata", "verify_seq_lens"]
+           "target_verify_metadata"]
 
 
 def _check_count(where, name, value):
