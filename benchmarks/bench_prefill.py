@@ -194,7 +194,8 @@ def cudnn_prefill(q, k_new, v_new, k_pre, v_pre):
     if k_pre is None:
         return out, lse
     pre_out, pre_lse = attend(k_pre, v_pre, fa.MaskType.NO_MASK)
-    return jf.context_parallel.merge_attention_states(jnp.stack([out, pre_out]), jnp.stack([lse, pre_lse]))
+    return jf.context_parallel.merge_attention_states(jnp.stack([out, pre_out]),
+                                                      jnp.stack([lse, pre_lse]))
 
 
 def einsum_prefill(q, k_new, v_new, k_pre, v_pre):
