@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_flashmla.base import validation
-from jax_flashmla.caches.paged import PagedArray, check_num_pages, droppable_slots, scatter_rows
 from jax_flashmla.base.validation import PAGE_SIZE, _fail
+from jax_flashmla.caches.paged import PagedArray, check_num_pages, droppable_slots, scatter_rows
 
 INDEX_HEAD_DIM = 128
 SCALE_BYTES = 4

@@ -18,10 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flashmla.base import checks
-from jax_flashmla.caches import fp8
-from jax_flashmla.base import validation
+from jax_flashmla.base import checks, validation
 from jax_flashmla.base.validation import HEAD_DIM, HEAD_DIM_V, PAGE_SIZE
+from jax_flashmla.caches import fp8
 
 ROPE_DIM = HEAD_DIM - HEAD_DIM_V  # 64-d decoupled rope key after the 512-d latent
 INVALID_SLOT = -1

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_flashmla.base import validation
-from jax_flashmla.caches.paged import PagedArray, check_num_pages, droppable_slots, scatter_rows
 from jax_flashmla.base.validation import HEAD_DIM, HEAD_DIM_V, PAGE_SIZE
+from jax_flashmla.caches.paged import PagedArray, check_num_pages, droppable_slots, scatter_rows
 
 TILE = 128
 TILES = HEAD_DIM_V // TILE

@@ -22,17 +22,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_flashmla.base import validation
+from jax_flashmla.base.validation import PAGE_SIZE, _fail
+from jax_flashmla.caches.index_keys import (INDEX_HEAD_DIM, PAGE_BYTES, IndexKeyCache,
+                                            write_index_keys)
 from jax_flashmla.caches.paged import droppable_slots, token_slots
+from jax_flashmla.caches.sparse import TOKEN_BYTES, SparseKVCache, write_sparse_kv
 from jax_flashmla.flax.mla import MLAConfig, MultiHeadLatentAttention
 from jax_flashmla.flax.weights import (_to_numpy, attention_parameter_names, load_attention_weights,
                                        read_safetensors)
-from jax_flashmla.caches.sparse import TOKEN_BYTES, SparseKVCache, write_sparse_kv
-from jax_flashmla.caches.index_keys import (INDEX_HEAD_DIM, PAGE_BYTES, IndexKeyCache,
-                                            write_index_keys)
 from jax_flashmla.ops.indexer import (HF_NAMES, INDEX_TOPK, IndexerWeights, IndexQuery, index_keys,
                                       index_query, indexer_decode, indexer_prefill)
 from jax_flashmla.ops.sparse import sparse_mla_decode, sparse_mla_prefill
-from jax_flashmla.base.validation import PAGE_SIZE, _fail
 
 INDEX_KEYS = ("index_n_heads", "index_head_dim", "index_topk")
 INDEXER_PREFIX = "indexer."  # HF's name of the indexer under a layer's self_attn

@@ -24,8 +24,8 @@ from jax.interpreters import batching, mlir
 from jax.interpreters import partial_eval as pe
 
 import jax_flashmla._cpu as _cpu
-from jax_flashmla.kernels import library as kernels
 from jax_flashmla.base import validation
+from jax_flashmla.kernels import library as kernels
 
 # Each operand's and result's dims as Shardy factors: b batch, s query tokens, h query heads,
 # d head dim (576), v V dim (512), n pages, p page size, k KV heads (1), m block-table width,

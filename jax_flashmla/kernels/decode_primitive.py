@@ -24,10 +24,10 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import ad, mlir
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_flashmla.kernels import custom_calls
 from jax_flashmla.base import validation
-from jax_flashmla.kernels.custom_calls import FACTORS
 from jax_flashmla.caches.fp8 import guard_empty_requests
+from jax_flashmla.kernels import custom_calls
+from jax_flashmla.kernels.custom_calls import FACTORS
 from jax_flashmla.reference.dense import mla_decode_reference
 
 RESULTS = ("out", "lse")

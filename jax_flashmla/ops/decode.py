@@ -3,13 +3,10 @@
 import jax
 import jax.numpy as jnp
 
+from jax_flashmla.base import checks, trusted, validation
 from jax_flashmla.caches import fp8 as fp8_quant
-from jax_flashmla.base import checks
-from jax_flashmla.kernels import custom_calls
-from jax_flashmla.kernels import decode_primitive
+from jax_flashmla.kernels import custom_calls, decode_primitive
 from jax_flashmla.kernels import library as kernels
-from jax_flashmla.base import trusted
-from jax_flashmla.base import validation
 
 IMPLEMENTATIONS = ("custom_call", "reference")
 

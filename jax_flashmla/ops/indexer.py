@@ -29,14 +29,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
-from jax_flashmla.base import checks
-from jax_flashmla.kernels import custom_calls
-from jax_flashmla.kernels import library as kernels
-from jax_flashmla.base import validation
-from jax_flashmla.caches.paged import token_slots
+from jax_flashmla.base import checks, validation
+from jax_flashmla.base.validation import PAGE_SIZE, _fail
 from jax_flashmla.caches.index_keys import (INDEX_HEAD_DIM, index_cache_array, quantize_index_keys,
                                             read_index_keys)
-from jax_flashmla.base.validation import PAGE_SIZE, _fail
+from jax_flashmla.caches.paged import token_slots
+from jax_flashmla.kernels import custom_calls
+from jax_flashmla.kernels import library as kernels
 
 INDEX_TOPK = 2048
 LAYER_NORM_EPS = 1e-6

@@ -24,11 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flashmla.base import checks
+from jax_flashmla.base import checks, validation
+from jax_flashmla.base.validation import PAGE_SIZE
 from jax_flashmla.caches import fp8
 from jax_flashmla.kernels import ragged_attention
-from jax_flashmla.base import validation
-from jax_flashmla.base.validation import PAGE_SIZE
 
 IMPLEMENTATIONS = tuple(ragged_attention.CORES)
 # The decompressed prefix keys and values held at a time: the prefixes are attended in slices

@@ -19,14 +19,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_flashmla.base import trusted, validation
+from jax_flashmla.base.validation import HEAD_DIM, HEAD_DIM_V, PAGE_SIZE, _fail
+from jax_flashmla.caches.sparse import sparse_cache_array
 from jax_flashmla.kernels import custom_calls
 from jax_flashmla.kernels import library as kernels
-from jax_flashmla.base import trusted
-from jax_flashmla.base import validation
 from jax_flashmla.ops.decode import default_num_sms
 from jax_flashmla.reference import sparse as reference
-from jax_flashmla.caches.sparse import sparse_cache_array
-from jax_flashmla.base.validation import HEAD_DIM, HEAD_DIM_V, PAGE_SIZE, _fail
 
 KERNEL_HEADS = (64, 128)  # what FlashMLA's sparse kernels take
 KERNEL_QUERY_TOKENS = (1, 2)  # the sparse decode's

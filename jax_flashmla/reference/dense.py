@@ -13,8 +13,8 @@ and returns bfloat16 out, as the FP8 kernel does.
 import jax
 import jax.numpy as jnp
 
-from jax_flashmla.caches import fp8
 from jax_flashmla.base.validation import PAGE_SIZE
+from jax_flashmla.caches import fp8
 
 
 def visible_keys(seq_lens, s_q, causal):

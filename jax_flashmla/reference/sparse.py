@@ -10,8 +10,8 @@ scores. Arithmetic in float32 over the rows as stored (the FP8 cache's dequantiz
 """
 import jax.numpy as jnp
 
-from jax_flashmla.caches.sparse import dequantize_tokens
 from jax_flashmla.base.validation import HEAD_DIM_V
+from jax_flashmla.caches.sparse import dequantize_tokens
 
 
 def valid_indices(indices, num_keys, topk_length):

@@ -12,8 +12,8 @@ Invariants (tests/test_allocator.py checks them under random admit/grow/finish s
 """
 import numpy as np
 
-from jax_flashmla.serving.block_table import block_table_from_pages, pages_for_tokens
 from jax_flashmla.base.validation import PAGE_SIZE
+from jax_flashmla.serving.block_table import block_table_from_pages, pages_for_tokens
 
 
 class OutOfPagesError(RuntimeError):

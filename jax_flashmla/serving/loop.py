@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_flashmla.base import validation
-from jax_flashmla.serving.block_table import PAD_PAGE
 from jax_flashmla.caches.paged import cache_array, token_slots, write_kv
 from jax_flashmla.ops.decode import mla_decode
+from jax_flashmla.serving.block_table import PAD_PAGE
 
 # Batch sizes to compile a step for, the counterpart of SGLang's CUDA-graph batch sizes: a
 # serving loop pads each step to the next bucket and so compiles a handful of shapes.
