@@ -174,13 +174,12 @@ def sparse_indices(rng, block_table, s_q, topk, context):
 
 
 def sparse_schedule(b, h_q, s_q, topk):
-    """(tile_scheduler_metadata, num_splits) that sparse_mla_decode holds as its constant for
-    these shapes: the dense scheduler's over b requests of topk keys (a multiple of 64) at the
-    kernel's h_q (64 or 128), made once outside the timed calls for torch's op."""
-    md = jf.get_mla_metadata(jnp.full((b,), topk, jnp.int32),
-                             block_table=jnp.zeros((b, topk // 64), jnp.int32), num_pages=1,
-                             num_heads_q=h_q, num_q_tokens=s_q, implementation="custom_call")
-    return jax.block_until_ready((md.tile_scheduler_metadata, md.num_splits))
+    """(tile_scheduler_metadata, num_splits) on the device for torch's op: the constant that
+    sparse_mla_decode holds for these shapes (topk a multiple of 64, h_q the kernel's 64 or
+    128), split into its two arrays."""
+    schedule = _schedule(b, h_q, s_q, topk, ops.default_num_sms())
+    rows = schedule.size - (b + 1)
+    return jax.device_put((schedule[:rows].reshape(-1, 8), schedule[rows:]))
 
 
 class TorchSparse:

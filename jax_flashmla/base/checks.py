@@ -132,3 +132,14 @@ def metadata_matches(where, given, expected, names):
     for name, a, b in zip(names, given, expected):
         checkify.check(jnp.array_equal(a, b), f"{where}: metadata.{name} is not what "
                        "get_mla_metadata makes for the metadata's seq_lens")
+
+
+def cu_seqlens(where, cu_seqlens, tokens):
+    """cu_seqlens (batch + 1,) non-decreasing from 0 to at most the query's tokens."""
+    lower = jnp.concatenate([jnp.zeros((1,), jnp.int32), cu_seqlens[:-1]])
+    first = jnp.arange(cu_seqlens.shape[0]) == 0
+    bad = (cu_seqlens < lower) | (cu_seqlens > tokens) | (first & (cu_seqlens != 0))
+    i = _first(bad)
+    checkify.check(~jnp.any(bad), f"{where}: cu_seqlens[{{i}}] = {{value}}; cu_seqlens must be "
+                   f"non-decreasing from 0 to at most the query's {tokens} tokens", i=i,
+                   value=cu_seqlens[i])

@@ -29,8 +29,9 @@ def library_made(data_fields, meta_fields, maker):
             raise AttributeError(f"{cls.__name__} is immutable; got an assignment to {name!r}")
 
         def replace(self, **changes):
-            if set(changes) - set(fields):
-                raise TypeError(f"{cls.__name__} has no fields {sorted(set(changes) - set(fields))}")
+            unknown = sorted(set(changes) - set(fields))
+            if unknown:
+                raise TypeError(f"{cls.__name__} has no fields {unknown}")
             return cls._make(*(changes.get(name, getattr(self, name)) for name in fields))
 
         def represent(self):

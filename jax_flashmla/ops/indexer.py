@@ -27,7 +27,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import checkify
 
 from jax_flashmla.base import checks, validation
 from jax_flashmla.base.validation import PAGE_SIZE, _fail
@@ -277,17 +276,6 @@ def _visible(seq_lens, later):
     return jnp.maximum(seq_lens, 0) - later
 
 
-def _check_cu_seqlens(where, cu_seqlens, tokens):
-    """value_checks(): cu_seqlens non-decreasing from 0 to at most the query's tokens."""
-    lower = jnp.concatenate([jnp.zeros((1,), jnp.int32), cu_seqlens[:-1]])
-    bad = (cu_seqlens < lower) | (cu_seqlens > tokens) | ((jnp.arange(cu_seqlens.shape[0]) == 0)
-                                                          & (cu_seqlens != 0))
-    i = jnp.argmax(bad)
-    checkify.check(~jnp.any(bad), f"{where}: cu_seqlens[{{i}}] = {{value}}; cu_seqlens must be "
-                   f"non-decreasing from 0 to at most the query's {tokens} tokens", i=i,
-                   value=cu_seqlens[i])
-
-
 def index_scores(query, cache, block_table, visible, *, implementation=None):
     """The indexer's scores of query rows over their requests' tokens in the cache.
 
@@ -392,7 +380,7 @@ def indexer_prefill(query, cache, block_table, seq_lens, cu_seqlens, *, topk=IND
     tokens = query.values.shape[0]
     if checks.enabled():
         checks.lengths(where, seq_lens)
-        _check_cu_seqlens(where, cu_seqlens, tokens)
+        checks.cu_seqlens(where, cu_seqlens, tokens)
     row = jnp.arange(tokens, dtype=jnp.int32)
     request = jnp.clip(jnp.searchsorted(cu_seqlens[1:], row, side="right"), 0, batch - 1)
     start, end = cu_seqlens[request], cu_seqlens[request + 1]

@@ -126,10 +126,10 @@ def _kernel_decode(q, data, stack, layer, attn_sink, softmax_scale):
         _fail(ValueError, where, f"FlashMLA's sparse decode takes s_q in {KERNEL_QUERY_TOKENS}; "
                                  f"got {s_q} (pass implementation='reference')")
     q, sink, with_sink = _kernel_heads(where, q, attn_sink)
-    topk = stack.shape[-1]
-    schedule = _schedule(batch, q.shape[-2], s_q, _kernel_topk(topk), default_num_sms())
-    if _kernel_topk(topk) != topk:  # a copy of the stack: only where topk is not the kernel's
-        stack = jnp.pad(stack, ((0, 0),) * 3 + ((0, _kernel_topk(topk) - topk),),
+    topk = _kernel_topk(stack.shape[-1])
+    schedule = _schedule(batch, q.shape[-2], s_q, topk, default_num_sms())
+    if topk != stack.shape[-1]:  # a copy of the stack: only where topk is not the kernel's
+        stack = jnp.pad(stack, ((0, 0),) * 3 + ((0, topk - stack.shape[-1]),),
                         constant_values=-1)
     out, lse, *_ = custom_calls.SPARSE_DECODE(
         q=q, kv_cache=data, indices=stack, attn_sink=sink,
