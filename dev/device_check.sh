@@ -36,6 +36,8 @@
 #              -cJf .device/transformers.tar.xz -C <site-packages> transformers`)
 #     soak     benchmarks/soak_serving.py at its GPU sizes; SOAK_ARGS (default --steps 10000),
 #              SOAK_NAME (soak_h200)
+#     model1-probe  dev/probe_model1.py: FlashMLA's DeepSeek-V4 sparse decode and prefill from
+#              torch against a float64 reference (model1_probe.json)
 #     xla-flags  the command-buffer flags the installed XLA plugin knows
 #     set:NAME=VALUE  exports NAME=VALUE for the modes after it
 set -uo pipefail
@@ -142,6 +144,10 @@ for d in jax_plugins.__path__:
 print("\n".join(sorted(n.decode() for n in names)))
 PY
     ;;
+  model1-probe)
+    timeout 200 python3 dev/probe_model1.py "$JAX_FLASHMLA_KERNEL_LIBRARY" \
+      "$out/model1_probe.json" > "$out/model1_probe.txt" 2>&1
+    echo "exit $?"; cut -c1-300 "$out/model1_probe.txt" | tail -12 ;;
   set:*) export "${mode#set:}" ;;
   *) echo "unknown mode $mode"; exit 2 ;;
   esac
