@@ -61,7 +61,7 @@ import numpy as np
 import jax_flashmla as jf
 from jax_flashmla import PagedKVCache
 from jax_flashmla.serving import HostQueue, PageAllocator, plan_chunks
-from jax_flashmla.flax import (MLAConfig, MultiHeadLatentAttention, RMSNorm, SparseMLAConfig,
+from jax_flashmla.flax import (MLAConfig, MultiHeadLatentAttention, SparseMLAConfig,
                                SparseMultiHeadLatentAttention)
 from jax_flashmla.sparse import IndexKeyCache, SparseKVCache
 
@@ -103,10 +103,11 @@ def is_sparse(cfg):
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg, *, rngs, dtype):
         hidden = cfg.attention.hidden_size
-        self.input_layernorm = RMSNorm(hidden, param_dtype=dtype)
+        norm = lambda: nnx.RMSNorm(hidden, dtype=dtype, param_dtype=dtype, rngs=rngs)  # noqa: E731
+        self.input_layernorm = norm()
         attention = SparseMultiHeadLatentAttention if is_sparse(cfg) else MultiHeadLatentAttention
         self.self_attn = attention(cfg.attention, rngs=rngs, dtype=dtype, param_dtype=dtype)
-        self.post_attention_layernorm = RMSNorm(hidden, param_dtype=dtype)
+        self.post_attention_layernorm = norm()
         linear = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype,  # noqa: E731
                                          param_dtype=dtype, rngs=rngs)
         self.gate_proj = linear(hidden, cfg.intermediate_size)
@@ -127,7 +128,7 @@ class TinyDeepSeek(nnx.Module):
                                       rngs=rngs)
         layers = [DecoderLayer(cfg, rngs=rngs, dtype=dtype) for _ in range(cfg.num_layers)]
         self.layers = getattr(nnx, "List", list)(layers)  # nnx.List from flax 0.12 on
-        self.norm = RMSNorm(hidden, param_dtype=dtype)
+        self.norm = nnx.RMSNorm(hidden, dtype=dtype, param_dtype=dtype, rngs=rngs)
         # Logits in float32: bfloat16's would tie often, and greedy picks would hang on rounding.
         self.lm_head = nnx.Linear(hidden, cfg.vocab_size, use_bias=False, dtype=jnp.float32,
                                   param_dtype=dtype, rngs=rngs)
