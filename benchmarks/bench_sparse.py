@@ -36,7 +36,7 @@ up to b=16, 31 at b=64, 15 at b=128) and layer l reads cache l mod that many. Wh
 shared, one layer alone reads b x 2048 tokens of 656 bytes (86 MB at b=64), more than the L2
 holds, so a layer finds little of what an earlier layer over the same cache read.
 jax_flashmla's step runs jitted, unrolled and under lax.scan (--scan-unroll layers an
-iteration, by default SCAN_UNROLL, and LOOP_STEP_COMPILER_OPTIONS), each called
+iteration, by default SCAN_UNROLL, and AlternatingStep.LOOP_COMPILER_OPTIONS), each called
 through AlternatingStep and synced by popping what it pushed to a HostQueue, as
 bench_step.py's, their schedule a constant of the program and the layers' indices masked
 once per step (mask_indices: one kernel over the step's indices, where a layer of its own
@@ -430,7 +430,7 @@ def jax_steps(inp, scan_unroll=SCAN_UNROLL, xla_options=None, unguarded=False):
 
     extra = xla_options or {}
     steps = {"jax_unrolled": (unrolled, extra or None),
-             "jax_scan": (scanned, {**serving.LOOP_STEP_COMPILER_OPTIONS, **extra})}
+             "jax_scan": (scanned, {**serving.AlternatingStep.LOOP_COMPILER_OPTIONS, **extra})}
     if unguarded:
         steps[UNGUARDED] = (unrolled_unguarded, extra or None)
     return steps

@@ -12,11 +12,12 @@ output. With --rows-from-inputs the new rows are the step's inputs instead: no w
 waits for the decode before it, and XLA copies a stacked cache at each layer's write to keep
 that decode's reads intact (the compiled HLO shows the copies).
 jax_flashmla runs it jitted three ways: that stacked cache under lax.scan (with
-jax_flashmla.serving.LOOP_STEP_COMPILER_OPTIONS, SCAN_UNROLL layers per iteration) and unrolled over
-the layers, and with one cache array per layer. Beside those: the same step of FlashMLA's torch
-ops (an indexed write of the rows, the decode, the concatenation) captured in a torch CUDA
-graph and replayed, as SGLang serves decode, and eagerly; and the per-layer step with a trivial
-fusion in place of each decode, which is what JAX itself costs for that many arrays. With
+jax_flashmla.serving.AlternatingStep.LOOP_COMPILER_OPTIONS, SCAN_UNROLL layers per iteration)
+and unrolled over the layers, and with one cache array per layer. Beside those: the same step
+of FlashMLA's torch ops (an indexed write of the rows, the decode, the concatenation) captured
+in a torch CUDA graph and replayed, as SGLang serves decode, and eagerly; and the per-layer
+step with a trivial fusion in place of each decode, which is what JAX itself costs for that
+many arrays. With
 --unguarded the unrolled step also runs with the physical decode in place of mla_decode, on the
 step's lengths and table as they are and their schedule (no range check, no metadata lengths:
 the cost of decoding out-of-range requests empty and stale requests NaN); with --value-checks,
@@ -274,7 +275,8 @@ def jax_steps(p, xla_options=None, scan_unroll=SCAN_UNROLL, queues=None):
     extra = dict(xla_options or {})
     jit = lambda f, options=None: jax.jit(f, donate_argnums=0,
                                           compiler_options={**(options or {}), **extra} or None)
-    steps = {"scan": (scan_step, jf.serving.LOOP_STEP_COMPILER_OPTIONS, p.stacked_cache),
+    loop_options = jf.serving.AlternatingStep.LOOP_COMPILER_OPTIONS
+    steps = {"scan": (scan_step, loop_options, p.stacked_cache),
              "unrolled": (unrolled_step, None, p.stacked_cache),
              "per_layer": (per_layer_step, None, p.layer_caches),
              "per_layer_trivial": (trivial_step, None, p.layer_caches)}

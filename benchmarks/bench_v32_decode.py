@@ -3,8 +3,8 @@ the tokens it picks) against the dense MLA decode step over the same contexts.
 
 Per point (b requests of `context` tokens, h_q 128, s_q 1), three steps of L layers (61), each
 jitted under lax.scan (bench_step.py's SCAN_UNROLL layers an iteration, with
-jax_flashmla.serving.LOOP_STEP_COMPILER_OPTIONS), called through AlternatingStep and synced by
-popping what it pushed to a HostQueue, as bench_step.py's and bench_sparse.py's steps:
+jax_flashmla.serving.AlternatingStep.LOOP_COMPILER_OPTIONS), called through AlternatingStep and
+synced by popping what it pushed to a HostQueue, as bench_step.py's and bench_sparse.py's steps:
   v32           per layer: jax_flashmla.sparse.indexer_decode (pure JAX) over the paged
                 index-key cache (132-byte FP8 keys), picking topk (2048) of each request's
                 tokens, then sparse_mla_decode over those on the 656-byte sparse cache (its
@@ -208,7 +208,7 @@ class SyncedStep:
         self.queue = bench_step.result_queue(inp)
         pushing = bench_step.pushing_step(lambda *a: (None, step(*a)), self.queue,
                                           lambda out: out)
-        compiled = jax.jit(pushing, compiler_options=serving.LOOP_STEP_COMPILER_OPTIONS)
+        compiled = jax.jit(pushing, compiler_options=serving.AlternatingStep.LOOP_COMPILER_OPTIONS)
         self.step = serving.AlternatingStep(compiled.lower(*arguments).compile())
         self.arguments, self.unpopped, self.out = arguments, 0, None
 

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_flashmla as jf
-from jax_flashmla.serving import OutOfPagesError, PageAllocator
+from jax_flashmla.serving import PageAllocator
 from jax_flashmla.serving.block_table import block_table_from_pages
 
 from results_io import write_json
@@ -139,7 +139,7 @@ class Soak:
         request, prompt = self.next_id, int(self.rng.integers(1, sizes.max_prompt + 1))
         try:
             pages = self.allocator.admit(request, prompt)
-        except OutOfPagesError:
+        except PageAllocator.OutOfPagesError:
             self.counts["out_of_pages"] += 1
             return
         self.next_id += 1
@@ -164,7 +164,7 @@ class Soak:
         for request in self.allocator.requests:
             try:
                 self.allocator.grow(request, self.allocator.num_tokens(request) + 1)
-            except OutOfPagesError:
+            except PageAllocator.OutOfPagesError:
                 self.allocator.finish(request)
                 self.counts["finished"] += 1
                 self.counts["out_of_pages"] += 1

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_flashmla import PagedKVCache
-from jax_flashmla.serving import PageAllocator, bucket_for, decode_loop, pad_batch, write_prompt
+from jax_flashmla.serving import PageAllocator, decode_loop, pad_batch, write_prompt
 
 
 def hopper_gpu():
@@ -72,11 +72,10 @@ def main(args):
         alloc.admit(i, n + args.steps)
     max_pages = max(len(alloc.pages(i)) for i in ids)
     prefix = np.array(args.prompt_lens, np.int32)
-    bucket = bucket_for(len(ids))
     rng = np.random.default_rng(0)
     prompt_kv = rng.standard_normal((len(ids), max(args.prompt_lens), 576)).astype(np.float32)
-    prefix, table, prompt_kv = pad_batch(bucket, prefix, alloc.block_table(ids, max_pages),
-                                         prompt_kv)
+    prefix, table, prompt_kv = pad_batch(prefix, alloc.block_table(ids, max_pages), prompt_kv)
+    bucket = prefix.shape[0]
 
     proj_q = jnp.asarray(rng.standard_normal((512, args.heads * 576)) / 512 ** 0.5, jnp.bfloat16)
     proj_kv = jnp.asarray(rng.standard_normal((512, 576)) / 512 ** 0.5, jnp.bfloat16)

@@ -24,7 +24,7 @@ at a time (jax_flashmla.serving.plan_chunks), each chunk attending to the reques
 before it, read from the paged cache, and causally to itself (jax_flashmla.mla_prefill; a
 chunk of at most 512 tokens in the absorbed form, through mla_decode); the
 other requests decode between two chunks, so a long prompt does not stall them. Chunks are
-padded and their prefixes bucketed (jax_flashmla.serving.length_bucket), so that the prefill
+padded and their prefixes bucketed as plan_chunks gives their shapes, so that the prefill
 compiles a few shapes. Multi-turn (--turns): when a request's turn ends, its next turn's user
 tokens follow the last generated token, and only these (that token and the user's) are
 prefilled, over the conversation so far, which stays in the cache: nothing is prefilled twice.
@@ -60,15 +60,11 @@ import numpy as np
 
 import jax_flashmla as jf
 from jax_flashmla import PagedKVCache
-from jax_flashmla.serving import (HostQueue, PageAllocator, length_bucket, pages_for_tokens,
-                                  plan_chunks)
-from jax_flashmla.flax import (MLAConfig, MultiHeadLatentAttention, RMSNorm, SparseMLAConfig,
+from jax_flashmla.serving import HostQueue, PageAllocator, plan_chunks
+from jax_flashmla.flax import (MLAConfig, MultiHeadLatentAttention, SparseMLAConfig,
                                SparseMultiHeadLatentAttention)
 from jax_flashmla.sparse import IndexKeyCache, SparseKVCache
 
-# New tokens prefilled in one chunk are padded to a power of two of at least this many; in
-# several chunks, each chunk to the chunk size (a multiple of this): prefill compiles few shapes.
-PREFILL_BUCKET = 64
 # A chunk's prefix (the static max_prefix_tokens of extend) is bucketed to a power of two up to
 # this many tokens, then to a multiple of it: a few compiled shapes, less than this much padding.
 PREFIX_STEP = 8192
@@ -107,10 +103,11 @@ def is_sparse(cfg):
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg, *, rngs, dtype):
         hidden = cfg.attention.hidden_size
-        self.input_layernorm = RMSNorm(hidden, param_dtype=dtype)
+        norm = lambda: nnx.RMSNorm(hidden, dtype=dtype, param_dtype=dtype, rngs=rngs)  # noqa: E731
+        self.input_layernorm = norm()
         attention = SparseMultiHeadLatentAttention if is_sparse(cfg) else MultiHeadLatentAttention
         self.self_attn = attention(cfg.attention, rngs=rngs, dtype=dtype, param_dtype=dtype)
-        self.post_attention_layernorm = RMSNorm(hidden, param_dtype=dtype)
+        self.post_attention_layernorm = norm()
         linear = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype,  # noqa: E731
                                          param_dtype=dtype, rngs=rngs)
         self.gate_proj = linear(hidden, cfg.intermediate_size)
@@ -131,7 +128,7 @@ class TinyDeepSeek(nnx.Module):
                                       rngs=rngs)
         layers = [DecoderLayer(cfg, rngs=rngs, dtype=dtype) for _ in range(cfg.num_layers)]
         self.layers = getattr(nnx, "List", list)(layers)  # nnx.List from flax 0.12 on
-        self.norm = RMSNorm(hidden, param_dtype=dtype)
+        self.norm = nnx.RMSNorm(hidden, dtype=dtype, param_dtype=dtype, rngs=rngs)
         # Logits in float32: bfloat16's would tie often, and greedy picks would hang on rounding.
         self.lm_head = nnx.Linear(hidden, cfg.vocab_size, use_bias=False, dtype=jnp.float32,
                                   param_dtype=dtype, rngs=rngs)
@@ -248,15 +245,9 @@ def make_steps(graphdef, implementation=None, token_queue=None, prefill_implemen
     return prefill, jax.jit(decode, donate_argnums=(5,))
 
 
-def chunk_shape(turn_tokens, prefix, chunk):
-    """(padded tokens, max_prefix_tokens): the compiled shape of a chunk that starts `prefix`
-    tokens into its request, in a turn of turn_tokens new tokens (chunk: the chunk size, a
-    multiple of PREFILL_BUCKET). A turn of several chunks pads each to the chunk size, a turn
-    of one to a power of two; max_prefix_tokens is the prefix's bucket. So a loop compiles a
-    few shapes."""
-    tokens = chunk if turn_tokens > chunk else length_bucket(turn_tokens, minimum=PREFILL_BUCKET,
-                                                              step=chunk)
-    return tokens, length_bucket(prefix, minimum=PREFILL_BUCKET, step=PREFIX_STEP)
+def pages_for(tokens):
+    """Cache pages (64 tokens each) that hold `tokens` tokens."""
+    return -(-tokens // 64)
 
 
 class Progress:
@@ -360,7 +351,7 @@ def serve(args, report=None):
     turns = make_requests(args, cfg.vocab_size)
     # A request's cache holds every turn's user tokens and every generated token but the last.
     total = [sum(len(u) + n for u, n in t) for t in turns]
-    max_pages = int(pages_for_tokens(max(total)))
+    max_pages = pages_for(max(total))
     num_pages = args.num_pages or max(max_pages, max_pages * args.batch * 3 // 4)  # tight: reuse
     chunk = args.prefill_chunk
     impl, impl_words = implementation_in_use(args.implementation)
@@ -424,7 +415,8 @@ def serve(args, report=None):
         turn[r], generated[r] = k, 0
         # Later turns begin with the turn before's last token, not yet in the cache.
         turn_tokens[r] = user if k == 0 else np.concatenate([np.zeros(1, np.int32), user])
-        chunks[r] = collections.deque(plan_chunks(len(turn_tokens[r]), chunk, start=length[r]))
+        chunks[r] = collections.deque(plan_chunks(len(turn_tokens[r]), chunk, start=length[r],
+                                                  prefix_step=PREFIX_STEP))
         prefixes[r].append(length[r])
         prefilling.append(r)
 
@@ -446,14 +438,14 @@ def serve(args, report=None):
                 f"pages {allocator.num_used}/{num_pages}")
 
     def reserved():  # pages active requests may still grow into
-        return sum(int(pages_for_tokens(total[r])) - len(allocator.pages(r))
+        return sum(pages_for(total[r]) - len(allocator.pages(r))
                    for r in slots if r is not None)
 
     while waiting or any(r is not None for r in slots):
         # Admit while a row is free and the pool can hold the whole request, all its turns.
         while waiting and None in slots:
             r = waiting[0]
-            if allocator.num_free - reserved() < pages_for_tokens(total[r]):
+            if allocator.num_free - reserved() < pages_for(total[r]):
                 break
             waiting.pop(0)
             allocator.admit(r, 0)
@@ -465,11 +457,10 @@ def serve(args, report=None):
         if prefilling:
             r = prefilling[0]
             i = slots.index(r)
-            position, n = chunks[r].popleft()
-            s, max_prefix_tokens = chunk_shape(len(turn_tokens[r]), position, chunk)
+            position, n, s, max_prefix_tokens = chunks[r].popleft()
             allocations += len(allocator.grow(r, position + n))
             # The pages of the prefix bucket and the padded chunk: the shape's own width.
-            width = int(pages_for_tokens(max_prefix_tokens + s))
+            width = pages_for(max_prefix_tokens + s)
             first = position - prefixes[r][-1]
             tokens = np.zeros((1, s), np.int32)
             tokens[0, :n] = turn_tokens[r][first:first + n]
@@ -636,8 +627,8 @@ def parse_args(argv=None):
     p.add_argument("--max-new", type=int, default=24,
                    help="max generated tokens per request and turn")
     p.add_argument("--prefill-chunk", type=int, default=2048,
-                   help=f"most tokens prefilled at a time (a multiple of {PREFILL_BUCKET}); "
-                        "decode steps of the other requests run between two chunks")
+                   help="most tokens prefilled at a time; decode steps of the other requests "
+                        "run between two chunks")
     p.add_argument("--turns", type=int, default=1,
                    help="turns per request: each after the first adds user tokens to the "
                         "conversation, prefilled over its cache")
@@ -654,15 +645,12 @@ def parse_args(argv=None):
     refuse_gpu_only_options(p, args)
     if args.attention == "v32" and args.kv_cache_dtype != "bfloat16":
         p.error("--kv-cache-dtype is the dense MLA's: --attention v32 has its own FP8 cache")
-    for name in ("layers", "requests", "batch", "min_prompt", "max_new", "turns", "turn_tokens",
-                 "index_topk"):
+    for name in ("layers", "requests", "batch", "min_prompt", "max_new", "prefill_chunk", "turns",
+                 "turn_tokens", "index_topk"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.max_prompt < args.min_prompt:
         p.error("--max-prompt must be >= --min-prompt")
-    if args.prefill_chunk < 1 or args.prefill_chunk % PREFILL_BUCKET:
-        p.error(f"--prefill-chunk must be a positive multiple of {PREFILL_BUCKET}; got "
-                f"{args.prefill_chunk}")
     tokens = args.max_prompt + args.max_new
     what = "--max-prompt + --max-new"
     if args.turns > 1:
@@ -672,7 +660,7 @@ def parse_args(argv=None):
     if tokens > positions:
         p.error(f"a request of {what} = {tokens} tokens exceeds the model's "
                 f"{positions} positions")
-    longest = int(pages_for_tokens(tokens))
+    longest = pages_for(tokens)
     if args.num_pages < 0 or 0 < args.num_pages < longest:
         p.error(f"--num-pages {args.num_pages} cannot hold a request of {what} = {tokens} "
                 f"tokens ({longest} pages of 64)")

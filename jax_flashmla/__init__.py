@@ -1,23 +1,22 @@
 """FlashMLA's MLA decode for JAX: jit-native XLA FFI custom calls with a pure-JAX reference,
 prefill and extend over the paged cache (mla_prefill), and the paged KV cache around them.
 
-Namespaces: serving (pages, block tables, chunked prefill, decode loops, and the XLA step
-helpers AlternatingStep and HostQueue), speculative (target verify, multi-step drafts),
-context_parallel (the KV cache split over devices), sparse (DeepSeek-V3.2's sparse attention
-and its FP8 cache), flax (the DeepSeek attention layer; needs flax, imported on first use)."""
+Namespaces: serving (pages, block tables, chunked prefill, decode loops, speculative decoding,
+and the XLA step helpers AlternatingStep and HostQueue), context_parallel (the KV cache split
+over devices), sparse (DeepSeek-V3.2's sparse attention and its FP8 cache), flax (the DeepSeek
+attention layers; needs flax, imported on first use)."""
 import importlib
 
 from jax_flashmla import serving, sparse
 from jax_flashmla.base.checks import value_checks
 from jax_flashmla.caches.paged import PagedKVCache, token_slots, write_kv
 from jax_flashmla.ops import context_parallel
-from jax_flashmla.ops.decode import MLAMetadata, get_mla_metadata, mla_decode
+from jax_flashmla.ops.decode import get_mla_metadata, mla_decode
 from jax_flashmla.ops.prefill import mla_prefill
-from jax_flashmla.serving import speculative
 
 __all__ = [
-    "MLAMetadata", "PagedKVCache", "context_parallel", "flax", "get_mla_metadata", "mla_decode",
-    "mla_prefill", "serving", "sparse", "speculative", "token_slots", "value_checks", "write_kv",
+    "PagedKVCache", "context_parallel", "flax", "get_mla_metadata", "mla_decode", "mla_prefill",
+    "serving", "sparse", "token_slots", "value_checks", "write_kv",
 ]
 
 

@@ -2,7 +2,8 @@
 subscribe before JAX starts, and a failure must not take the test session down):
   python tests/gpu_probe.py capture bf16|fp8   a 6-layer step, run three times
   python tests/gpu_probe.py loop scan           a 6-layer step under lax.scan with
-                                                LOOP_STEP_COMPILER_OPTIONS, run three times
+                                                AlternatingStep.LOOP_COMPILER_OPTIONS, run
+                                                three times
   python tests/gpu_probe.py rerecord single|alternating
                                                 a donated 6-layer step called 8 times, as one
                                                 executable or through AlternatingStep
@@ -118,8 +119,8 @@ def loop(kind, driver_calls):
             return jnp.concatenate([out.astype(q.dtype), q[..., 512:]], axis=-1), None
         return jax.lax.scan(body, q, None, length=LAYERS)[0]
 
-    run = jax.jit(step, compiler_options=jf.serving.LOOP_STEP_COMPILER_OPTIONS).lower(
-        q, cache, bt, sl).compile()
+    options = jf.serving.AlternatingStep.LOOP_COMPILER_OPTIONS
+    run = jax.jit(step, compiler_options=options).lower(q, cache, bt, sl).compile()
     report_custom_calls(run)
     for k in range(3):
         jax.block_until_ready(run(q, cache, bt, sl))

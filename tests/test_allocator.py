@@ -4,7 +4,7 @@ import random
 import numpy as np
 import pytest
 
-from jax_flashmla.serving import OutOfPagesError, PageAllocator
+from jax_flashmla.serving import PageAllocator
 
 
 def _check_invariants(alloc, expected_tokens):
@@ -29,7 +29,7 @@ def _state(alloc):
 def test_allocate_free_reuse_and_exhaustion():
     alloc = PageAllocator(4)
     assert alloc.allocate(2) == [0, 1] and alloc.num_free == 2
-    with pytest.raises(OutOfPagesError, match="3 pages requested, 2 of 4 free"):
+    with pytest.raises(PageAllocator.OutOfPagesError, match="3 pages requested, 2 of 4 free"):
         alloc.allocate(3)
     assert alloc.num_free == 2  # all or nothing
     alloc.free([1, 0])
@@ -40,7 +40,7 @@ def test_allocate_free_reuse_and_exhaustion():
         alloc.free([0, 0])
     with pytest.raises(ValueError, match="distinct and allocated"):
         alloc.free([9])
-    assert issubclass(OutOfPagesError, RuntimeError)
+    assert issubclass(PageAllocator.OutOfPagesError, RuntimeError)
 
 
 def test_request_lifecycle_and_tables():
@@ -62,7 +62,7 @@ def test_request_lifecycle_and_tables():
         alloc.grow("d", 10)
     with pytest.raises(ValueError, match="int >= 0"):
         alloc.admit("e", -1)
-    with pytest.raises(OutOfPagesError):
+    with pytest.raises(PageAllocator.OutOfPagesError):
         alloc.admit("e", 2 * 64 + 1)
     assert "e" not in alloc.requests
 
@@ -104,7 +104,7 @@ def test_random_admit_grow_finish(seed):
                     with pytest.raises(ValueError, match="held by requests"):
                         alloc.free(alloc.pages(r)[-1:])
                     assert _state(alloc) == before
-        except OutOfPagesError:
+        except PageAllocator.OutOfPagesError:
             assert _state(alloc) == before, "a failed call changed the allocator"
             needed = -(-n // alloc.page_size) - (len(alloc.pages(r)) if op == "grow" else 0)
             assert needed > alloc.num_free

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import jax_flashmla as jf
+from jax_flashmla.ops.decode import MLAMetadata
 from helpers import make_decode_inputs
 
 BEGIN_REQ, END_REQ, BEGIN_BLOCK, END_BLOCK, BEGIN_SPLIT = range(5)
@@ -85,9 +86,9 @@ def test_a_metadata_is_made_by_get_mla_metadata_alone(step):
     q, kv, bt, sl, md = step
     with pytest.raises(TypeError, match="MLAMetadata is made by get_mla_metadata; it cannot be "
                                         "built from arrays"):
-        jf.MLAMetadata(sl * 1000, md.tile_scheduler_metadata, md.num_splits, 16, 1, 8, False)
+        MLAMetadata(sl * 1000, md.tile_scheduler_metadata, md.num_splits, 16, 1, 8, False)
     with pytest.raises(AttributeError, match="immutable"):
         md.seq_lens = sl * 1000
     through = jax.jit(lambda m: m)(md)
-    assert isinstance(through, jf.MLAMetadata) and through.max_pages == md.max_pages
+    assert isinstance(through, MLAMetadata) and through.max_pages == md.max_pages
     np.testing.assert_array_equal(through.tile_scheduler_metadata, md.tile_scheduler_metadata)

@@ -30,9 +30,8 @@ from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf  # noqa
 from jax_flashmla import PagedKVCache  # noqa: E402
 from jax_flashmla.kernels import library as kernels
 from jax_flashmla.flax import (MLAConfig, SparseMLAConfig,  # noqa: E402
-                               SparseMultiHeadLatentAttention, load_sparse_attention_safetensors,
-                               load_sparse_attention_weights)
-from jax_flashmla.flax.sparse_mla import sparse_attention_parameter_names  # noqa: E402
+                               SparseMultiHeadLatentAttention, load_attention_weights)
+from jax_flashmla.flax.weights import layer_parameter_names  # noqa: E402
 from jax_flashmla.sparse import (IndexKeyCache, SparseKVCache, indexer_decode,  # noqa: E402
                                  indexer_prefill)
 from jax_flashmla.ops.indexer import IndexQuery, index_scores  # noqa: E402
@@ -83,7 +82,7 @@ def hf_attention(config, seed):
 
 def sparse_layer(config, attn):
     layer = SparseMultiHeadLatentAttention(SparseMLAConfig.from_hf(config), rngs=nnx.Rngs(0))
-    return load_sparse_attention_weights(layer, attn.state_dict())
+    return load_attention_weights(layer, attn.state_dict())
 
 
 def hf_run(config, attn, x, chunks, forced=None):
@@ -445,27 +444,27 @@ def test_bad_extend_arguments_are_named(tiny_layer):
 def test_weights_load_with_the_indexer_and_name_what_is_missing(tmp_path):
     config = hf_config()
     attn = hf_attention(config, seed=5)
-    names = sparse_attention_parameter_names(SparseMLAConfig.from_hf(config))
     prefix = "model.layers.0.self_attn."
     state = {prefix + name: tensor for name, tensor in attn.state_dict().items()}
-    assert sorted(names) == sorted(attn.state_dict())  # every tensor HF's attention has
     layer = SparseMultiHeadLatentAttention(SparseMLAConfig.from_hf(config), rngs=nnx.Rngs(0))
-    load_sparse_attention_weights(layer, state, prefix=prefix)
+    # Every tensor HF's attention has.
+    assert sorted(layer_parameter_names(layer)) == sorted(attn.state_dict())
+    load_attention_weights(layer, state, prefix=prefix)
     np.testing.assert_array_equal(np.asarray(layer.indexer.wq_b[...]),
                                   attn.indexer.wq_b.weight.detach().numpy())
     np.testing.assert_array_equal(np.asarray(layer.indexer.k_norm_bias[...]),
                                   attn.indexer.k_norm.bias.detach().numpy())
     st = pytest.importorskip("safetensors.torch")
     st.save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
-    from_file = load_sparse_attention_safetensors(
+    from_file = load_attention_weights(
         SparseMultiHeadLatentAttention(SparseMLAConfig.from_hf(config), rngs=nnx.Rngs(0)),
-        str(tmp_path / "model.safetensors"), prefix=prefix)
+        tmp_path / "model.safetensors", prefix=prefix)
     for a, b in zip(jax.tree.leaves(nnx.state(from_file)), jax.tree.leaves(nnx.state(layer))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     missing = {k: v for k, v in state.items() if not k.endswith("indexer.wk.weight")}
     with pytest.raises(KeyError, match=r"'model.layers.0.self_attn.indexer.wk.weight'"):
-        load_sparse_attention_weights(layer, missing, prefix=prefix)
+        load_attention_weights(layer, missing, prefix=prefix)
     bad = {**state, prefix + "indexer.weights_proj.weight": torch.zeros(3, 96)}
     with pytest.raises(ValueError, match=r"indexer.weights_proj.weight'\] has shape \(3, 96\); "
                                          r"the layer's config needs \(4, 96\)"):
-        load_sparse_attention_weights(layer, bad, prefix=prefix)
+        load_attention_weights(layer, bad, prefix=prefix)

@@ -1,4 +1,5 @@
-"""HF weight import into the Flax MLA layer: names, prefixes, safetensors, errors."""
+"""HF weight import into the Flax MLA layer: names, prefixes, safetensors, errors (V3.2's layer's
+indexer: tests/test_flax_sparse_mla.py)."""
 import json
 
 import numpy as np
@@ -11,7 +12,7 @@ import flax.nnx as nnx  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jax_flashmla.flax import (MLAConfig, MultiHeadLatentAttention,  # noqa: E402
-                               load_attention_safetensors, load_attention_weights)
+                               load_attention_weights)
 from jax_flashmla.flax.weights import attention_parameter_names  # noqa: E402
 
 PREFIX = "model.layers.1.self_attn."
@@ -94,13 +95,23 @@ def test_missing_and_misshapen_tensors():
                                prefix=PREFIX)
 
 
+def test_neither_a_layer_nor_weights_is_refused():
+    cfg = config()
+    with pytest.raises(TypeError, match="layer must be a MultiHeadLatentAttention or a "
+                                        "SparseMultiHeadLatentAttention; got Linear"):
+        load_attention_weights(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), hf_state_dict(cfg))
+    with pytest.raises(TypeError, match="weights must be a mapping from HF names to tensors or "
+                                        "the path of a safetensors checkpoint; got list"):
+        load_attention_weights(MultiHeadLatentAttention(cfg, rngs=nnx.Rngs(0)), [])
+
+
 def test_safetensors_file_and_sharded_directory(tmp_path):
     st = pytest.importorskip("safetensors.torch")
     cfg = config()
     sd = hf_state_dict(cfg, dtype=torch.bfloat16)
     st.save_file(sd, str(tmp_path / "model.safetensors"))
-    layer = load_attention_safetensors(MultiHeadLatentAttention(cfg, rngs=nnx.Rngs(0)),
-                                       str(tmp_path / "model.safetensors"), prefix=PREFIX)
+    layer = load_attention_weights(MultiHeadLatentAttention(cfg, rngs=nnx.Rngs(0)),
+                                   str(tmp_path / "model.safetensors"), prefix=PREFIX)
     check_loaded(layer, sd)
 
     shard_dir = tmp_path / "sharded"
@@ -112,11 +123,12 @@ def test_safetensors_file_and_sharded_directory(tmp_path):
         st.save_file({k: sd[k] for k in ks}, str(shard_dir / name))
     weight_map = {k: name for name, ks in shards.items() for k in ks}
     (shard_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    layer = load_attention_safetensors(MultiHeadLatentAttention(cfg, rngs=nnx.Rngs(1)),
-                                       str(shard_dir), prefix=PREFIX)
+    layer = load_attention_weights(MultiHeadLatentAttention(cfg, rngs=nnx.Rngs(1)), shard_dir,
+                                   prefix=PREFIX)
     check_loaded(layer, sd)
-    with pytest.raises(ValueError, match="path"):
-        load_attention_safetensors(layer, str(tmp_path / "nowhere"), prefix=PREFIX)
+    with pytest.raises(ValueError, match="weights must be a .safetensors file or a checkpoint "
+                                         "directory .*; got the path .*nowhere"):
+        load_attention_weights(layer, str(tmp_path / "nowhere"), prefix=PREFIX)
 
 
 def test_from_hf_names_a_missing_key():

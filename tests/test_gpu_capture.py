@@ -150,8 +150,9 @@ def test_replays_with_new_values_and_addresses_equal_torch(fp8_cache, s_q, h_q):
 
 
 def test_a_loop_step_is_captured_under_the_loop_step_options():
-    """A scanned step jitted with LOOP_STEP_COMPILER_OPTIONS: its metadata and the decode in
-    its loop's body are captured into XLA's command buffer; the third call only replays."""
+    """A scanned step jitted with AlternatingStep.LOOP_COMPILER_OPTIONS: its metadata and the
+    decode in its loop's body are captured into XLA's command buffer; the third call only
+    replays."""
     out = _probe("loop", "scan")
     assert custom_call_targets(out) == sorted(
         [custom_calls.DECODE.target, custom_calls.METADATA.target]), out
@@ -160,7 +161,7 @@ def test_a_loop_step_is_captured_under_the_loop_step_options():
     assert not records(calls[2]) and calls[2].get("cuGraphLaunch"), calls
 
 
-@pytest.mark.parametrize("options", [None, jf.serving.LOOP_STEP_COMPILER_OPTIONS],
+@pytest.mark.parametrize("options", [None, jf.serving.AlternatingStep.LOOP_COMPILER_OPTIONS],
                          ids=["xla_defaults", "loop_step_options"])
 @pytest.mark.parametrize("loop", ["scan", "fori_loop"])
 def test_a_loop_over_stacked_layers_with_a_donated_cache_equals_torch(loop, options):

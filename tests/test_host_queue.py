@@ -11,8 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jax_flashmla as jf
-from jax_flashmla.serving import HostQueue, HostQueueOverrunError
+from jax_flashmla.serving import HostQueue
 from jax_flashmla.kernels import custom_calls
 from test_gpu_capture import _probe, captures, custom_call_targets, driver_calls
 
@@ -84,7 +83,7 @@ def test_an_overrun_is_named_and_the_next_pop_goes_on(platform):
     for _ in range(3):  # pushes 1, 2, 3: 3 overwrites 1
         x = step(x)
     jax.block_until_ready(x)
-    with pytest.raises(HostQueueOverrunError, match="push 1 was overwritten by push 3"):
+    with pytest.raises(HostQueue.OverrunError, match="push 1 was overwritten by push 3"):
         queue.pop(timeout_s=30)
     assert int(queue.pop(timeout_s=30)) == 2
     assert int(queue.pop(timeout_s=30)) == 3

@@ -11,10 +11,24 @@ def test_the_top_level_is_short_and_documented():
         assert inspect.getdoc(getattr(jf, name)), name
 
 
+def test_the_public_names_are_few_and_documented():
+    """Every __all__ together: the top level's and its namespaces'."""
+    namespaces = [getattr(jf, name) for name in jf.__all__ if inspect.ismodule(getattr(jf, name))]
+    assert sorted(ns.__name__ for ns in namespaces) == [
+        "jax_flashmla.flax", "jax_flashmla.ops.context_parallel", "jax_flashmla.serving",
+        "jax_flashmla.sparse"]
+    names = [(jf.__name__, name) for name in jf.__all__]
+    names += [(ns.__name__, name) for ns in namespaces for name in ns.__all__]
+    assert len(names) <= 45, names
+    for namespace in namespaces:
+        for name in namespace.__all__:
+            assert inspect.getdoc(getattr(namespace, name)), (namespace.__name__, name)
+
+
 def test_namespaces_are_attributes():
     assert jf.flax.MultiHeadLatentAttention.__module__ == "jax_flashmla.flax.mla"
-    for namespace in (jf.serving, jf.speculative, jf.context_parallel):
-        for name in getattr(namespace, "__all__", ()):
-            assert getattr(namespace, name) is not None, (namespace.__name__, name)
     assert jf.serving.HostQueue and jf.serving.AlternatingStep
-    assert jf.serving.LOOP_STEP_COMPILER_OPTIONS["xla_gpu_command_buffer_unroll_loops"]
+    assert jf.serving.AlternatingStep.LOOP_COMPILER_OPTIONS["xla_gpu_command_buffer_unroll_loops"]
+    # The errors a serving loop catches are its classes' own, builtin ones beneath.
+    assert issubclass(jf.serving.PageAllocator.OutOfPagesError, RuntimeError)
+    assert issubclass(jf.serving.HostQueue.OverrunError, RuntimeError)

@@ -8,8 +8,7 @@ import pytest
 
 import jax_flashmla.caches.fp8
 from jax_flashmla.caches.paged import PagedKVCache
-from jax_flashmla.serving import (PageAllocator, bucket_for, decode_loop, decode_step, pad_batch,
-                                  write_prompt)
+from jax_flashmla.serving import PageAllocator, decode_loop, decode_step, pad_batch, write_prompt
 from helpers import request_attention_f64
 
 IMPLEMENTATIONS = ["custom_call", "reference"]
@@ -22,29 +21,38 @@ def attention_f64(q, keys, length):
     return request_attention_f64(q, keys, length, softmax_scale=SCALE)
 
 
-def test_bucket_for():
-    assert [bucket_for(b) for b in (0, 1, 3, 8, 9, 256)] == [1, 1, 4, 8, 16, 256]
-    assert bucket_for(5, buckets=(2, 6)) == 6
-    with pytest.raises(ValueError, match="largest bucket"):
-        bucket_for(7, buckets=(2, 6))
-    with pytest.raises(ValueError, match="strictly increasing"):
-        bucket_for(1, buckets=(4, 2))
+def test_pad_batch_pads_to_the_smallest_bucket_that_holds_the_batch():
+    def bucket(batch, **kwargs):
+        lens, table = pad_batch(np.zeros(batch, np.int32), np.zeros((batch, 1), np.int32),
+                                **kwargs)
+        assert table.shape == (lens.shape[0], 1)
+        return lens.shape[0]
+
+    assert [bucket(b) for b in (0, 1, 3, 8, 9, 256)] == [1, 1, 4, 8, 16, 256]
+    assert bucket(5, buckets=(2, 6)) == 6 and bucket(6, buckets=[6]) == 6
+    with pytest.raises(ValueError, match=r"the batch \(7 requests.*largest bucket 6"):
+        bucket(7, buckets=(2, 6))
+    for buckets in ((4, 2), (), (0, 2), (2.0, 4)):
+        with pytest.raises(ValueError, match="buckets must be strictly increasing positive "
+                                             "ints; got"):
+            bucket(1, buckets=buckets)
 
 
 def test_pad_batch_keeps_the_array_kind():
-    lens, table, q = pad_batch(4, np.array([3, 5], np.int32), np.ones((2, 3), np.int32),
-                               np.ones((2, 1, 2), np.float32))
+    lens, table, q = pad_batch(np.array([3, 5, 4], np.int32), np.ones((3, 3), np.int32),
+                               np.ones((3, 1, 2), np.float32))
     assert all(isinstance(x, np.ndarray) for x in (lens, table, q))
-    np.testing.assert_array_equal(lens, [3, 5, 0, 0])
-    np.testing.assert_array_equal(table[2:], -1)
-    assert q.shape == (4, 1, 2) and (q[2:] == 0).all()
-    lens, table = pad_batch(3, jnp.array([1], jnp.int32), jnp.zeros((1, 2), jnp.int32))
+    np.testing.assert_array_equal(lens, [3, 5, 4, 0])
+    np.testing.assert_array_equal(table[3:], -1)
+    assert q.shape == (4, 1, 2) and (q[3:] == 0).all()
+    lens, table = pad_batch(jnp.array([1], jnp.int32), jnp.zeros((1, 2), jnp.int32),
+                            buckets=(3,))
     assert isinstance(lens, jax.Array) and lens.dtype == jnp.int32
     np.testing.assert_array_equal(table, [[0, 0], [-1, -1], [-1, -1]])
     with pytest.raises(ValueError, match=r"arrays\[0\] must have seq_lens' batch 2"):
-        pad_batch(4, np.zeros(2, np.int32), np.zeros((2, 1), np.int32), np.zeros((3, 1)))
-    with pytest.raises(ValueError, match="smaller than the batch"):
-        pad_batch(1, np.zeros(2, np.int32), np.zeros((2, 1), np.int32))
+        pad_batch(np.zeros(2, np.int32), np.zeros((2, 1), np.int32), np.zeros((3, 1)))
+    with pytest.raises(ValueError, match=r"seq_lens must have rank 1 \(batch,\)"):
+        pad_batch(np.zeros((2, 1), np.int32), np.zeros((2, 1), np.int32))
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -66,9 +74,8 @@ def test_padded_requests_return_zeros_and_write_nothing(implementation):
 
     plain = step(jnp.array(cache), *map(jnp.asarray, (lens, table, q, kv)))
     for batch in (3, 2):  # two batch sizes, one bucket: one compilation
-        padded = step(jnp.array(cache), *map(jnp.asarray, pad_batch(bucket_for(batch, (4,)),
-                                                                    lens[:batch], table[:batch],
-                                                                    q[:batch], kv[:batch])))
+        padded = step(jnp.array(cache), *map(jnp.asarray, pad_batch(
+            lens[:batch], table[:batch], q[:batch], kv[:batch], buckets=(4,))))
         np.testing.assert_array_equal(np.asarray(padded[1][:batch], np.float32),
                                       np.asarray(plain[1][:batch], np.float32))
         np.testing.assert_array_equal(np.asarray(padded[1][batch:], np.float32), 0)
@@ -219,7 +226,7 @@ def test_padded_requests_in_an_fp8_cache(implementation):
     kv = jnp.asarray(rng.standard_normal((2, 1, 576)), jnp.bfloat16)
     step = jax.jit(lambda *a: decode_step(*a, implementation=implementation, k_scale=k_scale))
     _, plain_out, plain_lse = step(cache, jnp.asarray(table), jnp.asarray(lens), q, kv)
-    padded = pad_batch(4, lens, table, q, kv)
+    padded = pad_batch(lens, table, q, kv, buckets=(4,))
     _, out, lse = step(cache, *map(jnp.asarray, (padded[1], padded[0], padded[2], padded[3])))
     np.testing.assert_array_equal(np.asarray(out[:2], np.float32),
                                   np.asarray(plain_out, np.float32))

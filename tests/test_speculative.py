@@ -5,10 +5,9 @@ import numpy as np
 import pytest
 
 from jax_flashmla.caches import fp8
-from jax_flashmla.serving import decode_loop, decode_step
-from jax_flashmla.serving.speculative import (multi_step_draft, multi_step_draft_metadata,
-                                              target_verify, target_verify_metadata,
-                                              verify_seq_lens)
+from jax_flashmla.serving import (decode_loop, decode_step, multi_step_draft, target_verify,
+                                  target_verify_metadata)
+from jax_flashmla.serving.speculative import verify_seq_lens
 from helpers import request_attention_f64
 
 IMPLEMENTATIONS = ["custom_call", "reference"]
@@ -94,15 +93,9 @@ def test_multi_step_draft_equals_decode_loop(implementation):
     cache, table, prefix, _, _ = _setup()
     num_steps, h = 3, 4
     base_q, base_kv, q0, kv0 = _draft_inputs(num_steps, h)
-    metadata = multi_step_draft_metadata(prefix, num_steps, block_table=table,
-                                         num_pages=cache.shape[0], num_heads_q=h,
-                                         implementation=implementation)
-    if implementation == "custom_call":
-        assert metadata.tile_scheduler_metadata.shape[0] == num_steps
-        assert metadata.num_splits.shape == (num_steps, 5)
     draft = jax.jit(lambda c: multi_step_draft(
         c, table, prefix, q0, kv0, _draft_fn(base_q, base_kv), jnp.int32(0),
-        num_steps=num_steps, metadata=metadata, implementation=implementation))
+        num_steps=num_steps, implementation=implementation))
     loop = jax.jit(lambda c: decode_loop(
         c, table, prefix, q0, kv0, _draft_fn(base_q, base_kv), jnp.int32(0),
         num_steps=num_steps, implementation=implementation))

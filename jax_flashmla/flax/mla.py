@@ -146,15 +146,13 @@ class RMSNorm(nnx.Module):
         return self.weight[...].astype(x.dtype) * x32.astype(x.dtype)
 
 
-class MultiHeadLatentAttention(nnx.Module):
-    """DeepSeek's MLA. Submodules carry HF's names (q_a_proj, q_a_layernorm, q_b_proj or q_proj,
-    kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj); Linear kernels are (in, out).
-
-    Args:
-      config: MLAConfig.
-      rngs: nnx.Rngs for the initial weights.
-      dtype: compute dtype of the projections and the prefill attention.
-      param_dtype: dtype of the parameters.
+class MLAProjections(nnx.Module):
+    """What DeepSeek's attention layers share, the dense one (MultiHeadLatentAttention) and
+    V3.2's (SparseMultiHeadLatentAttention): MLA's parameters, its projections and absorbed
+    query, and the dense attention of new tokens among themselves (mla_prefill). Submodules
+    carry HF's names (q_a_proj, q_a_layernorm, q_b_proj or q_proj, kv_a_proj_with_mqa,
+    kv_a_layernorm, kv_b_proj, o_proj); Linear kernels are (in, out). The layers' caches and
+    so their prefill, extend and decode differ, each layer has its own.
     """
 
     def __init__(self, config, *, rngs, dtype=jnp.float32, param_dtype=jnp.float32):
@@ -222,6 +220,45 @@ class MultiHeadLatentAttention(nnx.Module):
     def _output(self, attn):
         b, s = attn.shape[:2]
         return self.o_proj(attn.reshape(b, s, -1).astype(self.dtype))
+
+    def _attend(self, q_nope, q_pe, latent, k_pe, *, lengths, implementation, kv_cache=None,
+                block_table=None, prefix_lens=None, max_prefix_tokens=0, k_scale=None):
+        """mla_prefill over the projected new tokens, then W_O. Row r of the batch is request
+        r, its tokens from row r * s of mla_prefill's token axis."""
+        b, s = q_nope.shape[:2]
+        w_uk, w_uv = self._kv_b_split()
+        q = jnp.concatenate([q_nope, q_pe], axis=-1)
+        kv = jnp.concatenate([latent, k_pe], axis=-1)
+        if lengths is None:
+            lengths = jnp.full((b,), s, jnp.int32)
+        # A length past the row would reach into the next request's tokens: -1 makes the
+        # request empty instead.
+        lengths = jnp.where(lengths > s, -1, lengths)
+        attn, _ = prefill.mla_prefill(
+            q.reshape(b * s, *q.shape[2:]), kv.reshape(b * s, kv.shape[-1]), kv_cache,
+            block_table, prefix_lens, lengths, w_uk=w_uk, w_uv=w_uv,
+            softmax_scale=self.config.softmax_scale, max_prefix_tokens=max_prefix_tokens,
+            query_starts=None if b == 1 else jnp.arange(b, dtype=jnp.int32) * s,
+            k_scale=k_scale, implementation=implementation)
+        return self._output(attn.reshape(b, s, *attn.shape[1:]))
+
+    def absorbed_query(self, q_nope, q_pe):
+        """(b, s, h, kv_lora_rank + qk_rope_head_dim): q_nope @ W_UK, then the rope'd query."""
+        w_uk, _ = self._kv_b_split()
+        q_latent = jnp.einsum("bshd,chd->bshc", q_nope, w_uk, preferred_element_type=jnp.float32)
+        return jnp.concatenate([q_latent.astype(q_pe.dtype), q_pe], axis=-1)
+
+
+class MultiHeadLatentAttention(MLAProjections):
+    """DeepSeek's MLA over one paged latent cache: MLAProjections' parameters (HF's names) and
+    their prefill, extend and decode.
+
+    Args:
+      config: MLAConfig.
+      rngs: nnx.Rngs for the initial weights.
+      dtype: compute dtype of the projections and the prefill attention.
+      param_dtype: dtype of the parameters.
+    """
 
     # -- prefill and extend -------------------------------------------------------------------
     def prefill(self, hidden_states, positions, kv_cache=None, slots=None, *, lengths=None,
@@ -349,34 +386,7 @@ class MultiHeadLatentAttention(nnx.Module):
         _, w_uv = self._kv_b_split()
         return jnp.einsum("bshc,chd->bshd", out.astype(self.dtype), w_uv)
 
-    def _attend(self, q_nope, q_pe, latent, k_pe, *, lengths, implementation, kv_cache=None,
-                block_table=None, prefix_lens=None, max_prefix_tokens=0, k_scale=None):
-        """mla_prefill over the projected new tokens, then W_O. Row r of the batch is request
-        r, its tokens from row r * s of mla_prefill's token axis."""
-        b, s = q_nope.shape[:2]
-        w_uk, w_uv = self._kv_b_split()
-        q = jnp.concatenate([q_nope, q_pe], axis=-1)
-        kv = jnp.concatenate([latent, k_pe], axis=-1)
-        if lengths is None:
-            lengths = jnp.full((b,), s, jnp.int32)
-        # A length past the row would reach into the next request's tokens: -1 makes the
-        # request empty instead.
-        lengths = jnp.where(lengths > s, -1, lengths)
-        attn, _ = prefill.mla_prefill(
-            q.reshape(b * s, *q.shape[2:]), kv.reshape(b * s, kv.shape[-1]), kv_cache,
-            block_table, prefix_lens, lengths, w_uk=w_uk, w_uv=w_uv,
-            softmax_scale=self.config.softmax_scale, max_prefix_tokens=max_prefix_tokens,
-            query_starts=None if b == 1 else jnp.arange(b, dtype=jnp.int32) * s,
-            k_scale=k_scale, implementation=implementation)
-        return self._output(attn.reshape(b, s, *attn.shape[1:]))
-
     # -- decode -------------------------------------------------------------------------------
-    def absorbed_query(self, q_nope, q_pe):
-        """(b, s, h, kv_lora_rank + qk_rope_head_dim): q_nope @ W_UK, then the rope'd query."""
-        w_uk, _ = self._kv_b_split()
-        q_latent = jnp.einsum("bshd,chd->bshc", q_nope, w_uk, preferred_element_type=jnp.float32)
-        return jnp.concatenate([q_latent.astype(q_pe.dtype), q_pe], axis=-1)
-
     def decode(self, hidden_states, positions, kv_cache, block_table, seq_lens, slots=None, *,
                metadata=None, implementation=None, k_scale=None):
         """Writes the new tokens' rows into the paged cache, then attends through mla_decode.

@@ -1,9 +1,11 @@
 """DeepSeek-V3.2's attention as a Flax NNX layer: MLA whose queries attend only to the
 index_topk tokens that its lightning indexer selects (DeepSeek Sparse Attention).
 
-The layer is a MultiHeadLatentAttention (its projections, HF parameter names and absorbed
-query) plus the indexer's parameters under `indexer`, over two paged caches sharing slots: the
-656-byte FP8 SparseKVCache of the MLA rows and the IndexKeyCache of the indexer's keys.
+The layer has MultiHeadLatentAttention's parameters (HF's names), projections and absorbed
+query, both layers being MLAProjections, plus the indexer's parameters under `indexer`. It is
+no MultiHeadLatentAttention: its cache is two paged caches sharing slots, the 656-byte FP8
+SparseKVCache of the MLA rows and the IndexKeyCache of the indexer's keys, so its prefill,
+extend and decode take other arguments and return both caches.
   - decode writes the new tokens into both caches, selects each query's tokens through
     indexer_decode and attends to them with sparse_mla_decode (FlashMLA's sparse kernel on a
     Hopper GPU) with the absorbed query, as MultiHeadLatentAttention.decode absorbs it.
@@ -27,15 +29,12 @@ from jax_flashmla.caches.index_keys import (INDEX_HEAD_DIM, PAGE_BYTES, IndexKey
                                             write_index_keys)
 from jax_flashmla.caches.paged import droppable_slots, token_slots
 from jax_flashmla.caches.sparse import TOKEN_BYTES, SparseKVCache, write_sparse_kv
-from jax_flashmla.flax.mla import MLAConfig, MultiHeadLatentAttention
-from jax_flashmla.flax.weights import (_to_numpy, attention_parameter_names, load_attention_weights,
-                                       read_safetensors)
+from jax_flashmla.flax.mla import MLAConfig, MLAProjections
 from jax_flashmla.ops.indexer import (HF_NAMES, INDEX_TOPK, IndexerWeights, IndexQuery, index_keys,
                                       index_query, indexer_decode, indexer_prefill)
 from jax_flashmla.ops.sparse import sparse_mla_decode, sparse_mla_prefill
 
 INDEX_KEYS = ("index_n_heads", "index_head_dim", "index_topk")
-INDEXER_PREFIX = "indexer."  # HF's name of the indexer under a layer's self_attn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +96,7 @@ class Indexer(nnx.Module):
         return IndexerWeights(**{field: getattr(self, field)[...] for field in HF_NAMES})
 
 
-class SparseMultiHeadLatentAttention(MultiHeadLatentAttention):
+class SparseMultiHeadLatentAttention(MLAProjections):
     """DeepSeek-V3.2's attention: MultiHeadLatentAttention's submodules and `indexer` (Indexer),
     HF's module tree. Needs kv_lora_rank 512 and qk_rope_head_dim 64 (the sparse cache's rows).
 
@@ -338,38 +337,3 @@ def _check_batch_args(where, tokens_shape, block_table, **optional):
         if tuple(value.shape) != shapes[name]:
             _fail(ValueError, where, f"{name} must have shape {shapes[name]}; got "
                                      f"{tuple(value.shape)}")
-
-
-def sparse_attention_parameter_names(config):
-    """The HF names (no prefix) a SparseMultiHeadLatentAttention of this SparseMLAConfig reads:
-    attention_parameter_names' and the indexer's, "indexer.wq_b.weight" and so on."""
-    return attention_parameter_names(config) + [INDEXER_PREFIX + n for n in HF_NAMES.values()]
-
-
-def load_sparse_attention_weights(module, state_dict, *, prefix=""):
-    """load_attention_weights for a SparseMultiHeadLatentAttention, the indexer's weights too
-    (HF's "<prefix>indexer.wq_b.weight" and so on, kept in HF's layout). Raises KeyError
-    naming a missing tensor and ValueError naming one whose shape does not fit; returns
-    module."""
-    if not isinstance(module, SparseMultiHeadLatentAttention):
-        raise TypeError(f"module must be a SparseMultiHeadLatentAttention; got "
-                        f"{type(module).__name__}")
-    load_attention_weights(module, state_dict, prefix=prefix)
-    for field, name in HF_NAMES.items():
-        key = prefix + INDEXER_PREFIX + name
-        if key not in state_dict:
-            raise KeyError(f"state_dict has no {key!r} (needed by the indexer)")
-        value = jnp.asarray(_to_numpy(state_dict[key], key))
-        param = getattr(module.indexer, field)
-        if tuple(value.shape) != tuple(param.shape):
-            raise ValueError(f"state_dict[{key!r}] has shape {tuple(value.shape)}; the layer's "
-                             f"config needs {tuple(param.shape)}")
-        param[...] = value.astype(param.dtype)
-    return module
-
-
-def load_sparse_attention_safetensors(module, path, *, prefix=""):
-    """load_sparse_attention_weights from a safetensors file or a (sharded) checkpoint
-    directory, reading only this layer's tensors (dequantize FP8 checkpoints first)."""
-    names = [prefix + n for n in sparse_attention_parameter_names(module.config)]
-    return load_sparse_attention_weights(module, read_safetensors(path, names), prefix=prefix)

@@ -5,15 +5,23 @@ transposed on import. Names, relative to a layer's attention prefix (for example
 "model.layers.0.self_attn."): q_a_proj.weight, q_a_layernorm.weight, q_b_proj.weight (or
 q_proj.weight without q LoRA), kv_a_proj_with_mqa.weight, kv_a_layernorm.weight,
 kv_b_proj.weight, o_proj.weight, and the .bias of q_a_proj, kv_a_proj_with_mqa and o_proj when
-attention_bias is set. FP8 block-quantised checkpoints (DeepSeek-V3's weight_scale_inv) must be
+attention_bias is set; DeepSeek-V3.2's layer adds its indexer's, indexer.wq_b.weight and so on,
+kept in HF's layout. FP8 block-quantised checkpoints (DeepSeek-V3's weight_scale_inv) must be
 dequantised first.
 """
 import json
 import os
+from collections.abc import Mapping
 
 import jax.numpy as jnp
 import numpy as np
 
+from jax_flashmla.flax.mla import MultiHeadLatentAttention
+from jax_flashmla.flax.sparse_mla import SparseMultiHeadLatentAttention
+from jax_flashmla.ops.indexer import HF_NAMES
+
+# HF's names of the indexer's weights under a layer's self_attn -> the Indexer's fields.
+INDEXER_FIELDS = {f"indexer.{name}": field for field, name in HF_NAMES.items()}
 LINEARS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 NORMS = ("q_a_layernorm", "kv_a_layernorm")
 
@@ -42,40 +50,7 @@ def _to_numpy(value, name):
         return value.numpy()
     if isinstance(value, (np.ndarray, jnp.ndarray)) or hasattr(value, "__array__"):
         return value
-    raise TypeError(f"state_dict[{name!r}] must be an array or a torch tensor; got {type(value)}")
-
-
-def load_attention_weights(module, state_dict, *, prefix=""):
-    """Copies HF DeepSeek attention weights into a MultiHeadLatentAttention, in place.
-
-    Args:
-      module: a jax_flashmla.flax.MultiHeadLatentAttention.
-      state_dict: mapping from HF names to arrays or torch tensors (CPU); extra keys are ignored.
-      prefix: prepended to each name, e.g. "model.layers.3.self_attn.".
-
-    Returns:
-      module. Each parameter keeps its dtype (values are cast). Raises KeyError naming a
-      missing tensor and ValueError naming one whose shape does not fit.
-    """
-    for name in attention_parameter_names(module.config):
-        key = prefix + name
-        if key not in state_dict:
-            raise KeyError(f"state_dict has no {key!r} (needed by the attention layer)")
-        value = _to_numpy(state_dict[key], key)
-        sub, kind = name.split(".")
-        target = getattr(module, sub)
-        if sub in LINEARS and kind == "weight":
-            param, value = target.kernel, jnp.asarray(value).T
-        elif sub in LINEARS:
-            param, value = target.bias, jnp.asarray(value)
-        else:
-            param, value = target.weight, jnp.asarray(value)
-        if tuple(value.shape) != tuple(param.shape):
-            expected = param.shape[::-1] if kind == "weight" and sub in LINEARS else param.shape
-            raise ValueError(f"state_dict[{key!r}] has shape {tuple(state_dict[key].shape)}; "
-                             f"the layer's config needs {tuple(expected)}")
-        param[...] = value.astype(param.dtype)
-    return module
+    raise TypeError(f"weights[{name!r}] must be an array or a torch tensor; got {type(value)}")
 
 
 def _shard_files(path, keys):
@@ -83,7 +58,8 @@ def _shard_files(path, keys):
     if os.path.isfile(path):
         return {path: list(keys)}
     if not os.path.isdir(path):
-        raise ValueError(f"path must be a .safetensors file or a checkpoint directory; got {path!r}")
+        raise ValueError(f"weights must be a .safetensors file or a checkpoint directory (or a "
+                         f"mapping of tensors); got the path {path!r}")
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
@@ -97,7 +73,8 @@ def _shard_files(path, keys):
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(single):
         return {single: list(keys)}
-    raise ValueError(f"path {path!r} holds neither model.safetensors nor its index")
+    raise ValueError(f"weights: the directory {path!r} holds neither model.safetensors nor its "
+                     f"index")
 
 
 def read_safetensors(path, names):
@@ -116,8 +93,65 @@ def read_safetensors(path, names):
     return out
 
 
-def load_attention_safetensors(module, path, *, prefix=""):
-    """load_attention_weights from a safetensors file or a (sharded) checkpoint directory,
-    reading only this layer's tensors."""
-    names = [prefix + n for n in attention_parameter_names(module.config)]
-    return load_attention_weights(module, read_safetensors(path, names), prefix=prefix)
+def layer_parameter_names(layer):
+    """The HF names (no prefix) a layer reads: attention_parameter_names', and for V3.2's layer
+    its indexer's, "indexer.wq_b.weight" and so on."""
+    if isinstance(layer, SparseMultiHeadLatentAttention):
+        return attention_parameter_names(layer.config) + list(INDEXER_FIELDS)
+    if isinstance(layer, MultiHeadLatentAttention):
+        return attention_parameter_names(layer.config)
+    raise TypeError(f"load_attention_weights: layer must be a MultiHeadLatentAttention or a "
+                    f"SparseMultiHeadLatentAttention; got {type(layer).__name__}")
+
+
+def _parameter(layer, name):
+    """The nnx.Param that HF's `name` (no prefix) loads into, and whether HF's value is its
+    transpose (a Linear's weight)."""
+    if name in INDEXER_FIELDS:
+        return getattr(layer.indexer, INDEXER_FIELDS[name]), False
+    sub, kind = name.split(".")
+    target = getattr(layer, sub)
+    if sub in LINEARS:
+        return (target.kernel, True) if kind == "weight" else (target.bias, False)
+    return target.weight, False
+
+
+def load_attention_weights(layer, weights, *, prefix=""):
+    """Copies HF DeepSeek attention weights into a layer, in place.
+
+    Args:
+      layer: a MultiHeadLatentAttention, or a SparseMultiHeadLatentAttention (its indexer's
+        weights too, HF's "<prefix>indexer.wq_b.weight" and so on).
+      weights: a mapping from HF names to arrays or torch tensors (CPU; extra keys are
+        ignored), or the path (str or os.PathLike) of a safetensors file or of a (sharded)
+        checkpoint directory, of which only this layer's tensors are read (needs the
+        safetensors package).
+      prefix: prepended to each name, e.g. "model.layers.3.self_attn.".
+
+    Returns:
+      layer. Each parameter keeps its dtype (values are cast). Raises TypeError for another
+      layer or weights, KeyError naming a missing tensor and ValueError naming one whose shape
+      does not fit.
+    """
+    names = layer_parameter_names(layer)
+    if isinstance(weights, (str, os.PathLike)):
+        weights = read_safetensors(os.fspath(weights), [prefix + name for name in names])
+    elif not isinstance(weights, Mapping):
+        raise TypeError(f"load_attention_weights: weights must be a mapping from HF names to "
+                        f"tensors or the path of a safetensors checkpoint; got "
+                        f"{type(weights).__name__}")
+    for name in names:
+        key = prefix + name
+        if key not in weights:
+            raise KeyError(f"weights has no {key!r} (needed by the attention layer)")
+        param, transposed = _parameter(layer, name)
+        value = jnp.asarray(_to_numpy(weights[key], key))
+        seen = tuple(value.shape)
+        if transposed:
+            value = value.T
+        if tuple(value.shape) != tuple(param.shape):
+            expected = param.shape[::-1] if transposed else param.shape
+            raise ValueError(f"weights[{key!r}] has shape {seen}; the layer's config needs "
+                             f"{tuple(expected)}")
+        param[...] = value.astype(param.dtype)
+    return layer

@@ -8,7 +8,7 @@ Invariants (tests/test_allocator.py checks them under random admit/grow/finish s
   - a page is either free or held by exactly one request (or by the caller of allocate), never
     both, never twice: free() refuses a page a request holds, which only finish() frees;
   - a request holds exactly ceil(num_tokens / page_size) pages, in token order;
-  - a failed call (OutOfPagesError, ValueError) changes nothing.
+  - a failed call (PageAllocator.OutOfPagesError, ValueError) changes nothing.
 """
 import numpy as np
 
@@ -16,16 +16,16 @@ from jax_flashmla.base.validation import PAGE_SIZE
 from jax_flashmla.serving.block_table import block_table_from_pages, pages_for_tokens
 
 
-class OutOfPagesError(RuntimeError):
-    """Raised when a request needs more pages than the pool has free."""
-
-
 class PageAllocator:
     """Pages of a fixed pool, handed to requests.
 
     Freed pages are reused first (last freed, first reused), so a warm pool keeps touching the
-    same memory; a fresh pool hands out pages in ascending order.
+    same memory; a fresh pool hands out pages in ascending order. A call that needs more pages
+    than the pool has free raises PageAllocator.OutOfPagesError (a RuntimeError).
     """
+
+    class OutOfPagesError(RuntimeError):
+        """Raised when a request needs more pages than the pool has free."""
 
     def __init__(self, num_pages, page_size=PAGE_SIZE):
         for name, value in (("num_pages", num_pages), ("page_size", page_size)):
@@ -52,8 +52,8 @@ class PageAllocator:
         if not isinstance(n, (int, np.integer)) or n < 0:
             raise ValueError(f"PageAllocator.allocate: n must be an int >= 0; got {n!r}")
         if n > len(self._free):
-            raise OutOfPagesError(f"PageAllocator: {n} pages requested, {len(self._free)} of "
-                                  f"{self.num_pages} free")
+            raise self.OutOfPagesError(f"PageAllocator: {n} pages requested, "
+                                       f"{len(self._free)} of {self.num_pages} free")
         pages = [self._free.pop() for _ in range(n)]
         self._is_free[pages] = False
         return pages

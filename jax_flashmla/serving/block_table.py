@@ -17,7 +17,7 @@ PAD_PAGE = -1
 
 
 def pages_for_tokens(num_tokens, page_size=PAGE_SIZE):
-    """Pages needed to hold num_tokens tokens (ceil division; works on ints and arrays)."""
+    """Pages needed to hold num_tokens tokens (ceil division)."""
     return (num_tokens + page_size - 1) // page_size
 
 

@@ -17,11 +17,6 @@ MAX_BYTES = 1 << 20
 WAIT_SLICE_S = 0.1
 
 
-class HostQueueOverrunError(RuntimeError):
-    """A push overwrote a result before the host popped it: more than `depth` pushes ran
-    ahead of the pops."""
-
-
 class HostQueue:
     """A first-in first-out queue of arrays of one shape and dtype from the device to the host.
 
@@ -36,7 +31,7 @@ class HostQueue:
 
     shape, dtype: of each array pushed (at most 1 MiB). depth: how many pushed arrays the queue
     holds unpopped; a push beyond that overwrites the oldest, whose pop raises
-    HostQueueOverrunError (the pop after it goes on from the oldest array still held). device:
+    HostQueue.OverrunError (the pop after it goes on from the oldest array still held). device:
     the device whose steps push (default: JAX's first); a step that pushes runs on it alone (on
     a GPU a push from another device fails with an XLA error). On a GPU the push is one small
     kernel, captured with the step into XLA's command buffers (jax_flashmla._cuda, which needs
@@ -48,6 +43,10 @@ class HostQueue:
     The queue's host memory lives until the process exits (a captured push keeps its address
     as long as its executable lives).
     """
+
+    class OverrunError(RuntimeError):
+        """A push overwrote a result before the host popped it: more than `depth` pushes ran
+        ahead of the pops."""
 
     def __init__(self, shape, dtype, *, depth=2, device=None):
         self.shape = tuple(int(d) for d in shape)
@@ -87,7 +86,7 @@ class HostQueue:
 
     def pop(self, timeout_s=60.0):
         """The next pushed array, in push order, once the device has written it. Raises
-        TimeoutError after timeout_s with nothing pushed, HostQueueOverrunError where later
+        TimeoutError after timeout_s with nothing pushed, HostQueue.OverrunError where later
         pushes overwrote it."""
         expected = self._popped + 1
         slot = (expected - 1) % self.depth
@@ -105,7 +104,7 @@ class HostQueue:
         if seen != expected or self._sequence(base) != expected:
             newer = max(seen, self._sequence(base)) & ~WRITING
             self._popped = newer - self.depth  # the next pop: the oldest this slot allows
-            raise HostQueueOverrunError(
+            raise self.OverrunError(
                 f"HostQueue.pop: push {expected} was overwritten by push {newer} before it was "
                 f"popped; the queue holds {self.depth} (its depth): pop before more pushes run "
                 f"ahead (the next pop returns push {self._popped + 1} or a later overrun)")

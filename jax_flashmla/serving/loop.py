@@ -1,4 +1,4 @@
-"""Decode steps over a paged cache: one step, batch buckets, and a jitted decode loop.
+"""Decode steps over a paged cache: one step, batch padding to buckets, and a jitted decode loop.
 
 Conventions shared with jax_flashmla/serving/speculative.py:
   - decode_step takes seq_lens that count the tokens it writes (SGLang's decode convention):
@@ -28,18 +28,6 @@ from jax_flashmla.serving.block_table import PAD_PAGE
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 
 
-def bucket_for(batch, buckets=DEFAULT_BUCKETS):
-    """The smallest bucket >= batch (buckets: increasing positive ints)."""
-    buckets = tuple(int(b) for b in buckets)
-    if not buckets or buckets[0] < 1 or any(a >= b for a, b in zip(buckets, buckets[1:])):
-        raise ValueError(f"bucket_for: buckets must be strictly increasing positive ints; "
-                         f"got {buckets}")
-    if batch < 0 or batch > buckets[-1]:
-        raise ValueError(f"bucket_for: batch {batch} is outside [0, {buckets[-1]}], the "
-                         f"largest bucket; add a larger bucket or split the batch")
-    return buckets[bisect.bisect_left(buckets, batch)]
-
-
 def _pad_rows(x, rows, value):
     pad = [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1)
     if isinstance(x, np.ndarray):
@@ -47,28 +35,38 @@ def _pad_rows(x, rows, value):
     return jnp.pad(x, pad, constant_values=value)
 
 
-def pad_batch(bucket, seq_lens, block_table, *arrays):
-    """Pads one step's per-request arrays to `bucket` requests.
+def pad_batch(seq_lens, block_table, *arrays, buckets=DEFAULT_BUCKETS):
+    """Pads one step's per-request arrays to the smallest bucket that holds the batch.
 
     Args:
-      bucket: the padded batch size (see bucket_for).
       seq_lens: (batch,) int32 lengths; padded with 0, which marks a padded request.
       block_table: (batch, max_pages) int32; padded with PAD_PAGE (-1) rows.
       *arrays: more (batch, ...) arrays (q, new KV rows, ...); padded with zeros.
+      buckets: the batch sizes to pad to, strictly increasing positive ints; the last must
+        hold the batch. A serving loop that pads every step so compiles one shape a bucket.
 
     Returns:
-      The tuple (seq_lens, block_table, *arrays) with `bucket` rows each, NumPy arrays staying
-      NumPy (pad on the host, transfer once) and JAX arrays staying JAX. Slice the step's
-      outputs back with [:batch].
+      The tuple (seq_lens, block_table, *arrays) with `bucket` rows each (the bucket is
+      seq_lens.shape[0]), NumPy arrays staying NumPy (pad on the host, transfer once) and JAX
+      arrays staying JAX. Slice the step's outputs back with [:batch].
     """
+    buckets = tuple(buckets)
+    if (not buckets or any(not isinstance(b, (int, np.integer)) or b < 1 for b in buckets)
+            or any(a >= b for a, b in zip(buckets, buckets[1:]))):
+        raise ValueError(f"pad_batch: buckets must be strictly increasing positive ints; "
+                         f"got {buckets}")
+    validation.check_rank("pad_batch", "seq_lens", seq_lens, 1, "(batch,)")
     batch = seq_lens.shape[0]
+    if batch > buckets[-1]:
+        raise ValueError(f"pad_batch: the batch ({batch} requests, seq_lens' length) is larger "
+                         f"than the largest bucket {buckets[-1]}; add a larger bucket or split "
+                         f"the batch")
     for name, x in [("block_table", block_table)] + [(f"arrays[{i}]", a)
                                                      for i, a in enumerate(arrays)]:
         if x.ndim < 1 or x.shape[0] != batch:
             raise ValueError(f"pad_batch: {name} must have seq_lens' batch {batch} as its "
                              f"first dimension; got shape {tuple(x.shape)}")
-    if bucket < batch:
-        raise ValueError(f"pad_batch: bucket {bucket} is smaller than the batch {batch}")
+    bucket = int(buckets[bisect.bisect_left(buckets, batch)])
     return (_pad_rows(seq_lens, bucket, 0), _pad_rows(block_table, bucket, PAD_PAGE),
             *(_pad_rows(a, bucket, 0) for a in arrays))
 
@@ -182,7 +180,7 @@ def decode_loop(kv_cache, block_table, prefix_lens, q, kv, step_fn, carry, *, nu
     validation.check_rank("decode_loop", "q", q, 4, "(batch, 1, h_q, 576)")
     if q.shape[1] != 1:
         raise ValueError(f"decode_loop: q must have s_q = 1, one token per step; got shape "
-                         f"{tuple(q.shape)} (use speculative.target_verify for several)")
+                         f"{tuple(q.shape)} (use target_verify for several)")
     lens = step_seq_lens(prefix_lens, num_steps)
     return run_steps(kv_cache, block_table, lens, None, q, kv, step_fn, carry,
                      softmax_scale=softmax_scale, implementation=implementation, k_scale=k_scale)

@@ -4,9 +4,10 @@ They mirror SGLang's FlashMLA backend:
   - Target verify scores num_draft_tokens drafts per request in one causal call (s_q = the
     number of drafts) over lengths prefix + num_draft_tokens, with metadata computed for
     those lengths and num_q_tokens = num_draft_tokens.
-  - The multi-step draft backend runs several single-token decode steps over one cache, one
-    metadata per step computed up front (step i over prefix + i + 1 keys); FlashMLA's draft
-    backend supports topk = 1 only, one draft chain per request.
+  - The multi-step draft backend runs several single-token decode steps over one cache (the
+    draft model's one attention layer), one metadata per step computed up front (step i over
+    prefix + i + 1 keys); FlashMLA's draft backend supports topk = 1 only, one draft chain per
+    request.
 After verification the scheduler sets each request's length to prefix + accepted tokens;
 the rejected drafts' rows stay in the cache past that length, unread, until overwritten.
 Prefix length 0 marks a padded request, as in jax_flashmla/serving/loop.py.
@@ -18,9 +19,6 @@ from jax_flashmla.base import validation
 from jax_flashmla.caches.paged import PagedKVCache
 from jax_flashmla.ops.decode import get_mla_metadata
 from jax_flashmla.serving.loop import decode_step, run_steps, step_seq_lens
-
-__all__ = ["multi_step_draft", "multi_step_draft_metadata", "target_verify",
-           "target_verify_metadata"]
 
 
 def _check_count(where, name, value):
@@ -59,7 +57,7 @@ def target_verify(kv_cache, block_table, prefix_lens, q, draft_kv, *, metadata=N
         num_pages=<the cache's pages>, num_heads_q=h_q); when None each decode checks its own
         lengths.
       softmax_scale, implementation: as in mla_decode.
-      k_scale: with a float8_e4m3fn cache, its float32 scale (serving.decode_step's).
+      k_scale: with a float8_e4m3fn cache, its float32 scale (decode_step's).
 
     Returns:
       (kv_cache, out (batch, num_draft_tokens, h_q, 512), lse (batch, h_q, num_draft_tokens)),
@@ -73,23 +71,8 @@ def target_verify(kv_cache, block_table, prefix_lens, q, draft_kv, *, metadata=N
                        k_scale=k_scale)
 
 
-def multi_step_draft_metadata(prefix_lens, num_steps, *, block_table, num_pages, num_heads_q,
-                              num_sms=None, implementation=None, fp8=False):
-    """One metadata per draft step, stacked on a leading num_steps axis; block_table,
-    num_pages and fp8 as get_mla_metadata's (a step of an out-of-range request is decoded
-    empty)."""
-    _check_count("multi_step_draft_metadata", "num_steps", num_steps)
-    lens = step_seq_lens(prefix_lens, num_steps)
-    per_step = [get_mla_metadata(lens[i], block_table=block_table, num_pages=num_pages,
-                                 num_heads_q=num_heads_q, num_sms=num_sms,
-                                 implementation=implementation, fp8=fp8)
-                for i in range(num_steps)]
-    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *per_step)
-
-
 def multi_step_draft(kv_cache, block_table, prefix_lens, q, kv, draft_fn, carry, *, num_steps,
-                     topk=1, metadata=None, softmax_scale=None, implementation=None,
-                     k_scale=None):
+                     topk=1, softmax_scale=None, implementation=None, k_scale=None):
     """num_steps draft decode steps over one cache (EAGLE-style chain, topk 1).
 
     Step i writes its draft token's row at position prefix_lens + i and attends over the
@@ -101,16 +84,17 @@ def multi_step_draft(kv_cache, block_table, prefix_lens, q, kv, draft_fn, carry,
       block_table: (batch, max_pages) int32 covering prefix_lens + num_steps tokens.
       prefix_lens: (batch,) int32 lengths before the first draft token; 0 for padding.
       q: (batch, 1, h_q, 576), kv: (batch, 1, 576), the first draft token's query and row.
-      draft_fn, carry: as step_fn and carry of serving.decode_loop.
+      draft_fn, carry: as step_fn and carry of decode_loop.
       num_steps: static number of draft steps.
       topk: draft branches per request; FlashMLA's draft backend supports 1 only.
-      metadata: multi_step_draft_metadata(prefix_lens, num_steps, block_table=block_table,
-        num_pages=<the cache's pages>, num_heads_q=h_q); computed so here when None.
       softmax_scale, implementation: as in mla_decode.
-      k_scale: with a float8_e4m3fn cache, its float32 scale (serving.decode_step's).
+      k_scale: with a float8_e4m3fn cache, its float32 scale (decode_step's).
 
     Returns:
       (kv_cache, out (num_steps, batch, 1, h_q, 512), lse (num_steps, batch, h_q, 1), carry).
+      Each step's metadata is made up front, for the in-range requests (a step of an
+      out-of-range request is decoded empty): the cache is one layer's, so no other layer
+      shares them.
     """
     if topk != 1:
         raise ValueError(f"multi_step_draft: topk must be 1 (FlashMLA's draft backend decodes "
@@ -119,12 +103,12 @@ def multi_step_draft(kv_cache, block_table, prefix_lens, q, kv, draft_fn, carry,
     validation.check_rank("multi_step_draft", "q", q, 4, "(batch, 1, h_q, 576)")
     if q.shape[1] != 1:
         raise ValueError(f"multi_step_draft: q must have s_q = 1; got shape {tuple(q.shape)}")
-    if metadata is None:
-        pages = kv_cache.num_pages if isinstance(kv_cache, PagedKVCache) else kv_cache.shape[0]
-        metadata = multi_step_draft_metadata(prefix_lens, num_steps, block_table=block_table,
-                                             num_pages=pages, num_heads_q=q.shape[2],
-                                             implementation=implementation,
-                                             fp8=k_scale is not None)
-    return run_steps(kv_cache, block_table, step_seq_lens(prefix_lens, num_steps), metadata, q,
-                     kv, draft_fn, carry, softmax_scale=softmax_scale,
-                     implementation=implementation, k_scale=k_scale)
+    pages = kv_cache.num_pages if isinstance(kv_cache, PagedKVCache) else kv_cache.shape[0]
+    lens = step_seq_lens(prefix_lens, num_steps)
+    per_step = [get_mla_metadata(lens[i], block_table=block_table, num_pages=pages,
+                                 num_heads_q=q.shape[2], implementation=implementation,
+                                 fp8=k_scale is not None)
+                for i in range(num_steps)]
+    metadata = jax.tree.map(lambda *leaves: jnp.stack(leaves), *per_step)
+    return run_steps(kv_cache, block_table, lens, metadata, q, kv, draft_fn, carry,
+                     softmax_scale=softmax_scale, implementation=implementation, k_scale=k_scale)

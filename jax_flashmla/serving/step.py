@@ -1,24 +1,11 @@
-"""A model's decode step called the way XLA's command buffers replay fastest: AlternatingStep,
-the compiler options of a step written as a loop, and the layout of the lse FlashMLA writes."""
+"""A model's decode step called the way XLA's command buffers replay fastest: AlternatingStep
+and its compiler options for a step written as a loop; and the layout of the lse FlashMLA
+writes."""
 import jax
 from jax.experimental import serialize_executable
 from jax.experimental.layout import Format, Layout
 
 from jax_flashmla.kernels import custom_calls
-
-# Compiler options for a jitted decode step whose layers are a loop (lax.scan, fori_loop):
-# XLA's default command-buffer types (jax 0.11) plus WHILE, and command buffers however few
-# their commands, so that the loop runs as one CUDA graph instead of launching each layer's
-# kernels and custom calls from the host; and a loop of known trip count recorded iteration by
-# iteration into that graph rather than as a CUDA conditional node around its body, which ran
-# slower on the GPU. A step written out layer by layer is captured with XLA's defaults.
-# Use: jax.jit(step, compiler_options=jax_flashmla.serving.LOOP_STEP_COMPILER_OPTIONS).
-LOOP_STEP_COMPILER_OPTIONS = {
-    "xla_gpu_enable_command_buffer":
-        "FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL,CONDITIONAL,DYNAMIC_SLICE_FUSION,WHILE",
-    "xla_gpu_graph_min_graph_size": 1,
-    "xla_gpu_command_buffer_unroll_loops": True,
-}
 
 
 class AlternatingStep:
@@ -36,7 +23,22 @@ class AlternatingStep:
     executable last ran, and the temporaries of consecutive executions of one executable were
     seen at two alternating addresses, so every call re-recorded nearly every command. Each of
     two copies called in turn finds its buffers where it left them.
+
+    A step whose layers are a loop (lax.scan, fori_loop) is jitted with
+    `compiler_options=AlternatingStep.LOOP_COMPILER_OPTIONS`: XLA's default command-buffer
+    types (jax 0.11) plus WHILE, and command buffers however few their commands, so that the
+    loop runs as one CUDA graph instead of launching each layer's kernels and custom calls from
+    the host; and a loop of known trip count recorded iteration by iteration into that graph
+    rather than as a CUDA conditional node around its body, which ran slower on the GPU. A step
+    written out layer by layer is captured with XLA's defaults.
     """
+
+    LOOP_COMPILER_OPTIONS = {
+        "xla_gpu_enable_command_buffer":
+            "FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL,CONDITIONAL,DYNAMIC_SLICE_FUSION,WHILE",
+        "xla_gpu_graph_min_graph_size": 1,
+        "xla_gpu_command_buffer_unroll_loops": True,
+    }
 
     def __init__(self, compiled):
         if not isinstance(compiled, jax.stages.Compiled):
