@@ -61,14 +61,15 @@ def test_cuda_bridge_compiles(source, tmp_path):
 
 
 def test_torch_bridge_host_side(tmp_path):
-    """tests/cpp/torch_bridge_test.cc, linked with the bridge and torch's CPU libraries:
-    WrapBuffer's tensors, and CallTorchOp's errors for ops it cannot call."""
+    """tests/cpp/torch_bridge_test.cc, linked with the bridge, a stand-in for buffer lending
+    (tests/cpp/no_lending.cc) and torch's CPU libraries: WrapBuffer's tensors, and
+    CallTorchOp's errors for ops it cannot call."""
     flags = _bridge_compile_flags()
     lib_dir = find_torch()[0]["library_dir"]
     binary = tmp_path / "torch_bridge_test"
     command = ["c++", *flags, str(TESTS_CPP / "torch_bridge_test.cc"),
-               str(FFI_DIR / "torch_bridge.cc"), "-o", str(binary), "-L", lib_dir,
-               f"-Wl,-rpath,{lib_dir}", "-ltorch_cpu", "-lc10"]
+               str(FFI_DIR / "torch_bridge.cc"), str(TESTS_CPP / "no_lending.cc"),
+               "-o", str(binary), "-L", lib_dir, f"-Wl,-rpath,{lib_dir}", "-ltorch_cpu", "-lc10"]
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-4000:]
     run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120)
