@@ -23,7 +23,7 @@ from jax_flashmla.reference.merge import merge_weights
 # The jax releases, (major, minor) from the first up to the one past the last, whose private
 # cuDNN wrapper the "cudnn" core is tested with: the floor of pyproject.toml (.ci/floor.sh) to
 # the newest tested, 0.11. jax.nn.dot_product_attention, the public face of the same kernel,
-# takes neither the packed layout's offsets nor returns the lse that mla_prefill merges with.
+# takes no offsets: it has no packed layout for several requests.
 CUDNN_JAX_VERSIONS = ((0, 10), (0, 12))
 
 # Keys per step of the pure-JAX core: its scores are (heads, queries, KEY_BLOCK). A page, so
