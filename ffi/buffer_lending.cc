@@ -40,8 +40,9 @@ std::string LentSizes(const Loans& loans) {
 // on a lending thread; everything else is the wrapped allocator's, for torch code on any other
 // thread (its statistics, caches, pools, graphs, IPC). CUDAPluggableAllocator is the base only
 // because it implements the whole allocator interface, whose virtual methods change between
-// torch releases: each method of the releases named below is forwarded, and one a later
-// release adds is the plugin's while an op runs.
+// torch releases: each method of the releases named below is forwarded, and
+// tests/test_bridge_compile.py fails where the installed torch's allocator has a virtual
+// method this class leaves to its bases (most of the plugin's raise).
 class LendingAllocator final : public CUDAPluggableAllocator {
  public:
   explicit LendingAllocator(cca::CUDAAllocator* wrapped)

@@ -66,7 +66,7 @@ ffi::Error RunDecode(ffi::AnyBuffer q, ffi::AnyBuffer kv_cache, ffi::Buffer<ffi:
   problem.k_scale = k_scale;
   const int64_t num_lens = static_cast<int64_t>(seq_lens.element_count());
   const int64_t num_split_entries = static_cast<int64_t>(num_splits.element_count());
-  if (kv_dims[1] != kPageSize || kv_dims[2] != 1 || kv_dims[3] != problem.head_dim ||
+  if (kv_dims[1] != kPageTokens || kv_dims[2] != 1 || kv_dims[3] != problem.head_dim ||
       bt_dims[0] != problem.batch || num_lens != problem.batch ||
       num_split_entries != problem.batch + 1 || md_dims[1] != kMetadataFields ||
       problem.head_dim_v > problem.head_dim)

@@ -7,6 +7,7 @@
 
 #include "cpu_handlers.h"
 #include "host_queue.h"
+#include "layouts.h"
 #include "nb_capsule.h"
 
 namespace nb = nanobind;
@@ -16,6 +17,20 @@ namespace {
 
 NB_MODULE(_cpu, m) {
   m.def("registrations", []() { return Registrations(kCpuTargets); });
+  // layouts.h's sizes and host_queue.h's slot header, which the CUDA modules are compiled
+  // with too, for tests/test_layouts.py to compare with the Python package's.
+  m.def("layouts", []() {
+    nb::dict sizes;
+    sizes["page_tokens"] = kPageTokens;
+    sizes["metadata_fields"] = kMetadataFields;
+    sizes["index_key_dim"] = kIndexKeyDim;
+    sizes["index_key_scale_bytes"] = kIndexKeyScaleBytes;
+    sizes["index_page_values_bytes"] = kIndexPageValuesBytes;
+    sizes["index_page_bytes"] = kIndexPageBytes;
+    sizes["host_queue_header_bytes"] = kHostQueueHeaderBytes;
+    sizes["host_queue_writing"] = kHostQueueWriting;
+    return sizes;
+  });
   // A CPU host queue (host_queue.h) registered as `id`; returns the address of its slots.
   m.def("host_queue_create", [](uint64_t id, int64_t slot_bytes, int64_t depth) {
     const size_t bytes = static_cast<size_t>(slot_bytes * depth);

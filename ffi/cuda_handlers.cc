@@ -8,9 +8,11 @@
 #include <cstdint>
 #include <string>
 
+#include "cuda_error.h"
 #include "host_queue.h"
 #include "host_queue_push.h"
 #include "index_topk.h"
+#include "layouts.h"
 #include "operands.h"
 #include "targets.h"
 #include "xla/ffi/api/ffi.h"
@@ -21,16 +23,11 @@ namespace jax_flashmla {
 namespace {
 
 // This module's CUDA runtime is its own: make XLA's device its current one before a launch.
-ffi::Error OnDevice(int32_t device, const std::string& what) {
-  if (cudaError_t status = cudaSetDevice(device); status != cudaSuccess)
-    return ffi::Error::Internal(what + ": cudaSetDevice(" + std::to_string(device) +
-                                "): " + cudaGetErrorString(status));
-  return ffi::Error::Success();
-}
-
-ffi::Error CudaError(const char* target, cudaError_t status) {
+ffi::Error OnDevice(int32_t device, const char* target) {
+  const cudaError_t status = cudaSetDevice(device);
   if (status == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string(target) + ": " + cudaGetErrorString(status));
+  return CudaError(std::string(target) + ": cudaSetDevice(" + std::to_string(device) + ")",
+                   status);
 }
 
 // host_queue.h's push: a kernel on XLA's stream, so that XLA captures it with the step.
@@ -56,11 +53,12 @@ ffi::Error IndexTopkCudaImpl(cudaStream_t stream, int32_t device,
   const auto v = values.dimensions(), t = block_table.dimensions();
   const auto p = positions->dimensions(), s = scores->dimensions();
   const auto count = [](auto buffer) { return static_cast<int64_t>(buffer.element_count()); };
-  if (values.element_type() != ffi::DataType::F8E4M3FN || v.size() != 3 || v[2] != 128 ||
-      v[1] < 1 || v[1] > kIndexMaxHeads || count(weights) != v[0] * v[1] ||
-      cache.dimensions().size() != 2 || cache.dimensions()[1] != 8448 || t.size() != 2 ||
-      t[0] != v[0] || count(visible) != v[0] || p.size() != 2 || p[0] != v[0] ||
-      s.size() != 2 || s[0] != v[0] || s[1] < t[1] * 64 || s[1] < p[1])
+  if (values.element_type() != ffi::DataType::F8E4M3FN || v.size() != 3 ||
+      v[2] != kIndexKeyDim || v[1] < 1 || v[1] > kIndexMaxHeads ||
+      count(weights) != v[0] * v[1] || cache.dimensions().size() != 2 ||
+      cache.dimensions()[1] != kIndexPageBytes || t.size() != 2 || t[0] != v[0] ||
+      count(visible) != v[0] || p.size() != 2 || p[0] != v[0] || s.size() != 2 ||
+      s[0] != v[0] || s[1] < t[1] * kPageTokens || s[1] < p[1])
     return ffi::Error::InvalidArgument(std::string(kIndexTopkTarget) +
                                        ": operand shapes disagree");
   if (ffi::Error err = OnDevice(device, kIndexTopkTarget); err.failure()) return err;

@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "cuda_error.h"
 #include "cuda_handlers.h"
 #include "host_queue.h"
 #include "nb_capsule.h"
@@ -14,9 +15,11 @@
 namespace jax_flashmla {
 namespace {
 
+// For nanobind, which raises a thrown error in Python.
 void Check(cudaError_t status, const char* what) {
-  if (status != cudaSuccess)
-    throw std::runtime_error(std::string("HostQueue: ") + what + ": " + cudaGetErrorString(status));
+  if (xla::ffi::Error error = CudaError(std::string("HostQueue: ") + what, status);
+      error.failure())
+    throw std::runtime_error(error.message());
 }
 
 // A host queue (host_queue.h) of CUDA device `device`, registered as `id`: its slots pinned

@@ -10,13 +10,16 @@
 #include <mutex>
 #include <utility>
 
+#include "layouts.h"
+
 namespace jax_flashmla {
 namespace {
 
-constexpr int kPageTokens = 64;
-constexpr int kDim = 128;                             // an index key's e4m3 values: 128 bytes
-constexpr int kKeyBytes = kPageTokens * kDim;         // 8192: a page's values, then
-constexpr int kPageBytes = kKeyBytes + kPageTokens * 4;  // its 64 float32 scales
+// The index-key cache's page (layouts.h) as int: the kernels index in 32-bit arithmetic.
+constexpr int kTokens = static_cast<int>(kPageTokens);
+constexpr int kDim = static_cast<int>(kIndexKeyDim);  // an index key's e4m3 values, bytes
+constexpr int kKeyBytes = static_cast<int>(kIndexPageValuesBytes);  // a page's values, then
+constexpr int kPageBytes = static_cast<int>(kIndexPageBytes);       // their float32 scales
 constexpr int kHeadChunk = 64;  // heads per wgmma (its N); q is padded with zero heads
 static_assert(kIndexMaxHeads % kHeadChunk == 0, "the most heads fill whole chunks");
 constexpr int kScoreThreads = 128;  // one warpgroup: each warp 16 of a page's 64 tokens
@@ -85,11 +88,11 @@ struct ScoreLayout {
     return base + (kStages + chunk) * kKeyBytes;  // kHeadChunk * kDim == kKeyBytes
   }
   __device__ float* scales(int stage) const {
-    return reinterpret_cast<float*>(q(chunks)) + stage * kPageTokens;
+    return reinterpret_cast<float*>(q(chunks)) + stage * kTokens;
   }
   __device__ float* w() const { return scales(kStages); }
   static size_t Bytes(int chunks) {
-    return 1024 + (kStages + chunks) * kKeyBytes + (kStages * kPageTokens +
+    return 1024 + (kStages + chunks) * kKeyBytes + (kStages * kTokens +
                                                     chunks * kHeadChunk) * sizeof(float);
   }
 };
@@ -116,11 +119,11 @@ __global__ void __launch_bounds__(kScoreThreads)
   // positions past the table's pages (score_width > max_pages * 64 where k is larger).
   const int64_t first = static_cast<int64_t>(blockIdx.y) * pages_per_block;
   const int64_t last = Min(first + pages_per_block, max_pages);
-  const int64_t scored = Max(first, Min(last, (row_visible + kPageTokens - 1) / kPageTokens));
-  for (int64_t p = scored * kPageTokens + tid; p < last * kPageTokens; p += blockDim.x)
+  const int64_t scored = Max(first, Min(last, (row_visible + kTokens - 1) / kTokens));
+  for (int64_t p = scored * kTokens + tid; p < last * kTokens; p += blockDim.x)
     row_scores[p] = kNegInf;
   if (blockIdx.y == 0)
-    for (int64_t p = max_pages * kPageTokens + tid; p < score_width; p += blockDim.x)
+    for (int64_t p = max_pages * kTokens + tid; p < score_width; p += blockDim.x)
       row_scores[p] = kNegInf;
   const int count = static_cast<int>(scored - first);
   if (count <= 0) return;  // uniform across the block, before any barrier
@@ -133,7 +136,7 @@ __global__ void __launch_bounds__(kScoreThreads)
     const uint8_t* bytes = cache + static_cast<int64_t>(row_pages[j]) * kPageBytes;
     for (int i = tid; i < kKeyBytes / 16; i += blockDim.x)
       CopyAsync16(smem.keys(stage) + Swizzled(i / 8, i % 8), bytes + i * 16);
-    if (tid < kPageTokens * 4 / 16)
+    if (tid < kTokens * 4 / 16)
       CopyAsync16(smem.scales(stage) + tid * 4, bytes + kKeyBytes + tid * 16);
   };
   for (int s = 0; s < kStages - 1; ++s) {
@@ -186,8 +189,8 @@ __global__ void __launch_bounds__(kScoreThreads)
       sum8 += __shfl_xor_sync(0xffffffff, sum8, offset);
     }
     if (in_group == 0) {
-      const int64_t j = first + i, base = j * kPageTokens;
-      const int64_t seen = in_cache(j) ? Min(row_visible - base, kPageTokens) : 0;
+      const int64_t j = first + i, base = j * kTokens;
+      const int64_t seen = in_cache(j) ? Min(row_visible - base, kTokens) : 0;
       const int t = warp * 16 + group;
       const float* key_scales = smem.scales(stage);
       row_scores[base + t] = t < seen ? sum0 * key_scales[t] : kNegInf;

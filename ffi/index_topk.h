@@ -4,9 +4,8 @@
 // The arithmetic is jax_flashmla/sparse/indexer.py's (its module doc):
 //   score(row, p) = k_scale(p) * sum_h relu(q_h(row) . k(p)) * w_h(row)
 // over the e4m3 values of q and k, the 128 products of q_h . k summed by the tensor cores (wgmma,
-// whose float32 accumulator keeps fewer bits between additions), the rest in float32. The cache
-// is index_cache.py's: pages of 64 tokens, 8448 bytes each, the 64 keys' 128 e4m3 values, then
-// their float32 scales. Built for sm_90a (wgmma).
+// whose float32 accumulator keeps fewer bits between additions), the rest in float32. The
+// cache's pages are layouts.h's index-key pages. Built for sm_90a (wgmma).
 #ifndef JAX_FLASHMLA_FFI_INDEX_TOPK_H_
 #define JAX_FLASHMLA_FFI_INDEX_TOPK_H_
 
@@ -22,8 +21,9 @@ inline constexpr int64_t kIndexMaxHeads = 256;
 // scores (rows, score_width) float32: position p < max_pages * 64 of row r its score where
 // p < visible[r] and its page block_table[r, p / 64] lies in [0, num_pages); -inf elsewhere,
 // including every p >= max_pages * 64 (score_width may exceed max_pages * 64).
-//   q (rows, heads, 128) e4m3 bytes; weights (rows, heads) float32; cache (num_pages, 8448)
-//   bytes; block_table (rows, max_pages) and visible (rows,) int32. heads <= kIndexMaxHeads.
+//   q (rows, heads, 128) e4m3 bytes; weights (rows, heads) float32; cache (num_pages,
+//   kIndexPageBytes) bytes; block_table (rows, max_pages) and visible (rows,) int32.
+//   heads <= kIndexMaxHeads.
 cudaError_t LaunchIndexScores(const uint8_t* q, const float* weights, int64_t rows,
                               int64_t heads, const uint8_t* cache, int64_t num_pages,
                               const int32_t* block_table, int64_t max_pages,

@@ -110,10 +110,10 @@ auto BindHostQueuePushOperands(Binding binding) {
 }
 
 // DeepSeek-V3.2's indexer (index_topk.h): query rows' e4m3 values (rows, heads, 128) and head
-// weights (rows, heads), the index-key cache (num_pages, 8448) bytes, each row's block table
-// (rows, max_pages) and visible tokens (rows,); the positions of each row's top k scores
-// (rows, k), then the scores themselves (rows, max(max_pages * 64, k)), which the selection
-// reads.
+// weights (rows, heads), the index-key cache (num_pages, kIndexPageBytes) bytes (layouts.h),
+// each row's block table (rows, max_pages) and visible tokens (rows,); the positions of each
+// row's top k scores (rows, k), then the scores themselves (rows, max(max_pages * 64, k)),
+// which the selection reads.
 template <typename Binding>
 auto BindIndexTopkOperands(Binding binding) {
   return std::move(binding).template Arg<ffi::AnyBuffer>()          // values (e4m3)

@@ -13,7 +13,9 @@ namespace {
 // partial result and combining it. Keeps the scheduler from cutting requests too finely.
 constexpr int64_t kPieceOverheadBlocks = 5;
 
-int64_t NumBlocks(int32_t seq_len) { return (std::max<int32_t>(seq_len, 0) + kPageSize - 1) / kPageSize; }
+int64_t NumBlocks(int32_t seq_len) {
+  return (std::max<int32_t>(seq_len, 0) + kPageTokens - 1) / kPageTokens;
+}
 
 float HalfToFloat(uint16_t bits, ElementType type) {
   if (type == ElementType::kBFloat16) {
@@ -127,9 +129,10 @@ std::string DecodeReference(const DecodeProblem& p, const void* q, const void* k
   const int64_t rows_per_req = p.seqlen_q * p.heads_q;  // (query token, head) pairs
   const int64_t total_splits = num_splits[p.batch];
   for (int64_t r = 0; r < p.batch; ++r) {
-    if (seq_lens[r] < 0 || seq_lens[r] > p.max_pages * kPageSize)
+    if (seq_lens[r] < 0 || seq_lens[r] > p.max_pages * kPageTokens)
       return "seq_lens[" + std::to_string(r) + "] = " + std::to_string(seq_lens[r]) +
-             " is outside [0, max_pages * 64 = " + std::to_string(p.max_pages * kPageSize) + "]";
+             " is outside [0, max_pages * 64 = " + std::to_string(p.max_pages * kPageTokens) +
+             "]";
     if (num_splits[r + 1] < num_splits[r])
       return "num_splits is not a non-decreasing prefix sum; was it computed for these seq_lens?";
   }
@@ -143,7 +146,7 @@ std::string DecodeReference(const DecodeProblem& p, const void* q, const void* k
   std::fill(part_out, part_out + total_splits * rows_per_req * p.head_dim_v, 0.f);
   std::fill(part_lse, part_lse + total_splits * rows_per_req,
             -std::numeric_limits<float>::infinity());
-  std::vector<float> q_row(p.head_dim), key(kPageSize * p.head_dim);
+  std::vector<float> q_row(p.head_dim), key(kPageTokens * p.head_dim);
   std::vector<float> q_req(rows_per_req * p.head_dim);
   std::vector<RowState> state(rows_per_req);
   std::vector<float> acc(rows_per_req * p.head_dim_v);
@@ -183,12 +186,13 @@ std::string DecodeReference(const DecodeProblem& p, const void* q, const void* k
           return "block_table[" + std::to_string(r) + ", " + std::to_string(b) + "] = " +
                  std::to_string(page) + " is not a page of the cache (num_pages = " +
                  std::to_string(p.num_pages) + ")";
-        const int64_t tokens = std::min<int64_t>(kPageSize, seq_lens[r] - b * kPageSize);
+        const int64_t tokens = std::min<int64_t>(kPageTokens, seq_lens[r] - b * kPageTokens);
         for (int64_t t = 0; t < tokens * p.head_dim; ++t)
-          key[t] = LoadElement(kv_cache, page * kPageSize * p.head_dim + t, p.in_type) * p.k_scale;
+          key[t] =
+              LoadElement(kv_cache, page * kPageTokens * p.head_dim + t, p.in_type) * p.k_scale;
         for (int64_t qi = 0; qi < p.seqlen_q; ++qi) {
           const int64_t visible = p.causal ? seq_lens[r] - p.seqlen_q + qi + 1 : seq_lens[r];
-          const int64_t n = std::min<int64_t>(tokens, visible - b * kPageSize);
+          const int64_t n = std::min<int64_t>(tokens, visible - b * kPageTokens);
           for (int64_t h = 0; h < p.heads_q; ++h) {
             const int64_t idx = qi * p.heads_q + h;
             const float* qv = &q_req[idx * p.head_dim];

@@ -9,11 +9,9 @@
 #include <cstdint>
 #include <string>
 
-namespace jax_flashmla {
+#include "layouts.h"
 
-inline constexpr int64_t kPageSize = 64;
-// Row width of the tile-scheduler metadata; FlashMLA writes 7 fields and leaves the 8th unused.
-inline constexpr int64_t kMetadataFields = 8;
+namespace jax_flashmla {
 
 // One metadata row: the span of work one SM part does, in units of 64-token blocks.
 // end_req is inclusive; end_block is exclusive and counts blocks of end_req.

@@ -13,6 +13,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 
+#include "buffer_lending.h"
+
 namespace jax_flashmla {
 namespace {
 
@@ -129,7 +131,8 @@ c10::ScalarType ToScalarType(ffi::DataType dtype) {
 
 }  // namespace
 
-std::vector<at::Tensor> CallTorchOp(std::string_view qualified_name, const OpArgs& args) {
+void CallTorchOp(std::string_view qualified_name, const OpArgs& args,
+                 const std::vector<at::Tensor>& buffers, const std::vector<Returned>& returned) {
   const CallPlan& plan = PlanFor(qualified_name);
   torch::jit::Stack stack;
   stack.reserve(plan.sources.size());
@@ -141,7 +144,13 @@ std::vector<at::Tensor> CallTorchOp(std::string_view qualified_name, const OpArg
       stack.push_back(std::get<c10::IValue>(source));
     }
   }
-  plan.handle.callBoxed(&stack);
+  std::string refusal;
+  {
+    LendBuffers lending(buffers, qualified_name);
+    plan.handle.callBoxed(&stack);
+    refusal = lending.Refusal();
+  }
+  if (!refusal.empty()) throw std::runtime_error(refusal);
   // Ops return either one Tensor[] or a tuple of (optional) tensors.
   std::vector<at::Tensor> results;
   for (const c10::IValue& value : stack) {
@@ -151,7 +160,21 @@ std::vector<at::Tensor> CallTorchOp(std::string_view qualified_name, const OpArg
       results.push_back(value.toTensor());
     }
   }
-  return results;
+  if (results.size() < returned.size())
+    throw std::runtime_error(std::string(qualified_name) + " returned " +
+                             std::to_string(results.size()) + " tensors, fewer than " +
+                             "jax_flashmla's " + std::to_string(returned.size()) + " results");
+  for (size_t i = 0; i < returned.size(); ++i) {
+    const at::Tensor& buffer = buffers[returned[i].buffer];
+    if (!IsBuffer(results[i], buffer))
+      throw std::runtime_error(std::string(qualified_name) + " returned its " +
+                               returned[i].name +
+                               " elsewhere than in XLA's buffer, or in another layout (shape " +
+                               c10::str(results[i].sizes()) + ", strides " +
+                               c10::str(results[i].strides()) + "; XLA's buffer: shape " +
+                               c10::str(buffer.sizes()) + ", strides " +
+                               c10::str(buffer.strides()) + ")");
+  }
 }
 
 at::Tensor WrapBuffer(void* data, ffi::Span<const int64_t> dims, ffi::DataType dtype,

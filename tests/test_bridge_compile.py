@@ -60,15 +60,69 @@ def test_cuda_bridge_compiles(source, tmp_path):
     assert (tmp_path / "out.o").stat().st_size > 0
 
 
+# The slots of LendingAllocator's vtable that it leaves to a base class, and why: copy_data is
+# CUDAPluggableAllocator's device-to-device cudaMemcpy (final there; torch's own allocator
+# copies the same way), and CUDAAllocator's recordStream(DataPtr, c10::Stream) converts the
+# stream and calls the CUDA-stream overload, which the wrapper has.
+LENDING_INHERITS = {
+    "torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator::copy_data",
+    "c10::cuda::CUDACachingAllocator::CUDAAllocator::recordStream",
+}
+
+
+def _vtable(class_dump, cls):
+    """The functions in the vtable of `cls`, in slot order, from g++'s -fdump-lang-class."""
+    lines = class_dump.splitlines()
+    start = lines.index(f"Vtable for {cls}")
+    slots = []
+    for line in lines[start + 2:]:
+        if not line.strip():
+            break
+        target = line.split("(int (*)(...))", 1)[1]
+        if not target.startswith(("0", "(&")):  # the offset to the top, the type info
+            slots.append(target)
+    return slots
+
+
+def test_lending_allocator_forwards_every_allocator_method(tmp_path):
+    """Every virtual method of torch's CUDA allocator in the installed torch is the wrapper's
+    own (ffi/buffer_lending.cc) but LENDING_INHERITS. A method a torch release adds, or one
+    whose signature changes, would otherwise run CUDAPluggableAllocator's code, which raises
+    for most (an unforwarded getDeviceStats raised in torch.cuda.memory_stats()), or
+    CUDAAllocator's default; a method it removes fails the compile (`override`). g++'s class
+    dump names the function in each vtable slot."""
+    flags = _bridge_compile_flags()
+    macros = subprocess.run(["c++", "-dM", "-E", "-x", "c++", "/dev/null"],
+                            capture_output=True, text=True).stdout
+    if "__GNUC__" not in macros or "__clang__" in macros:
+        if os.environ.get("CI"):
+            pytest.fail("CI must dump the allocator's vtable, which needs c++ to be g++")
+        pytest.skip("-fdump-lang-class needs c++ to be g++")
+    result = subprocess.run(["c++", *flags, "-fdump-lang-class", "-c",
+                             str(FFI_DIR / "buffer_lending.cc"), "-o", "lending.o"],
+                            capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    (dump,) = tmp_path.glob("*.class")
+    slots = _vtable(dump.read_text(), "jax_flashmla::{anonymous}::LendingAllocator")
+    own = "jax_flashmla::{anonymous}::LendingAllocator::"
+    assert any(slot == own + "getDeviceStats" for slot in slots), slots
+    unforwarded = [slot for slot in slots
+                   if not slot.startswith(own) and slot not in LENDING_INHERITS]
+    assert not unforwarded, (
+        f"torch's CUDA allocator interface changed: LendingAllocator leaves {unforwarded} to a "
+        f"base class; forward them in ffi/buffer_lending.cc")
+
+
 def test_torch_bridge_host_side(tmp_path):
-    """tests/cpp/torch_bridge_test.cc, linked with the bridge and torch's CPU libraries:
-    WrapBuffer's tensors, and CallTorchOp's errors for ops it cannot call."""
+    """tests/cpp/torch_bridge_test.cc, linked with the bridge, a stand-in for buffer lending
+    (tests/cpp/no_lending.cc) and torch's CPU libraries: WrapBuffer's tensors, and
+    CallTorchOp's errors for ops it cannot call."""
     flags = _bridge_compile_flags()
     lib_dir = find_torch()[0]["library_dir"]
     binary = tmp_path / "torch_bridge_test"
     command = ["c++", *flags, str(TESTS_CPP / "torch_bridge_test.cc"),
-               str(FFI_DIR / "torch_bridge.cc"), "-o", str(binary), "-L", lib_dir,
-               f"-Wl,-rpath,{lib_dir}", "-ltorch_cpu", "-lc10"]
+               str(FFI_DIR / "torch_bridge.cc"), str(TESTS_CPP / "no_lending.cc"),
+               "-o", str(binary), "-L", lib_dir, f"-Wl,-rpath,{lib_dir}", "-ltorch_cpu", "-lc10"]
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-4000:]
     run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120)

@@ -9,6 +9,8 @@ key = e4m3 value * its token's scale. As DeepSeek's act_quant with V3.2's scale_
 quantizes it, a scale is amax / 448 (amax clamped up to 1e-4) rounded up to a power of two: the
 values never saturate and multiplying by the scale is exact. Slots are the MLA cache's,
 slot = page * 64 + offset (jax_flashmla.caches.paged), and writes drop the same invalid slots.
+The CUDA indexer reads the layout from ffi/layouts.h; tests/test_layouts.py checks that the two
+agree.
 """
 import dataclasses
 import functools

@@ -3,20 +3,28 @@
 mla_prefill's building block. Segment r of the queries attends to segment r of the keys,
 without a mask or causally (when queries and keys are the same rows: key j <= query i).
 Two cores, one contract:
-  - "cudnn": cuDNN's flash attention through jax's wrapper of it. One request is its plain
-    layout, with padding masks unless it holds every row; several are its packed layout (one
-    batch row, segments at offsets).
+  - "cudnn": cuDNN's flash attention through jax's wrapper of it (private: cudnn_wrapper). One
+    request is its plain layout, with padding masks unless it holds every row; several are its
+    packed layout (one batch row, segments at offsets).
   - "xla": an online softmax in pure JAX over KEY_BLOCK keys at a time, in float32; for
     machines without cuDNN, and the reference the cuDNN core is tested against.
 Neither holds a (queries x keys) array.
 """
+import importlib
 import math
+import re
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jax_flashmla.reference.merge import merge_weights
+
+# The jax releases, (major, minor) from the first up to the one past the last, whose private
+# cuDNN wrapper the "cudnn" core is tested with: the floor of pyproject.toml (.ci/floor.sh) to
+# the newest tested, 0.11. jax.nn.dot_product_attention, the public face of the same kernel,
+# takes no offsets: it has no packed layout for several requests.
+CUDNN_JAX_VERSIONS = ((0, 10), (0, 12))
 
 # Keys per step of the pure-JAX core: its scores are (heads, queries, KEY_BLOCK). A page, so
 # that prefixes that start on a page see their keys in the same blocks wherever they lie.
@@ -66,8 +74,27 @@ def clip(segments, first, size):
 # query). Key rows outside every segment must be finite: both cores multiply their values by
 # a weight of 0, and 0 * NaN is NaN.
 
+def cudnn_wrapper():
+    """jax's cuDNN flash attention module (jax._src.cudnn.fused_attention_stablehlo). Raises
+    a RuntimeError naming the supported jax versions where this jax is outside
+    CUDNN_JAX_VERSIONS or the module does not import."""
+    (first, end), version = CUDNN_JAX_VERSIONS, jax.__version__
+    supported = f"jax >= {first[0]}.{first[1]}, < {end[0]}.{end[1]}"
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None or not first <= (int(found[1]), int(found[2])) < end:
+        raise RuntimeError(f"implementation='cudnn' calls jax's private cuDNN wrapper, tested "
+                           f"with {supported}; this is jax {version}: pass "
+                           f"implementation='xla'")
+    try:
+        return importlib.import_module("jax._src.cudnn.fused_attention_stablehlo")
+    except ImportError as e:
+        raise RuntimeError(f"implementation='cudnn' calls jax's private cuDNN wrapper, which "
+                           f"jax {version} failed to import ({e}); it is tested with "
+                           f"{supported}: pass implementation='xla'") from e
+
+
 def cudnn_attention(q, k, v, q_segments, kv_segments, *, causal, scale):
-    from jax._src.cudnn import fused_attention_stablehlo as fa
+    fa = cudnn_wrapper()
     mask = fa.MaskType.PADDING_CAUSAL if causal else fa.MaskType.PADDING
     t, dv = q.shape[0], v.shape[-1]
     if q_segments.lens.shape[0] == 1:

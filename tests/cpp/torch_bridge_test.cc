@@ -1,5 +1,6 @@
 // The bridge's host side on torch's CPU libraries: WrapBuffer's tensors, and the errors of
-// CallTorchOp for ops it cannot call. Prints one line per check.
+// CallTorchOp for ops it cannot call (raised before it lends any buffer: no_lending.cc stands
+// in for buffer lending). Prints one line per check.
 #include <cstdio>
 #include <exception>
 #include <string>
@@ -27,7 +28,7 @@ bool CheckWrap() {
 // CallTorchOp on `op` must throw an error containing `expected`.
 bool CheckRefused(const char* name, const char* op, const std::string& expected) {
   try {
-    jax_flashmla::CallTorchOp(op, jax_flashmla::OpArgs{});
+    jax_flashmla::CallTorchOp(op, jax_flashmla::OpArgs{}, {}, {});
   } catch (const std::exception& e) {
     const bool ok = std::string(e.what()).find(expected) != std::string::npos;
     std::printf("%s %s\n", ok ? "ok" : "MISMATCH", name);
