@@ -239,16 +239,16 @@ def test_the_schedule_is_a_constant_of_the_shapes():
     batch, s_q, topk = 5, 2, 100
     q = jnp.zeros((batch, s_q, 16, 576), jnp.bfloat16)
     stack = jnp.zeros((1, batch, s_q, topk), jnp.int32)
-    jaxpr = jax.make_jaxpr(lambda q, data, stack: sparse_ops._kernel_decode(
-        dict(q=q, kv_cache=data, indices=stack), softmax_scale=0.1, layer=0,
-        num_sms=default_num_sms()))(q, SparseKVCache.create(2).data, stack)
-    names = [e.primitive.name for e in jaxpr.eqns]
-    assert "jax_flashmla_mla_metadata" not in names
-    (call,) = [e for e in jaxpr.eqns if e.primitive.name == "jax_flashmla_mla_sparse_decode"]
+    jaxpr = jax.make_jaxpr(lambda q, data, stack: sparse_ops.SPARSE_DECODE(
+        dict(q=q, kv_cache=data, indices=stack), implementation="custom_call",
+        softmax_scale=0.1, layer=0, num_sms=default_num_sms()))(
+            q, SparseKVCache.create(2).data, stack)
+    (call,) = jaxpr.eqns  # the op alone: no metadata operation
+    assert call.params["operands"] == ("q", "kv_cache", "indices", "schedule")
     dense = jf.get_mla_metadata(jnp.full((batch,), 128, jnp.int32),
                                 block_table=jnp.zeros((batch, 2), jnp.int32), num_pages=1,
                                 num_heads_q=64, num_q_tokens=s_q, implementation="custom_call")
-    schedule = dict(zip(jaxpr.jaxpr.constvars, jaxpr.consts))[call.invars[4]]
+    schedule = dict(zip(jaxpr.jaxpr.constvars, jaxpr.consts))[call.invars[3]]
     rows = dense.tile_scheduler_metadata.size
     np.testing.assert_array_equal(schedule[:rows], np.ravel(dense.tile_scheduler_metadata))
     np.testing.assert_array_equal(schedule[rows:], dense.num_splits)
@@ -380,8 +380,10 @@ def test_the_decode_custom_call_takes_the_stack_and_its_row():
     q, cache, indices = _decode_problem(14, h_q=64)
     stack = jnp.stack([indices] * 3)
     jaxpr = jax.make_jaxpr(lambda q, data, stack: sparse_ops._kernel_decode(
-        dict(q=q, kv_cache=data, indices=stack), softmax_scale=0.1, layer=2,
-        num_sms=default_num_sms()))(q, sparse_cache_array(cache, "test"), stack)
+        dict(q=q, kv_cache=data, indices=stack, schedule=sparse_ops._schedule(
+            q.shape[0], 64, q.shape[1], 64, default_num_sms())),
+        softmax_scale=0.1, layer=2, num_sms=default_num_sms()))(
+            q, sparse_cache_array(cache, "test"), stack)
     (call,) = [e for e in jaxpr.eqns if e.primitive.name == "jax_flashmla_mla_sparse_decode"]
     assert call.invars[2].aval.shape == (3,) + indices.shape[:2] + (64,)  # topk 40 padded
     assert call.params == dict(softmax_scale=0.1, with_sink=False, layer=2)

@@ -18,11 +18,17 @@ whose other parameters (`implementation` and the op's own, static and hashable) 
     (one letter per dim, op-wide): the factors in `split` may be split across devices, every
     other stays whole. The mesh axes of a split factor are those of the first operand that has
     it; every operand and result follows them, and each device runs the kernel function on its
-    local shapes (so that what it derives from shapes, such as a schedule, is the local one).
-    On one device the kernel function is inlined as it is.
+    local shapes. On one device the kernel function is inlined as it is.
+
+An op's `constants` are operands of the custom-call path made from the shapes alone (the sparse
+decode's schedule): numpy arrays, made when the op is bound (or vmap folds it) for the whole
+shapes, and, under a split, for each device's local shapes, which its kernel function gets in
+their place. They are operands, not constants of the kernel function, because
+custom_partitioning traces the function for the whole shapes without closed-over constants.
 """
 import functools
 
+import jax
 import jax.numpy as jnp
 from jax._src import dispatch
 from jax.experimental.custom_partitioning import custom_partitioning
@@ -50,13 +56,15 @@ class LogicalOp:
       kernels(named, **params): the custom calls' results on one device's operands.
       no_gradient: why the op has no gradient, and what to do instead (the JVP's error).
       fold_vmap: the factor a vmapped axis folds into, or None (module doc).
+      constants: fn(avals, **params) -> numpy array by name (module doc), their factors whole.
       check_split(operands, axes, **params): raises where the op cannot run split so (axes:
         each split factor's mesh axes, None where whole), or None.
     """
 
     def __init__(self, name, *, factors, results, split, abstract_eval, reference, kernels,
-                 no_gradient, fold_vmap=None, check_split=None):
+                 no_gradient, fold_vmap=None, check_split=None, constants=None):
         self.name, self.factors, self.results, self.split = name, factors, results, set(split)
+        self._constants = constants or {}
         self._abstract_eval, self._reference, self._kernels = abstract_eval, reference, kernels
         self._no_gradient, self._fold_vmap, self._check_split = no_gradient, fold_vmap, check_split
         self.primitive = custom_calls.make_primitive(f"jax_flashmla_{name}_logical",
@@ -74,8 +82,19 @@ class LogicalOp:
     def __call__(self, operands, *, implementation, **params):
         if implementation not in IMPLEMENTATIONS:
             raise AssertionError(f"{self.name}: implementation {implementation!r} unresolved")
-        return tuple(self.primitive.bind(*operands.values(), operands=tuple(operands),
-                                         implementation=implementation, **params))
+        return tuple(self._bind(operands, implementation=implementation, **params))
+
+    def _bind(self, operands, *, implementation, **params):
+        """Binds the primitive on operands (without constants), the constants added for their
+        shapes on the custom-call path."""
+        if implementation == "custom_call":
+            operands = {**operands, **self._constants_for(operands, params)}
+        return self.primitive.bind(*operands.values(), operands=tuple(operands),
+                                   implementation=implementation, **params)
+
+    def _constants_for(self, avals, params):
+        avals = {name: jax.core.ShapedArray(x.shape, x.dtype) for name, x in avals.items()}
+        return {name: make(avals, **params) for name, make in self._constants.items()}
 
     def _abstract(self, *avals, operands, implementation, **params):
         return self._abstract_eval(dict(zip(operands, avals)), **params)
@@ -94,17 +113,19 @@ class LogicalOp:
             return custom_calls.batch_sequentially(self.primitive, args, dims,
                                                    operands=operands, **params)
         size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-        folded = []
+        folded = {}
         for name, x, d in zip(operands, args, dims):
+            if name in self._constants:  # made anew for the folded shapes
+                continue
             if fold not in self.factors[name].split():
-                folded.append(x)
+                folded[name] = x
                 continue
             at = self.factors[name].split().index(fold)
             x = (jnp.moveaxis(x, d, at) if d is not None
                  else jnp.broadcast_to(jnp.expand_dims(x, at),
                                        x.shape[:at] + (size,) + x.shape[at:]))
-            folded.append(x.reshape(x.shape[:at] + (-1,) + x.shape[at + 2:]))
-        outs = self.primitive.bind(*folded, operands=operands, **params)
+            folded[name] = x.reshape(x.shape[:at] + (-1,) + x.shape[at + 2:])
+        outs = self._bind(folded, **params)
         unfolded, out_dims = [], []
         for name, out in zip(self.results, outs):
             at = self.factors[name].split().index(fold)
@@ -129,7 +150,14 @@ class LogicalOp:
         return mlir.lower_fun(fn, multiple_results=True)(ctx, *values)
 
     def _local(self, operands, params, *values):
-        return tuple(self._kernels(dict(zip(operands, values)), **dict(params)))
+        return self._kernels_with(operands, params, {}, *values)
+
+    def _kernels_with(self, operands, params, constants, *values):
+        """The kernel function on values, `constants` in place of the operands of their
+        names."""
+        named = dict(zip(operands, values))
+        named.update(constants)
+        return tuple(self._kernels(named, **dict(params)))
 
     def _sharding_rule(self, operands, params, mesh, operand_types, result_types):
         rule = (", ".join(self.factors[name] for name in operands) + " -> "
@@ -149,6 +177,11 @@ class LogicalOp:
             self._check_split(operands, axes, **dict(params))
         sharding = lambda name: NamedSharding(
             mesh, P(*(axes.get(f) for f in self.factors[name].split())))
-        local = functools.partial(self._local, operands, params)
+        local_avals = {name: jax.core.ShapedArray(sharding(name).shard_shape(shape.shape),
+                                                  shape.dtype)
+                       for name, shape in zip(operands, operand_shapes)
+                       if name not in self._constants}
+        local = functools.partial(self._kernels_with, operands, params,
+                                  self._constants_for(local_avals, dict(params)))
         return (mesh, local, tuple(sharding(name) for name in self.results),
                 tuple(sharding(name) for name in operands))

@@ -39,10 +39,10 @@ KERNEL_TOPK_BLOCK = 64  # FlashMLA's sparse decode takes topk in multiples of th
 KERNEL_PREFILL_TOPK_BLOCK = 128  # and its sparse prefill in multiples of this
 # Each operand's and result's dims as Shardy factors. The decode's: b batch, s query tokens, h
 # heads, d q's 576 columns, n pages, p page size, k KV heads (1), z a token's 656 bytes, l the
-# layers of a stack of indices, i topk, v V's 512 columns. The prefill's: t query tokens, h,
-# d, v, i as the decode's, and k kv's keys.
+# layers of a stack of indices, i topk, v V's 512 columns, e the schedule's fields. The
+# prefill's: t query tokens, h, d, v, i as the decode's, and k kv's keys.
 DECODE_FACTORS = {"q": "b s h d", "kv_cache": "n p k z", "indices": "l b s i", "attn_sink": "h",
-                  "out": "b s h v", "lse": "b h s"}
+                  "schedule": "e", "out": "b s h v", "lse": "b h s"}
 PREFILL_FACTORS = {"q": "t h d", "kv": "k d", "indices": "t i", "attn_sink": "h",
                    "out": "t h v", "lse": "h t"}
 NO_GRADIENT = "FlashMLA's sparse kernels are forward-only"
@@ -158,20 +158,27 @@ def _reference_decode(named, *, softmax_scale, layer, num_sms):
                                              attn_sink=named.get("attn_sink"))
 
 
+def _decode_schedule(avals, *, softmax_scale, layer, num_sms):
+    """The schedule of the kernel's decode of these shapes (_schedule): a constant of the op's
+    custom-call path (kernels/logical.py), made for each device's local batch."""
+    batch, s_q, h_q, _ = avals["q"].shape
+    topk = _kernel_topk(avals["indices"].shape[-1])
+    return _schedule(batch, _kernel_head_count(h_q), s_q, topk, num_sms)
+
+
 def _kernel_decode(named, *, softmax_scale, layer, num_sms):
-    """The custom call on one device's q (_check_kernel_decode) and row `layer` of its
-    indices, a stack (layers, batch, s_q, topk), masked; the schedule is made for its shapes."""
+    """The custom call on one device's q (_check_kernel_decode), row `layer` of its indices, a
+    stack (layers, batch, s_q, topk), masked, and its schedule (_decode_schedule)."""
     q, data, stack = named["q"], named["kv_cache"], named["indices"]
-    batch, s_q, h_q, _ = q.shape
+    h_q = q.shape[2]
     q, sink, with_sink = _kernel_heads(q, named.get("attn_sink"))
     topk = _kernel_topk(stack.shape[-1])
-    schedule = _schedule(batch, q.shape[-2], s_q, topk, num_sms)
     if topk != stack.shape[-1]:  # a copy of the stack: only where topk is not the kernel's
         stack = jnp.pad(stack, ((0, 0),) * 3 + ((0, topk - stack.shape[-1]),),
                         constant_values=-1)
     out, lse, *_ = custom_calls.SPARSE_DECODE(
         q=q, kv_cache=data, indices=stack, attn_sink=sink,
-        schedule=schedule, softmax_scale=softmax_scale, with_sink=with_sink,
+        schedule=named["schedule"], softmax_scale=softmax_scale, with_sink=with_sink,
         layer=layer)
     return out[:, :, :h_q], lse[:, :h_q]
 
@@ -179,7 +186,7 @@ def _kernel_decode(named, *, softmax_scale, layer, num_sms):
 SPARSE_DECODE = logical.LogicalOp(
     "sparse_mla_decode", factors=DECODE_FACTORS, results=("out", "lse"), split=("b",),
     abstract_eval=_decode_types, reference=_reference_decode, kernels=_kernel_decode,
-    no_gradient=NO_GRADIENT, fold_vmap="b")
+    no_gradient=NO_GRADIENT, fold_vmap="b", constants={"schedule": _decode_schedule})
 
 
 @trusted.library_made(["slots"], ["num_keys"], "mask_indices(indices, kv_cache)")
