@@ -33,23 +33,37 @@ def fail(exc, where, message):
 _fail = fail  # the name caches.index_keys and flax.sparse_mla import
 
 
-CUSTOM_CALL_OR_REFERENCE = ("custom_call", "reference")
+# Every op's implementations: "custom_call", the GPU kernels as XLA custom calls (FlashMLA's,
+# jax_flashmla's own, or cuDNN's flash attention for mla_prefill); "reference", pure JAX/XLA.
+IMPLEMENTATIONS = ("custom_call", "reference")
 
 
-def custom_call_or_reference(where, implementation, available, kernel):
-    """implementation, checked: "custom_call" or "reference"; None picks "custom_call" where
-    available() says the custom call can run. kernel names the call's kernel in the error of
-    "custom_call" off the GPU."""
+def resolve_implementation(where, implementation, *, runs_here, refusal=lambda: None):
+    """implementation, checked: None picks "custom_call" where runs_here() says the op's custom
+    call can run here (on these arguments), else "reference". refusal() says why an explicit
+    "custom_call" cannot: None, or (exception class, what it needs), raised naming where, the
+    value and the way out."""
     if implementation is None:
-        return "custom_call" if available() else "reference"
-    if implementation not in CUSTOM_CALL_OR_REFERENCE:
-        fail(ValueError, where, f"implementation must be None or one of "
-                                 f"{CUSTOM_CALL_OR_REFERENCE}; got {implementation!r}")
-    if implementation == "custom_call" and jax.default_backend() != "gpu":
-        fail(RuntimeError, where, f"the custom call is {kernel}, which needs a Hopper GPU; "
-                                   f"JAX's default backend is {jax.default_backend()} (pass "
-                                   "implementation='reference')")
+        return "custom_call" if runs_here() else "reference"
+    if implementation not in IMPLEMENTATIONS:
+        fail(ValueError, where, f"implementation must be None or one of {IMPLEMENTATIONS}; got "
+                                f"{implementation!r}")
+    refused = refusal() if implementation == "custom_call" else None
+    if refused is not None:
+        exc, needs = refused
+        fail(exc, where, f"implementation='custom_call' {needs}; pass implementation='reference' "
+                         "or None")
     return implementation
+
+
+def gpu_refusal(kernel):
+    """A refusal (resolve_implementation) of a CUDA-only custom call off the GPU: kernel names
+    its kernel."""
+    backend = jax.default_backend()
+    if backend == "gpu":
+        return None
+    return RuntimeError, (f"runs {kernel}, which needs a Hopper GPU; JAX's default backend is "
+                          f"{backend}")
 
 
 def check_rank(where, name, x, rank, layout):

@@ -35,9 +35,8 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jax_flashmla.base.validation import IMPLEMENTATIONS
 from jax_flashmla.kernels import custom_calls
-
-IMPLEMENTATIONS = ("custom_call", "reference")
 
 
 class LogicalOp:

@@ -253,13 +253,15 @@ def _implementation(where, implementation, query):
     """The indexer's implementation for query; None picks the custom call where it can run it
     (a Hopper GPU, jax_flashmla._cuda built, at most KERNEL_MAX_HEADS heads)."""
     heads = query.values.shape[-2]
-    implementation = validation.custom_call_or_reference(
-        where, implementation, lambda: kernels.own_kernels_available()
-        and heads <= KERNEL_MAX_HEADS, "jax_flashmla's CUDA kernel")
-    if implementation == "custom_call" and heads > KERNEL_MAX_HEADS:
-        fail(ValueError, where, f"the custom call takes at most {KERNEL_MAX_HEADS} heads; "
-                                f"query has {heads} (pass implementation='reference')")
-    return implementation
+
+    def refusal():
+        if heads > KERNEL_MAX_HEADS:
+            return ValueError, f"takes at most {KERNEL_MAX_HEADS} heads; query has {heads}"
+        return validation.gpu_refusal("jax_flashmla's CUDA kernel")
+
+    return validation.resolve_implementation(
+        where, implementation, runs_here=lambda: kernels.own_kernels_available()
+        and heads <= KERNEL_MAX_HEADS, refusal=refusal)
 
 
 def _check_rows(where, query, cache, block_table, rows):

@@ -77,9 +77,10 @@ def _check_common(where, q, indices, rows, topk_length, attn_sink, softmax_scale
 def _implementation(where, implementation, kernel):
     """The implementation to run; None picks the custom call where the kernel library has the
     op `kernel` (a KernelOps field)."""
-    return validation.custom_call_or_reference(
-        where, implementation, lambda: kernels.flashmla_available()
-        and getattr(kernels.load_kernels(), kernel) is not None, "FlashMLA's kernel")
+    return validation.resolve_implementation(
+        where, implementation, runs_here=lambda: kernels.flashmla_available()
+        and getattr(kernels.load_kernels(), kernel) is not None,
+        refusal=lambda: validation.gpu_refusal("FlashMLA's kernel"))
 
 
 def _kernel_head_count(h_q):
