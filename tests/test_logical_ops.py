@@ -10,12 +10,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src.interpreters import mlir
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_flashmla.base import validation
 from jax_flashmla.caches.sparse import quantize_tokens
 from jax_flashmla.kernels import custom_calls, logical
+from jax_flashmla.ops import sparse as sparse_ops
 from jax_flashmla.ops.indexer import IndexQuery, index_scores
+from jax_flashmla.reference.sparse import sparse_decode_reference
 from jax_flashmla.sparse import (IndexKeyCache, indexer_decode, indexer_prefill, mask_indices,
                                  sparse_mla_decode, sparse_mla_prefill, write_index_keys)
 
@@ -284,3 +287,46 @@ def test_a_stack_of_masked_indices_splits_along_batch(mesh):
     spread = (_put(mesh, q, "x"), _put(mesh, cache), jax.tree.map(
         lambda x: _put(mesh, x, None, "x"), stack))
     _assert_close(decode(*spread), want)
+
+
+@pytest.fixture
+def sparse_decode_kernel_on_cpu(monkeypatch):
+    """The sparse decode's custom call (CUDA only) lowered on CPU to a stand-in, the reference
+    on the kernel's operands (row `layer` of the stack, the padded heads and sink), and the
+    custom call allowed off the GPU: the op's custom-call path, partitioning included, runs
+    here. Yields the (q, schedule) shapes the stand-in was lowered for."""
+    primitive = custom_calls.SPARSE_DECODE.primitive
+    seen = []
+
+    def stand_in(q, kv_cache, indices, attn_sink, schedule, *, softmax_scale, with_sink, layer):
+        seen.append((q.shape, schedule.shape))
+        out, lse = sparse_decode_reference(q, kv_cache, indices[layer],
+                                           softmax_scale=softmax_scale,
+                                           attn_sink=attn_sink if with_sink else None)
+        batch, s_q, heads, _ = q.shape
+        splits = batch + (schedule.shape[0] - batch - 1) // validation.METADATA_FIELDS
+        return (out, lse, jnp.zeros((splits, heads, s_q, 512), jnp.float32),
+                jnp.zeros((splits, heads, s_q), jnp.float32))
+
+    mlir.register_lowering(primitive, mlir.lower_fun(stand_in, multiple_results=True),
+                           platform="cpu")
+    monkeypatch.setattr(validation, "gpu_refusal", lambda kernel: None)
+    yield seen
+    del mlir._platform_specific_lowerings["cpu"][primitive]
+
+
+def test_the_sparse_decodes_custom_call_path_split_along_batch(mesh,
+                                                              sparse_decode_kernel_on_cpu):
+    """Each device's kernel gets its batch, heads padded to 64 and the schedule made for its
+    batch; its results are, bit for bit, the path's on its rows alone."""
+    q, cache, indices, sink = _sparse_decode_problem()
+    decode = jax.jit(lambda *a: sparse_mla_decode(*a[:3], attn_sink=a[3],
+                                                  implementation="custom_call"))
+    spread = (_put(mesh, q, "x"), _put(mesh, cache), _put(mesh, indices, "x"), _put(mesh, sink))
+    got = decode(*spread)
+    local_schedule = sparse_ops._schedule(1, 64, 2, 64, sparse_ops.default_num_sms()).shape
+    assert sparse_decode_kernel_on_cpu[-1] == ((1, 2, 64, 576), local_schedule)
+    for i in range(8):
+        want = decode(q[i:i + 1], cache, indices[i:i + 1], sink)
+        _assert_same([g[i:i + 1] for g in got], want)
+    _assert_close(got, jax.jit(_sparse_decode)(q, cache, indices, sink))
