@@ -445,7 +445,8 @@ def main(argv=None):
     cudnn_here = prefill._cudnn_usable()
     meta = dict(device=jax.devices()[0].device_kind, backend=jax.default_backend(),
                 jax=jax.__version__, cudnn=None,
-                prefill_implementation=prefill._resolve(None, jnp.dtype(jnp.bfloat16)),
+                prefill_implementation=prefill.resolve_implementation(None,
+                                                                      jnp.dtype(jnp.bfloat16)),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 flops=FLOPS, out_tolerance=OUT_TOLERANCE, einsum_budget_gb=args.einsum_budget_gb,
                 target_ms=args.target_ms, repeats=args.repeats, max_calls=args.max_calls,

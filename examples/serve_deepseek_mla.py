@@ -9,7 +9,7 @@
     # On a Hopper GPU (the defaults there: FlashMLA's kernels, cuDNN's prefill):
     python examples/serve_deepseek_mla.py --min-prompt 16384 --max-prompt 32768 --turns 2
     python examples/serve_deepseek_mla.py --attention v32 --implementation custom_call
-    python examples/serve_deepseek_mla.py --max-prompt 2048 --prefill-implementation cudnn
+    python examples/serve_deepseek_mla.py --max-prompt 2048 --prefill-implementation custom_call
 
 A few decoder layers (RMSNorm -> jax_flashmla.flax.MultiHeadLatentAttention -> RMSNorm ->
 SwiGLU MLP) with seeded random weights serve requests of different prompt lengths. Each
@@ -593,9 +593,10 @@ def refuse_gpu_only_options(p, args):
     if backend == "gpu":
         backend = f"a {jax.devices()[0].device_kind}"
     here = f"JAX's default backend here is {backend}"
-    if args.prefill_implementation == "cudnn":
-        p.error(f"--prefill-implementation cudnn runs cuDNN's flash attention, which needs a "
-                f"Hopper GPU, and {here}: pass --prefill-implementation xla or leave it unset")
+    if args.prefill_implementation == "custom_call":
+        p.error(f"--prefill-implementation custom_call runs cuDNN's flash attention, which "
+                f"needs a Hopper GPU, and {here}: pass --prefill-implementation reference or "
+                "leave it unset")
     if args.implementation == "custom_call" and args.attention == "v32":
         p.error(f"--implementation custom_call with --attention v32 runs FlashMLA's sparse "
                 f"kernels and the indexer's CUDA kernels, which need a Hopper GPU, and {here}: "
@@ -610,7 +611,7 @@ def parse_args(argv=None):
                                 formatter_class=HelpFormatter)
     p.add_argument("--implementation", choices=["custom_call", "reference"], default=None,
                    help="mla_decode's path; unset: FlashMLA on a Hopper GPU, else the reference")
-    p.add_argument("--prefill-implementation", choices=["cudnn", "xla"], default=None,
+    p.add_argument("--prefill-implementation", choices=["custom_call", "reference"], default=None,
                    help="mla_prefill's path; unset: cuDNN on a Hopper GPU, else pure JAX")
     p.add_argument("--kv-cache-dtype", choices=sorted(KV_CACHE_DTYPES), default="bfloat16",
                    help="the paged cache's dtype (fp8: e4m3 with a per-layer scale)")

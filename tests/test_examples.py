@@ -18,8 +18,8 @@ SERVE = EXAMPLES / "serve_deepseek_mla.py"
 REFUSED = {
     ("--attention", "v32", "--implementation", "custom_call"):
         ("--implementation custom_call with --attention v32", "--implementation reference"),
-    ("--prefill-implementation", "cudnn"):
-        ("--prefill-implementation cudnn", "--prefill-implementation xla"),
+    ("--prefill-implementation", "custom_call"):
+        ("--prefill-implementation custom_call", "--prefill-implementation reference"),
 }
 HELP = ("serve_deepseek_mla.py", "decode_loop.py", "dcp_across_processes.py")
 LOOP = ("decode_loop.py", ("--custom-call",))  # decode_loop runs in seconds: run it whole

@@ -499,8 +499,10 @@ def test_a_table_whose_positions_pass_int32_is_refused():
 def test_the_custom_call_off_the_gpu_says_so():
     query = IndexQuery(jnp.zeros((1, 1, HEADS, 128), jnp.float8_e4m3fn),
                        jnp.zeros((1, 1, HEADS), jnp.float32))
-    with pytest.raises(RuntimeError, match=r"index_scores: the custom call is jax_flashmla's "
-                                           r"CUDA kernel, which needs a Hopper GPU"):
+    with pytest.raises(RuntimeError, match=r"index_scores: implementation='custom_call' runs "
+                                           r"jax_flashmla's CUDA kernel, which needs a Hopper "
+                                           r"GPU; JAX's default backend is cpu; pass "
+                                           r"implementation='reference' or None$"):
         index_scores(IndexQuery(*(x[0] for x in query)), IndexKeyCache.create(1),
                      jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32),
                      implementation="custom_call")

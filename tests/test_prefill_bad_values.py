@@ -3,8 +3,8 @@ request's rows, a prefix longer than its block-table row, and arguments whose er
 them. A bad request is answered empty, every other as in the batch without it, and
 value_checks() names the argument, the request and the value.
 
-On CPU the cases run through the "xla" path; the `gpu` ones run them through cuDNN too, over
-bf16 and FP8 caches.
+On CPU the cases run through the "reference" path; the `gpu` ones run them through cuDNN too
+("custom_call"), over bf16 and FP8 caches.
 """
 import jax
 import jax.numpy as jnp
@@ -22,10 +22,10 @@ INT32_MAX = 2**31 - 1
 THREE = dict(prefix_lens=[10, 70, 5], query_lens=[20, 30, 25], gaps=[1, 2, 3])
 LATENT = 7  # a latent column of a cache row
 # cuDNN's path at DeepSeek's head sizes, as tests/test_gpu_prefill.py runs it.
-SIZES = {"xla": {}, "cudnn": dict(heads=16, nope=128, v_dim=128)}
+SIZES = {"reference": {}, "custom_call": dict(heads=16, nope=128, v_dim=128)}
 
 
-@pytest.fixture(params=["xla", pytest.param("cudnn", marks=pytest.mark.gpu)])
+@pytest.fixture(params=["reference", pytest.param("custom_call", marks=pytest.mark.gpu)])
 def implementation(request):
     return request.param
 
@@ -84,7 +84,7 @@ def test_wrapping_values_give_that_request_an_empty_answer(implementation, fp8_c
 
 @pytest.mark.parametrize("bad", WRAPS)
 def test_value_checks_name_wrapping_values(bad):
-    case = three("xla", False)
+    case = three("reference", False)
     name, value, message = WRAPS[bad]
     err, _ = checked_call(case | {name: case[name].at[1].set(value)})
     with pytest.raises(checkify.JaxRuntimeError, match=message):
@@ -127,7 +127,7 @@ def test_starts_past_the_axis_never_wrap_back_into_it(cap):
 def test_a_nan_stays_in_its_request(implementation, fp8_cache, where):
     """A NaN in a row of request 0 (a cache row of its prefix, or its 6th new row): the
     queries that see that key get NaN, the other requests what they get without it. The
-    "xla" path keeps it to exactly those queries: request 0's rows before its 6th new one
+    "reference" path keeps it to exactly those queries: request 0's rows before its 6th new one
     are as without it too."""
     case = three(implementation, fp8_cache)
     mine = request_rows(case, 0)
@@ -141,9 +141,9 @@ def test_a_nan_stays_in_its_request(implementation, fp8_cache, where):
     out, lse = run(poisoned, implementation)
     assert np.all(np.isnan(out[seen]).any(axis=(1, 2)))
     clean = run(case, implementation)
-    unseen = np.setdiff1d(np.arange(out.shape[0]), seen if implementation == "xla" else mine)
+    unseen = np.setdiff1d(np.arange(out.shape[0]), seen if implementation == "reference" else mine)
     assert_same((out, lse), clean, unseen)
-    if implementation == "xla":
+    if implementation == "reference":
         assert np.all(np.isnan(out[seen]))
 
 
@@ -171,7 +171,7 @@ def test_a_prefix_past_its_table_row_is_empty_and_named(implementation, fp8_cach
 def test_a_decode_q_is_blamed_on_q():
     """q of the decode's 576 columns (absorbed) against kv's 576-wide rows: q is at fault,
     and no rope dim is made up from it."""
-    case = three("xla", False)
+    case = three("reference", False)
     q = jnp.zeros((*case["q"].shape[:2], 576), jnp.bfloat16)
     with pytest.raises(ValueError, match=r"^mla_prefill: q must have shape \(84, 2, 96\): "
                                          r"qk_nope_head_dim 32 .* the 64-d rope key .* got "
@@ -181,7 +181,7 @@ def test_a_decode_q_is_blamed_on_q():
 
 
 def test_a_kv_of_the_wrong_width_is_blamed_on_kv():
-    case = three("xla", False)
+    case = three("reference", False)
     with pytest.raises(ValueError, match=r"^mla_prefill: kv must have shape \(84, 576\) .* "
                                          r"got \(84, 600\)"):
         call(jf.mla_prefill, case | dict(kv=jnp.zeros((84, 600), jnp.bfloat16)),
@@ -189,7 +189,7 @@ def test_a_kv_of_the_wrong_width_is_blamed_on_kv():
 
 
 def test_max_prefix_tokens_past_int32_is_named():
-    case = three("xla", False)
+    case = three("reference", False)
     with pytest.raises(ValueError, match=r"max_prefix_tokens must be .* below 2\*\*31 .* "
                                          r"got 2147483648"):
         call(jf.mla_prefill, case | dict(max_prefix_tokens=2**31), softmax_scale=SCALE)
@@ -197,26 +197,29 @@ def test_max_prefix_tokens_past_int32_is_named():
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="cuDNN may run on a GPU")
 def test_cudnn_off_the_gpu_names_implementation():
-    case = three("xla", False)
-    with pytest.raises(ValueError, match=r"^mla_prefill: implementation='cudnn' needs a Hopper "
-                                         r"GPU as JAX's default backend; got cpu; pass "
-                                         r"implementation='xla' or None$"):
-        call(jf.mla_prefill, case, softmax_scale=SCALE, implementation="cudnn")
+    case = three("reference", False)
+    with pytest.raises(ValueError, match=r"^mla_prefill: implementation='custom_call' \(cuDNN's "
+                                         r"flash attention\) needs a Hopper GPU as JAX's "
+                                         r"default backend; got cpu; pass "
+                                         r"implementation='reference' or None$"):
+        call(jf.mla_prefill, case, softmax_scale=SCALE, implementation="custom_call")
 
 
 def test_cudnn_with_float32_q_names_implementation():
     case = make_case(np.random.default_rng(0), **THREE, dtype=jnp.float32)
-    with pytest.raises(TypeError, match=r"implementation='cudnn' takes bfloat16 or float16 q; "
-                                        r"got float32; pass implementation='xla' or None$"):
-        call(jf.mla_prefill, case, softmax_scale=SCALE, implementation="cudnn")
+    with pytest.raises(TypeError, match=r"implementation='custom_call' takes bfloat16 or "
+                                        r"float16 q; got float32; pass "
+                                        r"implementation='reference' or None$"):
+        call(jf.mla_prefill, case, softmax_scale=SCALE, implementation="custom_call")
 
 
 @pytest.mark.gpu
 def test_cudnn_with_a_head_dim_it_cannot_take_names_implementation():
-    """q's head dim 100 (not a multiple of 8): "cudnn" is refused by name, None takes "xla"."""
+    """q's head dim 100 (not a multiple of 8): "custom_call" is refused by name, None takes
+    "reference"."""
     case = make_case(np.random.default_rng(2), **THREE, nope=36)
-    with pytest.raises(ValueError, match=r"implementation='cudnn' needs q's head dim a multiple "
-                                         r"of 8 up to 256; got 100; pass "
-                                         r"implementation='xla' or None$"):
-        call(jf.mla_prefill, case, softmax_scale=SCALE, implementation="cudnn")
-    assert_same(run(case, None), run(case, "xla"), np.arange(case["q"].shape[0]))
+    with pytest.raises(ValueError, match=r"implementation='custom_call' needs q's head dim a "
+                                         r"multiple of 8 up to 256; got 100; pass "
+                                         r"implementation='reference' or None$"):
+        call(jf.mla_prefill, case, softmax_scale=SCALE, implementation="custom_call")
+    assert_same(run(case, None), run(case, "reference"), np.arange(case["q"].shape[0]))

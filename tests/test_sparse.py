@@ -12,10 +12,11 @@ import jax_flashmla as jf
 from jax_flashmla.kernels import library as kernels
 from jax_flashmla.sparse import (SparseKVCache, mask_indices, sparse_mla_decode, sparse_mla_prefill,
                                  write_sparse_kv)
-from jax_flashmla.caches.sparse import dequantize_tokens, quantize_tokens
-from jax_flashmla.ops.sparse import MaskedIndices
+from jax_flashmla.caches.sparse import (TOKEN_BYTES, dequantize_tokens, quantize_tokens,
+                                        sparse_cache_array, tile_scales)
 from jax_flashmla.ops import sparse as sparse_ops
-from jax_flashmla.caches.sparse import TOKEN_BYTES, tile_scales
+from jax_flashmla.ops.decode import default_num_sms
+from jax_flashmla.ops.sparse import MaskedIndices
 
 # out in bf16 from float32 arithmetic: a few bf16 ulps of the largest value; lse in float32.
 OUT_TOL = dict(rtol=2e-2, atol=2e-2)
@@ -201,8 +202,8 @@ def test_the_prefill_hands_its_kernel_padded_heads_and_topk():
     lse (h_q, tokens)."""
     q = jnp.zeros((5, 16, 576), jnp.float32)
     kv, indices = jnp.zeros((9, 576), jnp.float32), jnp.zeros((5, 100), jnp.int32)
-    jaxpr = jax.make_jaxpr(sparse_ops._kernel_prefill, static_argnums=(3, 4))(
-        q, kv, indices, None, 0.1)
+    jaxpr = jax.make_jaxpr(lambda q, kv, indices: sparse_ops._kernel_prefill(
+        dict(q=q, kv=kv, indices=indices), softmax_scale=0.1))(q, kv, indices)
     (call,) = [e for e in jaxpr.eqns if e.primitive.name == "jax_flashmla_mla_sparse_prefill"]
     assert [(v.aval.shape, v.aval.dtype) for v in call.invars] == [
         ((5, 64, 576), jnp.bfloat16), ((9, 1, 576), jnp.bfloat16), ((5, 1, 128), jnp.int32),
@@ -238,15 +239,16 @@ def test_the_schedule_is_a_constant_of_the_shapes():
     batch, s_q, topk = 5, 2, 100
     q = jnp.zeros((batch, s_q, 16, 576), jnp.bfloat16)
     stack = jnp.zeros((1, batch, s_q, topk), jnp.int32)
-    jaxpr = jax.make_jaxpr(sparse_ops._kernel_decode, static_argnums=(3, 4, 5))(
-        q, SparseKVCache.create(2).data, stack, 0, None, 0.1)
-    names = [e.primitive.name for e in jaxpr.eqns]
-    assert "jax_flashmla_mla_metadata" not in names
-    (call,) = [e for e in jaxpr.eqns if e.primitive.name == "jax_flashmla_mla_sparse_decode"]
+    jaxpr = jax.make_jaxpr(lambda q, data, stack: sparse_ops.SPARSE_DECODE(
+        dict(q=q, kv_cache=data, indices=stack), implementation="custom_call",
+        softmax_scale=0.1, layer=0, num_sms=default_num_sms()))(
+            q, SparseKVCache.create(2).data, stack)
+    (call,) = jaxpr.eqns  # the op alone: no metadata operation
+    assert call.params["operands"] == ("q", "kv_cache", "indices", "schedule")
     dense = jf.get_mla_metadata(jnp.full((batch,), 128, jnp.int32),
                                 block_table=jnp.zeros((batch, 2), jnp.int32), num_pages=1,
                                 num_heads_q=64, num_q_tokens=s_q, implementation="custom_call")
-    schedule = dict(zip(jaxpr.jaxpr.constvars, jaxpr.consts))[call.invars[4]]
+    schedule = dict(zip(jaxpr.jaxpr.constvars, jaxpr.consts))[call.invars[3]]
     rows = dense.tile_scheduler_metadata.size
     np.testing.assert_array_equal(schedule[:rows], np.ravel(dense.tile_scheduler_metadata))
     np.testing.assert_array_equal(schedule[rows:], dense.num_splits)
@@ -337,8 +339,8 @@ def test_the_kernel_takes_masked_indices_as_they_are(monkeypatch):
     q, cache, indices = _decode_problem(12, h_q=64)
     reached = []
     monkeypatch.setattr(sparse_ops, "_implementation", lambda *_: "custom_call")
-    monkeypatch.setattr(sparse_ops, "_kernel_decode",
-                        lambda q, data, stack, layer, *_: reached.append((stack, layer)))
+    monkeypatch.setattr(sparse_ops, "SPARSE_DECODE", lambda operands, **params: reached.append(
+        (operands["indices"], params["layer"])))
     masked = mask_indices(indices, cache)
     stacked = jnp.stack([indices[::-1], indices])
     masked_stack = mask_indices(stacked, cache)
@@ -377,8 +379,11 @@ def test_the_decode_custom_call_takes_the_stack_and_its_row():
     indices (layers, batch, s_q, topk) and the row as a static parameter."""
     q, cache, indices = _decode_problem(14, h_q=64)
     stack = jnp.stack([indices] * 3)
-    jaxpr = jax.make_jaxpr(sparse_ops._kernel_decode, static_argnums=(3, 4, 5))(
-        q, cache, stack, 2, None, 0.1)
+    jaxpr = jax.make_jaxpr(lambda q, data, stack: sparse_ops._kernel_decode(
+        dict(q=q, kv_cache=data, indices=stack, schedule=sparse_ops._schedule(
+            q.shape[0], 64, q.shape[1], 64, default_num_sms())),
+        softmax_scale=0.1, layer=2, num_sms=default_num_sms()))(
+            q, sparse_cache_array(cache, "test"), stack)
     (call,) = [e for e in jaxpr.eqns if e.primitive.name == "jax_flashmla_mla_sparse_decode"]
     assert call.invars[2].aval.shape == (3,) + indices.shape[:2] + (64,)  # topk 40 padded
     assert call.params == dict(softmax_scale=0.1, with_sink=False, layer=2)

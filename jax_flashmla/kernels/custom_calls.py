@@ -144,8 +144,9 @@ def _metadata_attributes(platform, *, num_heads_q, num_q_tokens, num_sm_parts, f
     # should a release differ, the handler refuses the result's shape at run time.
     expected = validation.num_sm_parts(kernels.gpu_sm_count(), num_heads_q, num_q_tokens)
     if num_sm_parts != expected:
-        raise ValueError(
-            f"get_mla_metadata: traced for {num_sm_parts} SM parts, but FlashMLA on this GPU "
+        validation.fail(
+            ValueError, "get_mla_metadata",
+            f"num_sms made {num_sm_parts} SM parts, but FlashMLA on this GPU "
             f"({kernels.gpu_sm_count()} SMs) makes {expected}; leave num_sms unset on GPUs")
     ops = kernels.ensure_cuda_targets()
     return dict(op=_kernel_op(ops, "metadata_fp8") if fp8 else ops.metadata,

@@ -8,9 +8,6 @@ from jax_flashmla.caches import fp8 as fp8_quant
 from jax_flashmla.kernels import custom_calls, decode_primitive
 from jax_flashmla.kernels import library as kernels
 
-IMPLEMENTATIONS = ("custom_call", "reference")
-
-
 @trusted.library_made(["seq_lens", "tile_scheduler_metadata", "num_splits"],
                       ["num_heads_q", "num_q_tokens", "max_pages", "fp8"], "get_mla_metadata")
 class MLAMetadata:
@@ -36,13 +33,11 @@ class MLAMetadata:
                  "num_q_tokens", "max_pages", "fp8")
 
 
-def _resolve(implementation):
-    if implementation is None:
-        return "custom_call" if kernels.flashmla_available() else "reference"
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}; "
-                         f"got {implementation!r}")
-    return implementation
+def _resolve(where, implementation):
+    """None picks the custom call where FlashMLA's kernels can run; "custom_call" runs anywhere
+    (off the GPU, the C++ model of FlashMLA's kernels)."""
+    return validation.resolve_implementation(where, implementation,
+                                             runs_here=kernels.flashmla_available)
 
 
 def default_num_sms():
@@ -92,7 +87,7 @@ def get_mla_metadata(seq_lens, *, block_table, num_pages, num_heads_q, num_q_tok
         checks.lengths("get_mla_metadata", seq_lens, block_table.shape[1])
         checks.block_table_entries("get_mla_metadata", block_table, seq_lens, num_pages)
     seq_lens = safe_seq_lens(block_table, seq_lens, num_pages)
-    if _resolve(implementation) == "reference":
+    if _resolve("get_mla_metadata", implementation) == "reference":
         return MLAMetadata._make(seq_lens, None, None, int(num_heads_q), int(num_q_tokens),
                                  block_table.shape[1], bool(fp8))
     parts = validation.num_sm_parts(num_sms or default_num_sms(), num_heads_q, num_q_tokens)
@@ -178,7 +173,7 @@ def mla_decode(q, kv_cache, block_table, seq_lens, *, metadata=None, softmax_sca
     batch, s_q, h_q = validation.check_decode_args(q, kv_cache, block_table, seq_lens,
                                                    k_scale)
     fp8 = k_scale is not None
-    implementation = _resolve(implementation)
+    implementation = _resolve("mla_decode", implementation)
     num_sms = default_num_sms()
     if metadata is not None:
         validation.check_metadata_matches(metadata, batch, s_q, h_q, fp8)

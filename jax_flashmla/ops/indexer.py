@@ -19,6 +19,10 @@ products, the relu-weighted sum over heads in registers) and another selects eac
 positions by a radix select (ffi/index_topk.h); elsewhere pure JAX computes the same.
 HF skips the rotation and the quantization: its scores are these but for FP8 rounding. Up to
 the quantization this runs in float32 (DeepSeek's rounds to bfloat16 between steps).
+
+The scoring and selection of rows is a logical op (kernels/logical.py), SELECTION: no
+gradient, vmap folded into its rows, and under jit on several devices the rows (a decode's
+batch, a prefill's tokens) may be split, the cache staying whole.
 """
 import dataclasses
 import functools
@@ -29,11 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_flashmla.base import checks, validation
-from jax_flashmla.base.validation import PAGE_SIZE, _fail
+from jax_flashmla.base.validation import PAGE_SIZE, fail
 from jax_flashmla.caches.index_keys import (INDEX_HEAD_DIM, index_cache_array, quantize_index_keys,
                                             read_index_keys)
 from jax_flashmla.caches.paged import token_slots
-from jax_flashmla.kernels import custom_calls
+from jax_flashmla.kernels import custom_calls, logical
 from jax_flashmla.kernels import library as kernels
 
 INDEX_TOPK = 2048
@@ -45,6 +49,10 @@ KERNEL_MAX_HEADS = 256  # the heads whose q the scoring kernel holds in shared m
 HIGHEST = jax.lax.Precision.HIGHEST  # float32 matmuls in float32, not TF32 or bf16 passes
 # Sylvester's order, [[H, H], [H, -H]], as fast_hadamard_transform computes it.
 HADAMARD = functools.reduce(np.kron, [np.array([[1, 1], [1, -1]], np.float32)] * 7)
+# The selection's operands' and results' dims as Shardy factors: n rows, h heads, c 128
+# columns, g the cache's pages, y a page's bytes, m block-table width, k topk, w scores width.
+SELECT_FACTORS = {"values": "n h c", "weights": "n h", "cache": "g y", "block_table": "n m",
+                  "visible": "n", "positions": "n k", "scores": "n w"}
 HF_NAMES = {"wq_b": "wq_b.weight", "wk": "wk.weight", "k_norm_weight": "k_norm.weight",
             "k_norm_bias": "k_norm.bias", "weights_proj": "weights_proj.weight"}
 
@@ -103,29 +111,29 @@ def _rope_and_rotate(x, positions, inv_freq, attention_factor):
 
 def _check_projection(where, weights, x, positions, inv_freq, q_lora=None):
     if not isinstance(weights, IndexerWeights):
-        _fail(TypeError, where, f"weights must be IndexerWeights; got {type(weights).__name__}")
+        fail(TypeError, where, f"weights must be IndexerWeights; got {type(weights).__name__}")
     heads, hidden = weights.weights_proj.shape
     for field, shape in (("wq_b", (heads * INDEX_HEAD_DIM, weights.wq_b.shape[-1])),
                          ("wk", (INDEX_HEAD_DIM, hidden)), ("k_norm_weight", (INDEX_HEAD_DIM,)),
                          ("k_norm_bias", (INDEX_HEAD_DIM,))):
         if tuple(getattr(weights, field).shape) != shape:
-            _fail(ValueError, where, f"weights.{field} must have shape {shape} for weights_proj "
-                                     f"of shape {(heads, hidden)}; got "
-                                     f"{tuple(getattr(weights, field).shape)}")
+            fail(ValueError, where, f"weights.{field} must have shape {shape} for weights_proj "
+                                    f"of shape {(heads, hidden)}; got "
+                                    f"{tuple(getattr(weights, field).shape)}")
     if x.shape[-1:] != (hidden,):
-        _fail(ValueError, where, f"x must have a last dimension of {hidden} (weights' hidden "
-                                 f"size); got {tuple(x.shape)}")
+        fail(ValueError, where, f"x must have a last dimension of {hidden} (weights' hidden "
+                                f"size); got {tuple(x.shape)}")
     validation.check_int32(where, "positions", positions)
     if tuple(positions.shape) != tuple(x.shape[:-1]):
-        _fail(ValueError, where, f"positions must have shape {tuple(x.shape[:-1])} (x's leading "
-                                 f"shape); got {tuple(positions.shape)}")
+        fail(ValueError, where, f"positions must have shape {tuple(x.shape[:-1])} (x's leading "
+                                f"shape); got {tuple(positions.shape)}")
     if np.ndim(inv_freq) != 1 or not 1 <= 2 * np.shape(inv_freq)[0] <= INDEX_HEAD_DIM:
-        _fail(ValueError, where, f"inv_freq must have shape (rope_dim // 2,), rope_dim <= "
-                                 f"{INDEX_HEAD_DIM}; got {np.shape(inv_freq)}")
+        fail(ValueError, where, f"inv_freq must have shape (rope_dim // 2,), rope_dim <= "
+                                f"{INDEX_HEAD_DIM}; got {np.shape(inv_freq)}")
     expected = x.shape[:-1] + weights.wq_b.shape[1:]
     if q_lora is not None and q_lora.shape != expected:
-        _fail(ValueError, where, f"q_lora must have shape {expected} (x's leading shape + "
-                                 f"wq_b's input size); got {tuple(q_lora.shape)}")
+        fail(ValueError, where, f"q_lora must have shape {expected} (x's leading shape + "
+                                f"wq_b's input size); got {tuple(q_lora.shape)}")
 
 
 def index_query(weights, x, q_lora, positions, inv_freq, *, attention_factor=1.0):
@@ -179,14 +187,32 @@ def _scores(query, data, block_table, visible):
     return jax.lax.map(row, (*query, block_table, visible), batch_size=ROWS_PER_BLOCK)
 
 
-def _kernel_select(query, data, block_table, visible, topk):
-    """(n, topk) positions and (n, max(max_pages * 64, topk)) scores from the custom call, in
-    calls of at most SCORES_PER_CALL scores (the scores are a buffer of XLA's)."""
+def _select_types(avals, *, topk):
+    rows, max_pages = avals["block_table"].shape
+    return (jax.core.ShapedArray((rows, topk), jnp.int32),
+            jax.core.ShapedArray((rows, max(max_pages * PAGE_SIZE, topk)), jnp.float32))
+
+
+def _reference_select(named, *, topk):
+    """(n, topk) positions of each row's top scores in ascending order, and the (n,
+    max(max_pages * 64, topk)) scores, -inf past the table."""
+    scores = _scores(IndexQuery(named["values"], named["weights"]), named["cache"],
+                     named["block_table"], named["visible"])
+    if scores.shape[1] < topk:  # positions past the table are never visible
+        scores = jnp.pad(scores, ((0, 0), (0, topk - scores.shape[1])), constant_values=-jnp.inf)
+    return jnp.sort(jax.lax.top_k(scores, topk)[1], axis=-1), scores
+
+
+def _kernel_select(named, *, topk):
+    """(n, topk) positions and (n, max(max_pages * 64, topk)) scores from the custom call on
+    one device's rows, in calls of at most SCORES_PER_CALL scores (the scores are a buffer of
+    XLA's)."""
+    block_table, visible = named["block_table"], named["visible"]
     width = max(block_table.shape[1] * PAGE_SIZE, topk)
     call = lambda rows: custom_calls.INDEX_TOPK(
-        values=rows[0], weights=rows[1], cache=data, block_table=rows[2], visible=rows[3],
-        topk=topk)
-    rows = (*query, block_table, visible)
+        values=rows[0], weights=rows[1], cache=named["cache"], block_table=rows[2],
+        visible=rows[3], topk=topk)
+    rows = (named["values"], named["weights"], block_table, visible)
     n, per_call = visible.shape[0], max(1, SCORES_PER_CALL // width)
     if n <= per_call:
         return call(rows)
@@ -197,19 +223,26 @@ def _kernel_select(query, data, block_table, visible, topk):
     return positions.reshape(-1, topk)[:n], scores.reshape(-1, width)[:n]
 
 
+SELECTION = logical.LogicalOp(
+    "index_topk", factors=SELECT_FACTORS, results=("positions", "scores"), split=("n",),
+    abstract_eval=_select_types, reference=_reference_select, kernels=_kernel_select,
+    no_gradient="the indexer's selection is discrete, its kernels forward-only",
+    fold_vmap="n")
+
+
+def _positions_and_scores(query, data, block_table, visible, topk, implementation):
+    return SELECTION(dict(values=query.values, weights=query.weights, cache=data,
+                          block_table=block_table, visible=visible),
+                     implementation=implementation, topk=topk)
+
+
 def _select(query, data, block_table, visible, topk, implementation):
     """(n, topk) int32 slots of each row's top tokens in ascending position order; -1 for
     positions past its visible tokens and where its block table names no page of the cache."""
     if visible.shape[0] == 0:  # token_slots cannot reshape no rows
         return jnp.zeros((0, topk), jnp.int32)
-    if implementation == "custom_call":
-        positions, _ = _kernel_select(query, data, block_table, visible, topk)
-    else:
-        scores = _scores(query, data, block_table, visible)
-        if scores.shape[1] < topk:  # positions past the table are never visible
-            scores = jnp.pad(scores, ((0, 0), (0, topk - scores.shape[1])),
-                             constant_values=-jnp.inf)
-        positions = jnp.sort(jax.lax.top_k(scores, topk)[1], axis=-1)
+    positions, _ = _positions_and_scores(query, data, block_table, visible, topk,
+                                         implementation)
     slots = token_slots(block_table, positions)
     valid = ((positions >= 0) & (positions < visible[:, None]) & (slots >= 0)
              & (slots < data.shape[0] * PAGE_SIZE))
@@ -220,13 +253,15 @@ def _implementation(where, implementation, query):
     """The indexer's implementation for query; None picks the custom call where it can run it
     (a Hopper GPU, jax_flashmla._cuda built, at most KERNEL_MAX_HEADS heads)."""
     heads = query.values.shape[-2]
-    implementation = validation.custom_call_or_reference(
-        where, implementation, lambda: kernels.own_kernels_available()
-        and heads <= KERNEL_MAX_HEADS, "jax_flashmla's CUDA kernel")
-    if implementation == "custom_call" and heads > KERNEL_MAX_HEADS:
-        _fail(ValueError, where, f"the custom call takes at most {KERNEL_MAX_HEADS} heads; "
-                                 f"query has {heads} (pass implementation='reference')")
-    return implementation
+
+    def refusal():
+        if heads > KERNEL_MAX_HEADS:
+            return ValueError, f"takes at most {KERNEL_MAX_HEADS} heads; query has {heads}"
+        return validation.gpu_refusal("jax_flashmla's CUDA kernel")
+
+    return validation.resolve_implementation(
+        where, implementation, runs_here=lambda: kernels.own_kernels_available()
+        and heads <= KERNEL_MAX_HEADS, refusal=refusal)
 
 
 def _check_rows(where, query, cache, block_table, rows):
@@ -234,40 +269,40 @@ def _check_rows(where, query, cache, block_table, rows):
     query's first axis unless rows is ("tokens",); returns the cache array."""
     data = index_cache_array(cache, where)
     if not isinstance(query, IndexQuery):
-        _fail(TypeError, where, f"query must be an IndexQuery (index_query's); got "
-                                f"{type(query).__name__}")
+        fail(TypeError, where, f"query must be an IndexQuery (index_query's); got "
+                               f"{type(query).__name__}")
     values, weights = query
     if values.dtype != jnp.float8_e4m3fn or values.ndim != len(rows) + 2 \
             or values.shape[-1] != INDEX_HEAD_DIM:
-        _fail(ValueError, where, f"query.values must be float8_e4m3fn of shape "
-                                 f"{rows + ('heads', INDEX_HEAD_DIM)}; got {values.dtype} "
-                                 f"{tuple(values.shape)}")
+        fail(ValueError, where, f"query.values must be float8_e4m3fn of shape "
+                                f"{rows + ('heads', INDEX_HEAD_DIM)}; got {values.dtype} "
+                                f"{tuple(values.shape)}")
     if weights.dtype != jnp.float32 or weights.shape != values.shape[:-1]:
-        _fail(ValueError, where, f"query.weights must be float32 of shape "
-                                 f"{tuple(values.shape[:-1])}; got {weights.dtype} "
-                                 f"{tuple(weights.shape)}")
+        fail(ValueError, where, f"query.weights must be float32 of shape "
+                                f"{tuple(values.shape[:-1])}; got {weights.dtype} "
+                                f"{tuple(weights.shape)}")
     validation.check_rank(where, "block_table", block_table, 2, "(batch, max_pages)")
     validation.check_int32(where, "block_table", block_table)
     batch = None if rows == ("tokens",) else values.shape[0]
     if block_table.shape[1] < 1 or batch not in (None, block_table.shape[0]):
-        _fail(ValueError, where, f"block_table must have shape ({batch or 'batch'}, max_pages >= "
-                                 f"1); got {tuple(block_table.shape)}")
+        fail(ValueError, where, f"block_table must have shape ({batch or 'batch'}, max_pages >= "
+                                f"1); got {tuple(block_table.shape)}")
     if block_table.shape[1] > MAX_PAGES:  # positions are int32
-        _fail(ValueError, where, f"block_table may have at most {MAX_PAGES} pages a row, whose "
-                                 f"positions fit int32; got {block_table.shape[1]}")
+        fail(ValueError, where, f"block_table may have at most {MAX_PAGES} pages a row, whose "
+                                f"positions fit int32; got {block_table.shape[1]}")
     return data
 
 
 def _check_lengths(where, name, lengths, expected):
     validation.check_int32(where, name, lengths)
     if tuple(lengths.shape) != expected:
-        _fail(ValueError, where, f"{name} must have shape {expected}; got {tuple(lengths.shape)}")
+        fail(ValueError, where, f"{name} must have shape {expected}; got {tuple(lengths.shape)}")
     return jnp.asarray(lengths)
 
 
 def _check_topk(where, topk):
     if isinstance(topk, bool) or not isinstance(topk, (int, np.integer)) or topk < 1:
-        _fail(ValueError, where, f"topk must be a positive Python int; got {topk!r}")
+        fail(ValueError, where, f"topk must be a positive Python int; got {topk!r}")
 
 
 def _visible(seq_lens, later):
@@ -297,10 +332,9 @@ def index_scores(query, cache, block_table, visible, *, implementation=None):
     data = _check_rows(where, query, cache, block_table, ("n",))
     visible = _check_lengths(where, "visible", visible, tuple(query.values.shape[:1]))
     block_table = jnp.asarray(block_table)
-    if _implementation(where, implementation, query) == "reference":
-        return _scores(query, data, block_table, visible)
-    _, scores = _kernel_select(query, data, block_table, visible, 1)
-    return scores.reshape(scores.shape[0], -1)[:, :block_table.shape[1] * PAGE_SIZE]
+    _, scores = _positions_and_scores(query, data, block_table, visible, 1,
+                                      _implementation(where, implementation, query))
+    return scores[:, :block_table.shape[1] * PAGE_SIZE]
 
 
 def indexer_decode(query, cache, block_table, seq_lens, *, topk=INDEX_TOPK,

@@ -29,7 +29,10 @@ from jax_flashmla.base.validation import PAGE_SIZE
 from jax_flashmla.caches import fp8
 from jax_flashmla.kernels import ragged_attention
 
-IMPLEMENTATIONS = tuple(ragged_attention.CORES)
+# The ragged attention core of each implementation: cuDNN's flash attention (an XLA custom
+# call) and the blockwise pure-JAX one.
+CORES = {"custom_call": ragged_attention.CORES["cudnn"],
+         "reference": ragged_attention.CORES["xla"]}
 # The decompressed prefix keys and values held at a time: the prefixes are attended in slices
 # of this many bytes of K/V (48k keys at 128 heads), so that memory stays bounded whatever
 # their length, in few enough slices that each is one long cuDNN call.
@@ -66,33 +69,27 @@ def _cudnn_usable():
     return _cudnn_missing() is None
 
 
-def _resolve(implementation, dtype, head_dim=None):
+def resolve_implementation(implementation, dtype, head_dim=None):
     """The implementation for q of this dtype and head dim (unchecked where None): None picks
-    "cudnn" where it can run, else "xla"; "cudnn" where it cannot is an error naming it."""
-    where = "mla_prefill"
+    "custom_call" (cuDNN's flash attention) where it can run, else "reference"; "custom_call"
+    where it cannot is an error naming what it needs."""
     # jax's wrapper of cuDNN takes q/k head dims that are multiples of 8, up to 256.
     head_dim_fits = head_dim is None or (head_dim % 8 == 0 and head_dim <= 256)
-    if implementation is None:
-        cudnn = dtype in validation.SUPPORTED_DTYPES and head_dim_fits and _cudnn_usable()
-        return "cudnn" if cudnn else "xla"
-    if implementation not in IMPLEMENTATIONS:
-        validation._fail(ValueError, where, f"implementation must be None or one of "
-                                            f"{IMPLEMENTATIONS}; got {implementation!r}")
-    if implementation == "cudnn":
-        way_out = "; pass implementation='xla' or None"
-        if dtype not in validation.SUPPORTED_DTYPES:
-            validation._fail(TypeError, where, f"implementation='cudnn' takes bfloat16 or "
-                                               f"float16 q; got {dtype}{way_out}")
+
+    def refusal():
         # Here, not in jax's wrapper, whose errors name neither the argument nor the way out.
+        if dtype not in validation.SUPPORTED_DTYPES:
+            return TypeError, f"takes bfloat16 or float16 q; got {dtype}"
         missing = _cudnn_missing()
         if missing is not None:
-            validation._fail(ValueError, where, f"implementation='cudnn' needs {missing}"
-                                                f"{way_out}")
+            return ValueError, f"(cuDNN's flash attention) needs {missing}"
         if not head_dim_fits:
-            validation._fail(ValueError, where, f"implementation='cudnn' needs q's head dim a "
-                                                f"multiple of 8 up to 256; got {head_dim}"
-                                                f"{way_out}")
-    return implementation
+            return ValueError, f"needs q's head dim a multiple of 8 up to 256; got {head_dim}"
+        return None
+
+    return validation.resolve_implementation("mla_prefill", implementation,
+                                             runs_here=lambda: refusal() is None,
+                                             refusal=refusal)
 
 
 # -- keys and values --------------------------------------------------------------------------
@@ -145,7 +142,7 @@ def _decompress(rows, w_k, w_v):
 
 
 def _non_finite_values_in_keys(k, v):
-    """(k, v) for the xla core, which multiplies every value of a key block by each query's
+    """(k, v) for the reference's core, which multiplies every value of a key block by each query's
     weight, 0 for the queries that do not see the key, and 0 * NaN is NaN: a NaN in one
     request's value would reach the queries of the others whose rows share its block. A key
     whose value (for a head) holds a NaN or inf becomes NaN, and its value 0: the core masks
@@ -307,12 +304,12 @@ def _check_values(block_table, prefix_lens, query_lens, query_starts, prefix_sta
 def _check_args(q, kv, kv_cache, block_table, prefix_lens, query_lens, query_starts, w_uk, w_uv,
                 capacity, k_scale):
     where = "mla_prefill"
-    fail = functools.partial(validation._fail, ValueError, where)
+    fail = functools.partial(validation.fail, ValueError, where)
     validation.check_rank(where, "q", q, 3, "(tokens, heads, qk_nope_head_dim + rope)")
     t, h, d_qk = q.shape
     if q.dtype not in validation.SUPPORTED_DTYPES + (np.dtype("float32"),):
-        validation._fail(TypeError, where, f"q must be bfloat16, float16 or float32; got "
-                                           f"{q.dtype}")
+        validation.fail(TypeError, where, f"q must be bfloat16, float16 or float32; got "
+                                          f"{q.dtype}")
     for name, w in (("w_uk", w_uk), ("w_uv", w_uv)):
         validation.check_rank(where, name, w, 3, "(kv_lora_rank, heads, head_dim)")
         if w.shape[1] != h or w.shape[0] != w_uk.shape[0]:
@@ -384,7 +381,7 @@ def mla_prefill(q, kv, kv_cache=None, block_table=None, prefix_lens=None, query_
     """Attention of a ragged batch of new tokens over their cached prefixes and themselves.
 
     Args:
-      q: (tokens, h, qk_nope_head_dim + 64) bfloat16 or float16 (float32 with "xla"): each
+      q: (tokens, h, qk_nope_head_dim + 64) bfloat16 or float16 (float32 with "reference"): each
         new token's query, its no-rope part then its rope'd part. Request r's new tokens are
         rows [query_starts[r], query_starts[r] + query_lens[r]), at positions
         [prefix_lens[r], prefix_lens[r] + query_lens[r]) of its sequence. Other rows are
@@ -413,10 +410,10 @@ def mla_prefill(q, kv, kv_cache=None, block_table=None, prefix_lens=None, query_
         the one before, from row 0.
       k_scale: with a float8_e4m3fn kv_cache (and only then), its float32 scale (an array of
         shape () or (1,)); prefix rows are dequantized with it.
-      implementation: None picks "cudnn" (cuDNN's flash attention) where it can run (cuDNN
-        >= 9.10 on a Hopper GPU, JAX's default backend; q bfloat16 or float16 of a head dim a
-        multiple of 8 up to 256), else "xla" (a blockwise pure-JAX attention). "cudnn" where
-        it cannot run is an error.
+      implementation: None picks "custom_call" (cuDNN's flash attention, an XLA custom call)
+        where it can run (cuDNN >= 9.10 on a Hopper GPU, JAX's default backend; q bfloat16 or
+        float16 of a head dim a multiple of 8 up to 256), else "reference" (a blockwise
+        pure-JAX attention). "custom_call" where it cannot run is an error.
 
     A request is answered empty (out 0, lse +inf), the others untouched and nothing outside
     the cache read, when its rows leave [0, tokens) or overlap an earlier request's, when its
@@ -427,7 +424,7 @@ def mla_prefill(q, kv, kv_cache=None, block_table=None, prefix_lens=None, query_
     tracing, such values are also checkify errors naming the argument, the request and the
     value.
 
-    A NaN or inf in kv or in a prefix row reaches no other request's queries; with "xla",
+    A NaN or inf in kv or in a prefix row reaches no other request's queries; with "reference",
     exactly the queries that see its key, whose out it makes NaN.
 
     Returns:
@@ -447,7 +444,7 @@ def mla_prefill(q, kv, kv_cache=None, block_table=None, prefix_lens=None, query_
     return _prefill(q, kv, kv_cache, block_table, prefix_lens, query_lens, query_starts,
                     w_uk.astype(q.dtype), w_uv.astype(q.dtype), k_scale,
                     scale=float(softmax_scale), capacity=max_prefix_tokens,
-                    implementation=_resolve(implementation, q.dtype, q.shape[2]),
+                    implementation=resolve_implementation(implementation, q.dtype, q.shape[2]),
                     value_checks=checks.enabled())
 
 
@@ -457,7 +454,7 @@ def mla_prefill(q, kv, kv_cache=None, block_table=None, prefix_lens=None, query_
                                              "value_checks"))
 def _prefill(q, kv, kv_cache, block_table, prefix_lens, query_lens, query_starts, w_uk, w_uv,
              k_scale, *, scale, capacity, implementation, value_checks):
-    core = functools.partial(ragged_attention.CORES[implementation], scale=scale)
+    core = functools.partial(CORES[implementation], scale=scale)
     t, b = q.shape[0], query_lens.shape[0]
     packed = query_starts is None
     if packed:
@@ -482,7 +479,7 @@ def _prefill(q, kv, kv_cache, block_table, prefix_lens, query_lens, query_starts
 
     def keys_values(rows):
         k, v = _decompress(rows, w_k, w_v)
-        return _non_finite_values_in_keys(k, v) if implementation == "xla" else (k, v)
+        return _non_finite_values_in_keys(k, v) if implementation == "reference" else (k, v)
 
     k, v = keys_values(new_rows)
     out, lse = core(q, k, v, q_segments, q_segments, causal=True)

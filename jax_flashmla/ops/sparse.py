@@ -11,7 +11,13 @@ split-KV schedule depends on the shapes alone (every request has topk keys to th
 FlashMLA's scheduler makes it once per shape at trace time, and each program holds it as a
 constant, so no caller hands a kernel a schedule and no step computes one.
 A cache of no pages (kv of no keys) takes no kernel: every query gets the empty answer.
-Elsewhere, or where the kernel library lacks the op, the pure-JAX reference runs."""
+Elsewhere, or where the kernel library lacks the op, the pure-JAX reference runs.
+
+Each op is a logical op (kernels/logical.py): no gradient, vmap folded into its batch (the
+decode) or query tokens (the prefill), and under jit on several devices q may be split along
+batch (the decode: the indices follow, the cache and the sink stay whole, and each device's
+schedule is made for its local batch) or along query tokens and heads (the prefill: the
+indices and the sink follow, kv stays whole)."""
 import functools
 import math
 
@@ -20,9 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_flashmla.base import trusted, validation
-from jax_flashmla.base.validation import HEAD_DIM, HEAD_DIM_V, PAGE_SIZE, _fail
+from jax_flashmla.base.validation import HEAD_DIM, HEAD_DIM_V, PAGE_SIZE, fail
 from jax_flashmla.caches.sparse import sparse_cache_array
-from jax_flashmla.kernels import custom_calls
+from jax_flashmla.kernels import custom_calls, logical
 from jax_flashmla.kernels import library as kernels
 from jax_flashmla.ops.decode import default_num_sms
 from jax_flashmla.reference import sparse as reference
@@ -31,28 +37,37 @@ KERNEL_HEADS = (64, 128)  # what FlashMLA's sparse kernels take
 KERNEL_QUERY_TOKENS = (1, 2)  # the sparse decode's
 KERNEL_TOPK_BLOCK = 64  # FlashMLA's sparse decode takes topk in multiples of this
 KERNEL_PREFILL_TOPK_BLOCK = 128  # and its sparse prefill in multiples of this
+# Each operand's and result's dims as Shardy factors. The decode's: b batch, s query tokens, h
+# heads, d q's 576 columns, n pages, p page size, k KV heads (1), z a token's 656 bytes, l the
+# layers of a stack of indices, i topk, v V's 512 columns, e the schedule's fields. The
+# prefill's: t query tokens, h, d, v, i as the decode's, and k kv's keys.
+DECODE_FACTORS = {"q": "b s h d", "kv_cache": "n p k z", "indices": "l b s i", "attn_sink": "h",
+                  "schedule": "e", "out": "b s h v", "lse": "b h s"}
+PREFILL_FACTORS = {"q": "t h d", "kv": "k d", "indices": "t i", "attn_sink": "h",
+                   "out": "t h v", "lse": "h t"}
+NO_GRADIENT = "FlashMLA's sparse kernels are forward-only"
 
 
 def _check_common(where, q, indices, rows, topk_length, attn_sink, softmax_scale):
     """q's heads and the index rows' count `rows`; returns the softmax scale."""
     if q.shape[-1] != HEAD_DIM or q.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
-        _fail(ValueError, where, f"q must be bfloat16, float16 or float32 with a last dimension "
-                                 f"of {HEAD_DIM} (512 latent + 64 rope); got {q.dtype} "
-                                 f"{tuple(q.shape)}")
+        fail(ValueError, where, f"q must be bfloat16, float16 or float32 with a last dimension "
+                                f"of {HEAD_DIM} (512 latent + 64 rope); got {q.dtype} "
+                                f"{tuple(q.shape)}")
     validation.check_int32(where, "indices", indices)
     if tuple(indices.shape[:-1]) != rows or indices.shape[-1] < 1:
-        _fail(ValueError, where, f"indices must have shape {rows + ('topk >= 1',)} for q of shape "
-                                 f"{tuple(q.shape)}; got {tuple(indices.shape)}")
+        fail(ValueError, where, f"indices must have shape {rows + ('topk >= 1',)} for q of shape "
+                                f"{tuple(q.shape)}; got {tuple(indices.shape)}")
     if topk_length is not None:
         validation.check_int32(where, "topk_length", topk_length)
         if tuple(topk_length.shape) != rows[:1]:
-            _fail(ValueError, where, f"topk_length must have shape {rows[:1]}; got "
-                                     f"{tuple(topk_length.shape)}")
+            fail(ValueError, where, f"topk_length must have shape {rows[:1]}; got "
+                                    f"{tuple(topk_length.shape)}")
     h_q = q.shape[-2]
     if attn_sink is not None and (tuple(attn_sink.shape) != (h_q,)
                                   or attn_sink.dtype != jnp.float32):
-        _fail(ValueError, where, f"attn_sink must be float32 of shape ({h_q},), one logit per "
-                                 f"head; got {attn_sink.dtype} {tuple(attn_sink.shape)}")
+        fail(ValueError, where, f"attn_sink must be float32 of shape ({h_q},), one logit per "
+                                f"head; got {attn_sink.dtype} {tuple(attn_sink.shape)}")
     if softmax_scale is None:
         return HEAD_DIM ** -0.5
     validation.check_softmax_scale(where, softmax_scale)
@@ -62,9 +77,10 @@ def _check_common(where, q, indices, rows, topk_length, attn_sink, softmax_scale
 def _implementation(where, implementation, kernel):
     """The implementation to run; None picks the custom call where the kernel library has the
     op `kernel` (a KernelOps field)."""
-    return validation.custom_call_or_reference(
-        where, implementation, lambda: kernels.flashmla_available()
-        and getattr(kernels.load_kernels(), kernel) is not None, "FlashMLA's kernel")
+    return validation.resolve_implementation(
+        where, implementation, runs_here=lambda: kernels.flashmla_available()
+        and getattr(kernels.load_kernels(), kernel) is not None,
+        refusal=lambda: validation.gpu_refusal("FlashMLA's kernel"))
 
 
 def _kernel_head_count(h_q):
@@ -79,15 +95,19 @@ def _kernel_topk(topk, block=KERNEL_TOPK_BLOCK):
     return -(-topk // block) * block
 
 
-def _kernel_heads(where, q, attn_sink):
-    """q (..., h_q, 576) bf16 and the sink (h_q,) padded with zeros to the kernel's heads (an
-    empty sink where none is given), and whether a sink was given."""
-    h_q = q.shape[-2]
+def _check_kernel_heads(where, q):
+    """q as FlashMLA's sparse kernels take it: bfloat16, at most 128 heads."""
     if q.dtype != jnp.bfloat16:
-        _fail(TypeError, where, f"FlashMLA's sparse kernels take a bfloat16 q; got {q.dtype}")
-    if h_q > KERNEL_HEADS[-1]:
-        _fail(ValueError, where, f"FlashMLA's sparse kernels take at most {KERNEL_HEADS[-1]} "
-                                 f"heads; got h_q={h_q} (split the heads)")
+        fail(TypeError, where, f"FlashMLA's sparse kernels take a bfloat16 q; got {q.dtype}")
+    if q.shape[-2] > KERNEL_HEADS[-1]:
+        fail(ValueError, where, f"FlashMLA's sparse kernels take at most {KERNEL_HEADS[-1]} "
+                                f"heads; got h_q={q.shape[-2]} (split the heads)")
+
+
+def _kernel_heads(q, attn_sink):
+    """q (..., h_q, 576) bf16 (_check_kernel_heads) and the sink (h_q,) padded with zeros to
+    the kernel's heads (an empty sink where none is given), and whether a sink was given."""
+    h_q = q.shape[-2]
     heads = _kernel_head_count(h_q)
     q = jnp.pad(q, [(0, 0)] * (q.ndim - 2) + [(0, heads - h_q), (0, 0)])
     if attn_sink is None:  # the kernel reads no sink: an empty operand takes no kernel to make
@@ -118,24 +138,56 @@ def _no_keys(rows, out_dtype, lse_shape):
             jnp.full(lse_shape, jnp.inf, jnp.float32))
 
 
-def _kernel_decode(q, data, stack, layer, attn_sink, softmax_scale):
-    """The custom call on row `layer` of stack (layers, batch, s_q, topk), masked."""
-    where = "sparse_mla_decode"
-    batch, s_q, h_q, _ = q.shape
-    if s_q not in KERNEL_QUERY_TOKENS:
-        _fail(ValueError, where, f"FlashMLA's sparse decode takes s_q in {KERNEL_QUERY_TOKENS}; "
-                                 f"got {s_q} (pass implementation='reference')")
-    q, sink, with_sink = _kernel_heads(where, q, attn_sink)
+def _check_kernel_decode(where, q):
+    """q as FlashMLA's sparse decode takes it (_check_kernel_heads, s_q 1 or 2)."""
+    _check_kernel_heads(where, q)
+    if q.shape[1] not in KERNEL_QUERY_TOKENS:
+        fail(ValueError, where, f"FlashMLA's sparse decode takes s_q in {KERNEL_QUERY_TOKENS}; "
+                                f"got {q.shape[1]} (pass implementation='reference')")
+
+
+def _decode_types(avals, **_):
+    batch, s_q, h_q, _ = avals["q"].shape
+    return (jax.core.ShapedArray((batch, s_q, h_q, HEAD_DIM_V), jnp.bfloat16),
+            jax.core.ShapedArray((batch, h_q, s_q), jnp.float32))
+
+
+def _reference_decode(named, *, softmax_scale, layer, num_sms):
+    return reference.sparse_decode_reference(named["q"], named["kv_cache"],
+                                             named["indices"][layer],
+                                             softmax_scale=softmax_scale,
+                                             attn_sink=named.get("attn_sink"))
+
+
+def _decode_schedule(avals, *, softmax_scale, layer, num_sms):
+    """The schedule of the kernel's decode of these shapes (_schedule): a constant of the op's
+    custom-call path (kernels/logical.py), made for each device's local batch."""
+    batch, s_q, h_q, _ = avals["q"].shape
+    topk = _kernel_topk(avals["indices"].shape[-1])
+    return _schedule(batch, _kernel_head_count(h_q), s_q, topk, num_sms)
+
+
+def _kernel_decode(named, *, softmax_scale, layer, num_sms):
+    """The custom call on one device's q (_check_kernel_decode), row `layer` of its indices, a
+    stack (layers, batch, s_q, topk), masked, and its schedule (_decode_schedule)."""
+    q, data, stack = named["q"], named["kv_cache"], named["indices"]
+    h_q = q.shape[2]
+    q, sink, with_sink = _kernel_heads(q, named.get("attn_sink"))
     topk = _kernel_topk(stack.shape[-1])
-    schedule = _schedule(batch, q.shape[-2], s_q, topk, default_num_sms())
     if topk != stack.shape[-1]:  # a copy of the stack: only where topk is not the kernel's
         stack = jnp.pad(stack, ((0, 0),) * 3 + ((0, topk - stack.shape[-1]),),
                         constant_values=-1)
     out, lse, *_ = custom_calls.SPARSE_DECODE(
         q=q, kv_cache=data, indices=stack, attn_sink=sink,
-        schedule=schedule, softmax_scale=softmax_scale, with_sink=with_sink,
+        schedule=named["schedule"], softmax_scale=softmax_scale, with_sink=with_sink,
         layer=layer)
     return out[:, :, :h_q], lse[:, :h_q]
+
+
+SPARSE_DECODE = logical.LogicalOp(
+    "sparse_mla_decode", factors=DECODE_FACTORS, results=("out", "lse"), split=("b",),
+    abstract_eval=_decode_types, reference=_reference_decode, kernels=_kernel_decode,
+    no_gradient=NO_GRADIENT, fold_vmap="b", constants={"schedule": _decode_schedule})
 
 
 @trusted.library_made(["slots"], ["num_keys"], "mask_indices(indices, kv_cache)")
@@ -180,13 +232,13 @@ def mask_indices(indices, kv_cache, *, topk_length=None):
     data = sparse_cache_array(kv_cache, where)
     validation.check_int32(where, "indices", indices)
     if indices.ndim < 1 or indices.shape[-1] < 1:
-        _fail(ValueError, where, f"indices must have shape (..., topk >= 1); got "
-                                 f"{tuple(indices.shape)}")
+        fail(ValueError, where, f"indices must have shape (..., topk >= 1); got "
+                                f"{tuple(indices.shape)}")
     if topk_length is not None:
         validation.check_int32(where, "topk_length", topk_length)
         if indices.ndim < 2 or tuple(topk_length.shape) != tuple(indices.shape[:1]):
-            _fail(ValueError, where, f"topk_length must have shape {tuple(indices.shape[:1])}, "
-                                     f"indices' first dimension; got {tuple(topk_length.shape)}")
+            fail(ValueError, where, f"topk_length must have shape {tuple(indices.shape[:1])}, "
+                                    f"indices' first dimension; got {tuple(topk_length.shape)}")
     num_keys = data.shape[0] * PAGE_SIZE
     return MaskedIndices._make(_masked(indices, num_keys, topk_length), num_keys)
 
@@ -198,11 +250,11 @@ def _masked(indices, num_keys, topk_length):
 
 def _check_masked(where, indices, data, topk_length):
     if topk_length is not None:
-        _fail(ValueError, where, "topk_length goes to mask_indices with MaskedIndices, which "
-                                 "already hold it; got a topk_length here too")
+        fail(ValueError, where, "topk_length goes to mask_indices with MaskedIndices, which "
+                                "already hold it; got a topk_length here too")
     if indices.num_keys > data.shape[0] * PAGE_SIZE:
-        _fail(ValueError, where, f"indices were masked for {indices.num_keys} keys, but the cache "
-                                 f"holds {data.shape[0] * PAGE_SIZE}")
+        fail(ValueError, where, f"indices were masked for {indices.num_keys} keys, but the cache "
+                                f"holds {data.shape[0] * PAGE_SIZE}")
 
 
 def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale=None, topk_length=None,
@@ -240,20 +292,39 @@ def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale=None, topk_length=N
     implementation = _implementation(where, implementation, "sparse_decode")
     if data.shape[0] == 0:
         return _no_keys(q.shape[:-1], jnp.bfloat16, (q.shape[0], q.shape[2], q.shape[1]))
-    if implementation == "reference":
-        return reference.sparse_decode_reference(q, data, indices, softmax_scale=scale,
-                                                 topk_length=topk_length, attn_sink=attn_sink)
+    if implementation == "custom_call":
+        _check_kernel_decode(where, q)
     if masked is None:
         # The kernel skips -1 alone: it would read an index past the cache, and it takes no
         # topk_length with this cache format.
-        return _kernel_decode(q, data, _masked(indices, data.shape[0] * PAGE_SIZE,
-                                               topk_length)[None], 0, attn_sink, scale)
-    return _kernel_decode(q, data, *masked._in_place(), attn_sink, scale)
+        stack, layer = _masked(indices, data.shape[0] * PAGE_SIZE, topk_length)[None], 0
+    else:
+        stack, layer = masked._in_place()
+    operands = dict(q=q, kv_cache=data, indices=stack)
+    if attn_sink is not None:
+        operands["attn_sink"] = attn_sink
+    return SPARSE_DECODE(operands, implementation=implementation, softmax_scale=scale,
+                         layer=layer, num_sms=default_num_sms())
 
 
-def _kernel_prefill(q, kv, indices, attn_sink, softmax_scale):
+def _prefill_types(avals, **_):
+    tokens, h_q, _ = avals["q"].shape
+    return (jax.core.ShapedArray((tokens, h_q, HEAD_DIM_V), avals["q"].dtype),
+            jax.core.ShapedArray((h_q, tokens), jnp.float32))
+
+
+def _reference_prefill(named, *, softmax_scale):
+    return reference.sparse_prefill_reference(named["q"], named["kv"], named["indices"],
+                                              softmax_scale=softmax_scale,
+                                              attn_sink=named.get("attn_sink"))
+
+
+def _kernel_prefill(named, *, softmax_scale):
+    """The custom call on one device's q (tokens, h_q, 576) (_check_kernel_heads once cast to
+    bfloat16), kv and masked indices (tokens, topk)."""
+    q, kv, indices = named["q"], named["kv"], named["indices"]
     dtype, h_q = q.dtype, q.shape[1]
-    q, sink, with_sink = _kernel_heads("sparse_mla_prefill", q.astype(jnp.bfloat16), attn_sink)
+    q, sink, with_sink = _kernel_heads(q.astype(jnp.bfloat16), named.get("attn_sink"))
     topk = indices.shape[-1]
     indices = jnp.pad(indices, ((0, 0), (0, _kernel_topk(topk, KERNEL_PREFILL_TOPK_BLOCK) - topk)),
                       constant_values=-1)
@@ -261,6 +332,12 @@ def _kernel_prefill(q, kv, indices, attn_sink, softmax_scale):
         q=q, kv=kv.astype(jnp.bfloat16)[:, None, :], indices=indices[:, None, :],
         attn_sink=sink, softmax_scale=softmax_scale, with_sink=with_sink)
     return out[:, :h_q].astype(dtype), (lse_base2[:, :h_q] * math.log(2)).T
+
+
+SPARSE_PREFILL = logical.LogicalOp(
+    "sparse_mla_prefill", factors=PREFILL_FACTORS, results=("out", "lse"), split=("t", "h"),
+    abstract_eval=_prefill_types, reference=_reference_prefill, kernels=_kernel_prefill,
+    no_gradient=NO_GRADIENT, fold_vmap="t")
 
 
 def sparse_mla_prefill(q, kv, indices, *, softmax_scale=None, topk_length=None,
@@ -285,15 +362,17 @@ def sparse_mla_prefill(q, kv, indices, *, softmax_scale=None, topk_length=None,
     validation.check_rank(where, "q", q, 3, "(tokens, h_q, 576)")
     validation.check_rank(where, "kv", kv, 2, "(keys, 576)")
     if kv.shape[-1] != HEAD_DIM or not jnp.issubdtype(kv.dtype, jnp.floating):
-        _fail(ValueError, where, f"kv must be floating with a last dimension of {HEAD_DIM}; got "
-                                 f"{kv.dtype} {tuple(kv.shape)}")
+        fail(ValueError, where, f"kv must be floating with a last dimension of {HEAD_DIM}; got "
+                                f"{kv.dtype} {tuple(kv.shape)}")
     scale = _check_common(where, q, indices, tuple(q.shape[:1]), topk_length, attn_sink,
                           softmax_scale)
     implementation = _implementation(where, implementation, "sparse_prefill")
     if kv.shape[0] == 0:
         return _no_keys(q.shape[:-1], q.dtype, (q.shape[1], q.shape[0]))
-    if implementation == "reference":
-        return reference.sparse_prefill_reference(q, kv, indices, softmax_scale=scale,
-                                                  topk_length=topk_length, attn_sink=attn_sink)
+    if implementation == "custom_call":
+        _check_kernel_heads(where, q.astype(jnp.bfloat16))
     # As in the decode: the kernel skips -1 alone.
-    return _kernel_prefill(q, kv, _masked(indices, kv.shape[0], topk_length), attn_sink, scale)
+    operands = dict(q=q, kv=kv, indices=_masked(indices, kv.shape[0], topk_length))
+    if attn_sink is not None:
+        operands["attn_sink"] = attn_sink
+    return SPARSE_PREFILL(operands, implementation=implementation, softmax_scale=scale)
