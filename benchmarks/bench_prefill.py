@@ -442,7 +442,7 @@ def main(argv=None):
     points = grid_points(GRIDS["small" if args.small else "quick" if args.quick else "full"])
     if args.points:
         points = [p for p in points if any(fnmatch.fnmatch(p.label, g) for g in args.points)]
-    cudnn_here = prefill._cudnn_usable()
+    cudnn_here = prefill.cudnn_usable()
     meta = dict(device=jax.devices()[0].device_kind, backend=jax.default_backend(),
                 jax=jax.__version__, cudnn=None,
                 prefill_implementation=prefill.resolve_implementation(None,

@@ -97,7 +97,7 @@ from jax_flashmla.reference import sparse as reference  # noqa: E402
 from jax_flashmla.sparse import mask_indices, sparse_mla_decode  # noqa: E402
 from jax_flashmla.caches.sparse import quantize_tokens  # noqa: E402
 from jax_flashmla.caches.sparse import TOKEN_BYTES  # noqa: E402
-from jax_flashmla.ops.sparse import KERNEL_HEADS, KERNEL_TOPK_BLOCK, _schedule  # noqa: E402
+from jax_flashmla.ops.sparse import KERNEL_HEADS, KERNEL_TOPK_BLOCK, kernel_schedule  # noqa: E402
 
 import sparse_report  # noqa: E402
 from device_time import device_time_in_turns, spin_blockers  # noqa: E402
@@ -177,7 +177,7 @@ def sparse_schedule(b, h_q, s_q, topk):
     """(tile_scheduler_metadata, num_splits) on the device for torch's op: the constant that
     sparse_mla_decode holds for these shapes (topk a multiple of 64, h_q the kernel's 64 or
     128), split into its two arrays."""
-    schedule = _schedule(b, h_q, s_q, topk, ops.default_num_sms())
+    schedule = kernel_schedule(b, h_q, s_q, topk, ops.default_num_sms())
     rows = schedule.size - (b + 1)
     return jax.device_put((schedule[:rows].reshape(-1, 8), schedule[rows:]))
 
@@ -395,7 +395,7 @@ def bare_decode(q, cache, indices, layer):
         f"--unguarded pads nothing: h_q {h_q} must be 64 or 128, topk {topk} a multiple of 64"
     out, *_ = custom_calls.SPARSE_DECODE(
         q=q, kv_cache=cache, indices=indices, attn_sink=jnp.zeros((0,), jnp.float32),
-        schedule=_schedule(b, h_q, s_q, topk, ops.default_num_sms()),
+        schedule=kernel_schedule(b, h_q, s_q, topk, ops.default_num_sms()),
         softmax_scale=SOFTMAX_SCALE, with_sink=False, layer=layer)
     return out[:, :, :h_q]
 

@@ -36,8 +36,9 @@ def test_this_jax_is_in_the_tested_range():
 @pytest.mark.parametrize("version", ["0.9.1", "0.12.0", "0.12.0.dev20270101", "1.0.0"])
 def test_outside_the_range_cudnn_is_refused_by_name(monkeypatch, version):
     monkeypatch.setattr(jax, "__version__", version)
-    message = (rf"implementation='cudnn' calls jax's private cuDNN wrapper, tested with "
-               rf"jax >= 0\.10, < 0\.12; this is jax {version}: pass implementation='xla'")
+    message = (rf"cuDNN's flash attention \(implementation='custom_call'\) calls jax's private "
+               rf"cuDNN wrapper, tested with jax >= 0\.10, < 0\.12; this is jax {version}: pass "
+               rf"implementation='reference'")
     with pytest.raises(RuntimeError, match=message):
         ragged_attention.cudnn_wrapper()
     with pytest.raises(RuntimeError, match=message):  # before any cuDNN call is built
@@ -51,5 +52,5 @@ def test_a_wrapper_that_does_not_import_is_refused_by_name(monkeypatch):
     monkeypatch.setitem(sys.modules, WRAPPER, None)  # import_module raises ImportError
     with pytest.raises(RuntimeError, match=r"jax's private cuDNN wrapper, which jax \S+ failed "
                                            r"to import \(.*\); it is tested with jax >= 0\.10, "
-                                           r"< 0\.12: pass implementation='xla'"):
+                                           r"< 0\.12: pass implementation='reference'"):
         _attend("cudnn")

@@ -324,7 +324,7 @@ def test_the_sparse_decodes_custom_call_path_split_along_batch(mesh,
                                                   implementation="custom_call"))
     spread = (_put(mesh, q, "x"), _put(mesh, cache), _put(mesh, indices, "x"), _put(mesh, sink))
     got = decode(*spread)
-    local_schedule = sparse_ops._schedule(1, 64, 2, 64, sparse_ops.default_num_sms()).shape
+    local_schedule = sparse_ops.kernel_schedule(1, 64, 2, 64, sparse_ops.default_num_sms()).shape
     assert sparse_decode_kernel_on_cpu[-1] == ((1, 2, 64, 576), local_schedule)
     for i in range(8):
         want = decode(q[i:i + 1], cache, indices[i:i + 1], sink)

@@ -380,7 +380,7 @@ def test_the_decode_custom_call_takes_the_stack_and_its_row():
     q, cache, indices = _decode_problem(14, h_q=64)
     stack = jnp.stack([indices] * 3)
     jaxpr = jax.make_jaxpr(lambda q, data, stack: sparse_ops._kernel_decode(
-        dict(q=q, kv_cache=data, indices=stack, schedule=sparse_ops._schedule(
+        dict(q=q, kv_cache=data, indices=stack, schedule=sparse_ops.kernel_schedule(
             q.shape[0], 64, q.shape[1], 64, default_num_sms())),
         softmax_scale=0.1, layer=2, num_sms=default_num_sms()))(
             q, sparse_cache_array(cache, "test"), stack)

@@ -30,7 +30,6 @@ def fail(exc, where, message):
     raise exc(f"{where}: {message}")
 
 
-_fail = fail  # the name caches.index_keys and flax.sparse_mla import
 
 
 # Every op's implementations: "custom_call", the GPU kernels as XLA custom calls (FlashMLA's,

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_flashmla.base import validation
-from jax_flashmla.base.validation import PAGE_SIZE, _fail
+from jax_flashmla.base.validation import PAGE_SIZE, fail
 from jax_flashmla.caches.paged import PagedArray, check_num_pages, droppable_slots, scatter_rows
 
 INDEX_HEAD_DIM = 128
@@ -61,7 +61,7 @@ def index_cache_array(cache, where):
             or data.dtype != jnp.uint8 or data.shape[0] < 1:
         seen = (f"{data.dtype} {tuple(data.shape)}" if hasattr(data, "shape")
                 else type(data).__name__)
-        _fail(ValueError, where, f"cache must be an IndexKeyCache or a (num_pages >= 1, "
+        fail(ValueError, where, f"cache must be an IndexKeyCache or a (num_pages >= 1, "
                                  f"{PAGE_BYTES}) uint8 array; got {seen}")
     return data
 
@@ -79,7 +79,7 @@ def quantize_index_keys(x):
     """(..., 128) keys (or one head's query), any float dtype -> (values (..., 128)
     float8_e4m3fn, scales (...,) float32) with x ~= values * scales[..., None]."""
     if x.shape[-1] != INDEX_HEAD_DIM or not jnp.issubdtype(x.dtype, jnp.floating):
-        _fail(ValueError, "quantize_index_keys", f"x must be floating with a last dimension "
+        fail(ValueError, "quantize_index_keys", f"x must be floating with a last dimension "
                                                  f"of {INDEX_HEAD_DIM}; got {x.dtype} "
                                                  f"{tuple(x.shape)}")
     scales = power_of_two_scales(x)
@@ -111,7 +111,7 @@ def write_index_keys(cache, slots, keys):
     validation.check_int32(where, "slots", slots)  # before jnp.asarray would narrow an int64
     expected = tuple(slots.shape) + (INDEX_HEAD_DIM,)
     if tuple(keys.shape) != expected or not jnp.issubdtype(keys.dtype, jnp.floating):
-        _fail(ValueError, where, f"keys must be floating with shape {expected} (slots' shape + "
+        fail(ValueError, where, f"keys must be floating with shape {expected} (slots' shape + "
                                  f"({INDEX_HEAD_DIM},)); got {keys.dtype} {tuple(keys.shape)}")
     values, scales = quantize_index_keys(keys.reshape(-1, INDEX_HEAD_DIM))
     num_pages = data.shape[0]

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_flashmla.base import validation
-from jax_flashmla.base.validation import PAGE_SIZE, _fail
+from jax_flashmla.base.validation import PAGE_SIZE, fail
 from jax_flashmla.caches.index_keys import (INDEX_HEAD_DIM, PAGE_BYTES, IndexKeyCache,
                                             write_index_keys)
 from jax_flashmla.caches.paged import droppable_slots, token_slots
@@ -307,12 +307,12 @@ def _check_caches(where, kv_cache, index_cache):
                 or tuple(data.shape[1:]) != page or data.shape[0] < 1:
             seen = (f"{data.dtype} {tuple(data.shape)}" if hasattr(data, "shape")
                     else type(data).__name__)
-            _fail(ValueError, where, f"{name} must be {kind} or a (num_pages, "
+            fail(ValueError, where, f"{name} must be {kind} or a (num_pages, "
                                      f"{', '.join(map(str, page))}) uint8 array; got {seen}")
         arrays.append(data)
     kv, index = arrays
     if kv.shape[0] != index.shape[0]:
-        _fail(ValueError, where, f"kv_cache and index_cache share slots, so they must have the "
+        fail(ValueError, where, f"kv_cache and index_cache share slots, so they must have the "
                                  f"same num_pages; got {kv.shape[0]} and {index.shape[0]}")
     return kv.shape[0]
 
@@ -325,7 +325,7 @@ def _check_batch_args(where, tokens_shape, block_table, **optional):
     validation.check_rank(where, "block_table", block_table, 2, "(batch, max_pages)")
     validation.check_int32(where, "block_table", block_table)
     if block_table.shape[0] != batch:
-        _fail(ValueError, where, f"block_table must have shape ({batch}, max_pages) for "
+        fail(ValueError, where, f"block_table must have shape ({batch}, max_pages) for "
                                  f"hidden_states' batch {batch}; got {tuple(block_table.shape)}")
     shapes = {"seq_lens": (batch,), "lengths": (batch,), "slots": tuple(tokens_shape)}
     shapes["prefix_lens"] = shapes["seq_lens"]
@@ -335,5 +335,5 @@ def _check_batch_args(where, tokens_shape, block_table, **optional):
         validation.check_rank(where, name, value, len(shapes[name]), str(shapes[name]))
         validation.check_int32(where, name, value)
         if tuple(value.shape) != shapes[name]:
-            _fail(ValueError, where, f"{name} must have shape {shapes[name]}; got "
+            fail(ValueError, where, f"{name} must have shape {shapes[name]}; got "
                                      f"{tuple(value.shape)}")

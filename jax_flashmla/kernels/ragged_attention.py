@@ -82,15 +82,16 @@ def cudnn_wrapper():
     supported = f"jax >= {first[0]}.{first[1]}, < {end[0]}.{end[1]}"
     found = re.match(r"(\d+)\.(\d+)", version)
     if found is None or not first <= (int(found[1]), int(found[2])) < end:
-        raise RuntimeError(f"implementation='cudnn' calls jax's private cuDNN wrapper, tested "
-                           f"with {supported}; this is jax {version}: pass "
-                           f"implementation='xla'")
+        raise RuntimeError(f"cuDNN's flash attention (implementation='custom_call') calls jax's "
+                           f"private cuDNN wrapper, tested with {supported}; this is jax "
+                           f"{version}: pass implementation='reference'")
     try:
         return importlib.import_module("jax._src.cudnn.fused_attention_stablehlo")
     except ImportError as e:
-        raise RuntimeError(f"implementation='cudnn' calls jax's private cuDNN wrapper, which "
-                           f"jax {version} failed to import ({e}); it is tested with "
-                           f"{supported}: pass implementation='xla'") from e
+        raise RuntimeError(f"cuDNN's flash attention (implementation='custom_call') calls jax's "
+                           f"private cuDNN wrapper, which jax {version} failed to import ({e}); "
+                           f"it is tested with {supported}: pass implementation='reference'"
+                           ) from e
 
 
 def cudnn_attention(q, k, v, q_segments, kv_segments, *, causal, scale):

@@ -52,7 +52,7 @@ def _cudnn_missing():
     if device.platform != "gpu":
         return f"a Hopper GPU as JAX's default backend; got {device.platform}"
     try:
-        from jax._src.cudnn import fused_attention_stablehlo as fa
+        fa = ragged_attention.cudnn_wrapper()
         capability = tuple(int(x) for x in str(device.compute_capability).split("."))
         version = fa.check_cudnn_version()
     except Exception as e:  # noqa: BLE001 - no cuDNN, or a jax or GPU without what is asked
@@ -64,7 +64,7 @@ def _cudnn_missing():
     return None
 
 
-def _cudnn_usable():
+def cudnn_usable():
     """Whether cuDNN's flash attention can run here (benchmarks/bench_prefill.py asks too)."""
     return _cudnn_missing() is None
 

@@ -116,7 +116,7 @@ def _kernel_heads(q, attn_sink):
 
 
 @functools.lru_cache(maxsize=None)
-def _schedule(batch, heads, s_q, topk, num_sms):
+def kernel_schedule(batch, heads, s_q, topk, num_sms):
     """FlashMLA's split-KV schedule for `batch` requests of `topk` keys each (the kernel's
     topk, a multiple of 64) at the kernel's `heads`, made by its scheduler once per shape at
     trace time: a numpy int32 array, the scheduler's rows (parts, 8) flattened, then num_splits
@@ -160,11 +160,11 @@ def _reference_decode(named, *, softmax_scale, layer, num_sms):
 
 
 def _decode_schedule(avals, *, softmax_scale, layer, num_sms):
-    """The schedule of the kernel's decode of these shapes (_schedule): a constant of the op's
+    """The schedule of the kernel's decode of these shapes (kernel_schedule): a constant of the op's
     custom-call path (kernels/logical.py), made for each device's local batch."""
     batch, s_q, h_q, _ = avals["q"].shape
     topk = _kernel_topk(avals["indices"].shape[-1])
-    return _schedule(batch, _kernel_head_count(h_q), s_q, topk, num_sms)
+    return kernel_schedule(batch, _kernel_head_count(h_q), s_q, topk, num_sms)
 
 
 def _kernel_decode(named, *, softmax_scale, layer, num_sms):
