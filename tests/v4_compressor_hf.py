@@ -58,7 +58,7 @@ class HFLayers:
                         p.normal_(0.0, HIDDEN ** -0.5)
             layer.to(self.dtype)
             for name, p in layer.named_parameters():
-                if name.split(".")[-2 if name.endswith(".weight") else -1] in FLOAT32_PARAMETERS:
+                if name.removesuffix(".weight").split(".")[-1] in FLOAT32_PARAMETERS:
                     p.data = p.data.float()
         self.inv_freq = self.layers[HCA].compressor.rotary_emb.compress_inv_freq.float().numpy()
 
