@@ -97,7 +97,8 @@ from jax_flashmla.reference import sparse as reference  # noqa: E402
 from jax_flashmla.sparse import mask_indices, sparse_mla_decode  # noqa: E402
 from jax_flashmla.caches.sparse import quantize_tokens  # noqa: E402
 from jax_flashmla.caches.sparse import TOKEN_BYTES  # noqa: E402
-from jax_flashmla.ops.sparse import KERNEL_HEADS, KERNEL_TOPK_BLOCK, kernel_schedule  # noqa: E402
+from jax_flashmla.kernels.sparse_forms import (KERNEL_HEADS, KERNEL_TOPK_BLOCK,  # noqa: E402
+                                               kernel_schedule)
 
 import sparse_report  # noqa: E402
 from device_time import device_time_in_turns, spin_blockers  # noqa: E402

@@ -67,8 +67,8 @@ import numpy as np  # noqa: E402
 import jax_flashmla as jf  # noqa: E402
 from jax_flashmla import serving  # noqa: E402
 from jax_flashmla.kernels import library as kernels  # noqa: E402
-from jax_flashmla.sparse import (IndexKeyCache, indexer_decode, sparse_mla_decode,  # noqa: E402
-                                 write_index_keys)
+from jax_flashmla.sparse import (indexer_decode, IndexKeyCache, sparse_mla_decode,  # noqa: E402
+                                 write_sparse_kv)
 from jax_flashmla.caches.index_keys import quantize_index_keys  # noqa: E402
 from jax_flashmla.ops.indexer import IndexQuery  # noqa: E402
 from jax_flashmla.caches.sparse import TOKEN_BYTES as SPARSE_TOKEN_BYTES  # noqa: E402
@@ -100,10 +100,10 @@ def dense_cache(num_pages, key):
 
 def index_cache(num_pages, key):
     """A (num_pages, 8448) index-key cache: BASE_PAGES pages of random keys quantized by
-    write_index_keys, repeated by a gather."""
+    write_sparse_kv, repeated by a gather."""
     base_pages = min(num_pages, BASE_PAGES)
     slots = jnp.arange(base_pages * PAGE, dtype=jnp.int32)
-    base = write_index_keys(IndexKeyCache.create(base_pages), slots,
+    base = write_sparse_kv(IndexKeyCache.create(base_pages), slots,
                             jax.random.normal(key, (base_pages * PAGE, INDEX_HEAD_DIM))).data
     return base[jnp.arange(num_pages) % base_pages]
 

@@ -27,6 +27,10 @@ NB_MODULE(_cpu, m) {
     sizes["index_key_scale_bytes"] = kIndexKeyScaleBytes;
     sizes["index_page_values_bytes"] = kIndexPageValuesBytes;
     sizes["index_page_bytes"] = kIndexPageBytes;
+    sizes["v4_row_bytes"] = kV4RowBytes;
+    sizes["v4_scale_bytes"] = kV4ScaleBytes;
+    sizes["v4_page_rows"] = kV4PageRows;
+    sizes["v4_kernel_token_bytes"] = kV4KernelTokenBytes;
     sizes["host_queue_header_bytes"] = kHostQueueHeaderBytes;
     sizes["host_queue_writing"] = kHostQueueWriting;
     return sizes;

@@ -144,6 +144,27 @@ ffi::Error MlaDecodeFp8CudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuf
   });
 }
 
+// The (parts, 8) rows and the (batch + 1) num_splits of a schedule array (rows flattened,
+// then num_splits), as the tensors the sparse decodes take; an error where its size is not
+// that of whole rows and batch + 1 splits.
+ffi::Error ScheduleTensors(std::string_view op, ffi::Buffer<ffi::S32> schedule, int64_t batch,
+                           int32_t device, at::Tensor* rows, at::Tensor* splits) {
+  const int64_t rows_size = static_cast<int64_t>(schedule.element_count()) - (batch + 1);
+  if (rows_size < kMetadataFields || rows_size % kMetadataFields != 0) {
+    return ffi::Error::InvalidArgument(
+        std::string(op) + ": a schedule of " + std::to_string(schedule.element_count()) +
+        " int32 is not (parts, 8) rows and num_splits of batch + 1 = " +
+        std::to_string(batch + 1));
+  }
+  const std::array<int64_t, 2> rows_dims{rows_size / kMetadataFields, kMetadataFields};
+  const std::array<int64_t, 1> splits_dims{batch + 1};
+  *rows = WrapBuffer(schedule.typed_data(), {rows_dims.data(), rows_dims.size()},
+                     ffi::DataType::S32, device);
+  *splits = WrapBuffer(schedule.typed_data() + rows_size,
+                       {splits_dims.data(), splits_dims.size()}, ffi::DataType::S32, device);
+  return ffi::Error::Success();
+}
+
 // DeepSeek-V3.2's sparse decode (sparse_decode_fwd) over the 656-byte token cache, viewed as
 // the float8_e4m3fn bytes the op takes, on a schedule the metadata call made (one array: its
 // rows (parts, 8), then num_splits (batch + 1)); its results and accumulators in XLA's buffers
@@ -168,15 +189,11 @@ ffi::Error MlaSparseDecodeCudaImpl(cudaStream_t stream, int32_t device, ffi::Any
         " layers (rank 4: layers, batch, s_q, topk)");
   }
   const int64_t row = stack[1] * stack[2] * stack[3];
-  const int64_t rows_size = static_cast<int64_t>(schedule.element_count()) - (stack[1] + 1);
-  if (rows_size < kMetadataFields || rows_size % kMetadataFields != 0) {
-    return ffi::Error::InvalidArgument(
-        std::string(op) + ": a schedule of " + std::to_string(schedule.element_count()) +
-        " int32 is not (parts, 8) rows and num_splits of batch + 1 = " +
-        std::to_string(stack[1] + 1));
+  at::Tensor rows, splits;
+  if (ffi::Error error = ScheduleTensors(op, schedule, stack[1], device, &rows, &splits);
+      error.failure()) {
+    return error;
   }
-  const std::array<int64_t, 2> rows_dims{rows_size / kMetadataFields, kMetadataFields};
-  const std::array<int64_t, 1> splits_dims{stack[1] + 1};
   return OnXlaStream(stream, device, op, [&] {
     OpArgs args;
     Slot(args, OpArg::kQ) = WrapBuffer(q, device);
@@ -185,11 +202,61 @@ ffi::Error MlaSparseDecodeCudaImpl(cudaStream_t stream, int32_t device, ffi::Any
     Slot(args, OpArg::kIndices) = WrapBuffer(indices.typed_data() + layer * row,
                                              stack.last(3), ffi::DataType::S32, device);
     if (with_sink) Slot(args, OpArg::kAttnSink) = WrapBuffer(attn_sink, device);
-    Slot(args, OpArg::kTileSchedulerMetadata) = WrapBuffer(
-        schedule.typed_data(), {rows_dims.data(), rows_dims.size()}, ffi::DataType::S32, device);
-    Slot(args, OpArg::kNumSplits) =
-        WrapBuffer(schedule.typed_data() + rows_size, {splits_dims.data(), splits_dims.size()},
-                   ffi::DataType::S32, device);
+    Slot(args, OpArg::kTileSchedulerMetadata) = rows;
+    Slot(args, OpArg::kNumSplits) = splits;
+    Slot(args, OpArg::kHeadDimV) = out->dimensions().back();
+    Slot(args, OpArg::kSoftmaxScale) = static_cast<double>(softmax_scale);
+    CallTorchOp(op, args,
+                {WrapBuffer(*out, device), LseBuffer(lse, device), WrapBuffer(*lse_accum, device),
+                 WrapBuffer(*out_accum, device)},
+                {{"out", 0}, {"lse", 1}});
+    return ffi::Error::Success();
+  });
+}
+
+// A DeepSeek-V4 cache (num_pages, 65, 576) as the (num_pages, 64, 1, 584) float8_e4m3fn view
+// FlashMLA's MODEL1 kernel takes: a page's stride stays 65 rows, a token's is 584 bytes (the
+// kernel finds the token rows and the scale row within the page itself).
+at::Tensor V4CacheView(ffi::Buffer<ffi::U8> cache, int32_t device) {
+  const int64_t pages = cache.dimensions()[0];
+  const at::Tensor bytes = WrapBuffer(cache.untyped_data(), cache.dimensions(),
+                                      ffi::DataType::F8E4M3FN, device);
+  return bytes.as_strided({pages, kPageTokens, 1, kV4KernelTokenBytes},
+                          {kV4PageRows * kV4RowBytes, kV4KernelTokenBytes, kV4KernelTokenBytes,
+                           1});
+}
+
+// DeepSeek-V4's sparse decode (sparse_decode_fwd with a q of 512: FlashMLA's MODEL1 kernel)
+// over the main cache and, with with_extra, the extra (window) cache, on a schedule the
+// metadata call made over the requests' combined lengths; results and accumulators in XLA's
+// buffers, in the order the op allocates them.
+ffi::Error MlaSparseDecodeV4CudaImpl(
+    cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::Buffer<ffi::U8> kv_cache,
+    ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::S32> topk_length,
+    ffi::Buffer<ffi::U8> extra_kv_cache, ffi::Buffer<ffi::S32> extra_indices,
+    ffi::Buffer<ffi::S32> extra_topk_length, ffi::Buffer<ffi::F32> attn_sink,
+    ffi::Buffer<ffi::S32> schedule, float softmax_scale, bool with_extra, bool with_sink,
+    std::string_view op, ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::F32> lse,
+    ffi::ResultBuffer<ffi::F32> out_accum, ffi::ResultBuffer<ffi::F32> lse_accum) {
+  at::Tensor rows, splits;
+  if (ffi::Error error = ScheduleTensors(op, schedule, q.dimensions()[0], device, &rows, &splits);
+      error.failure()) {
+    return error;
+  }
+  return OnXlaStream(stream, device, op, [&] {
+    OpArgs args;
+    Slot(args, OpArg::kQ) = WrapBuffer(q, device);
+    Slot(args, OpArg::kKvCache) = V4CacheView(kv_cache, device);
+    Slot(args, OpArg::kIndices) = WrapBuffer(indices, device);
+    Slot(args, OpArg::kTopkLength) = WrapBuffer(topk_length, device);
+    if (with_extra) {
+      Slot(args, OpArg::kExtraKv) = V4CacheView(extra_kv_cache, device);
+      Slot(args, OpArg::kExtraIndices) = WrapBuffer(extra_indices, device);
+      Slot(args, OpArg::kExtraTopkLength) = WrapBuffer(extra_topk_length, device);
+    }
+    if (with_sink) Slot(args, OpArg::kAttnSink) = WrapBuffer(attn_sink, device);
+    Slot(args, OpArg::kTileSchedulerMetadata) = rows;
+    Slot(args, OpArg::kNumSplits) = splits;
     Slot(args, OpArg::kHeadDimV) = out->dimensions().back();
     Slot(args, OpArg::kSoftmaxScale) = static_cast<double>(softmax_scale);
     CallTorchOp(op, args,
@@ -248,6 +315,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaDecodeCuda, MlaDecodeCudaImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaSparseDecodeCuda, MlaSparseDecodeCudaImpl,
     BindDecodeResults(BindSparseDecodeOperands(CudaContext()).Attr<std::string_view>("op")),
+    {kCudaTargetTraits});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaSparseDecodeV4Cuda, MlaSparseDecodeV4CudaImpl,
+    BindDecodeResults(BindSparseDecodeV4Operands(CudaContext()).Attr<std::string_view>("op")),
     {kCudaTargetTraits});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kMlaSparsePrefillCuda, MlaSparsePrefillCudaImpl,

@@ -13,12 +13,14 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaDecodeCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaDecodeFp8Cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaMetadataCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaSparseDecodeCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaSparseDecodeV4Cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kMlaSparsePrefillCuda);
 
 inline constexpr Target kFlashMlaTargets[] = {{kMlaDecodeTarget, kMlaDecodeCuda},
                                               {kMlaDecodeFp8Target, kMlaDecodeFp8Cuda},
                                               {kMlaMetadataTarget, kMlaMetadataCuda},
                                               {kMlaSparseDecodeTarget, kMlaSparseDecodeCuda},
+                                              {kMlaSparseDecodeV4Target, kMlaSparseDecodeV4Cuda},
                                               {kMlaSparsePrefillTarget, kMlaSparsePrefillCuda}};
 
 }  // namespace jax_flashmla

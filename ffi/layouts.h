@@ -24,6 +24,15 @@ inline constexpr int64_t kIndexPageValuesBytes = kPageTokens * kIndexKeyDim;
 inline constexpr int64_t kIndexPageBytes =
     kIndexPageValuesBytes + kPageTokens * kIndexKeyScaleBytes;
 
+// DeepSeek-V4's cache (jax_flashmla/caches/v4.py), FlashMLA's MODEL1 page: 64 token rows of
+// 576 bytes (448 e4m3, 64 bf16), then a row holding the tokens' 8-byte scale rows, token t's
+// at [8 t, 8 t + 8). FlashMLA's kernel takes a page as a (64, 1, 584) view: 584 the bytes of
+// a token's row and scales together, which fixes the view's token stride.
+inline constexpr int64_t kV4RowBytes = 576;
+inline constexpr int64_t kV4ScaleBytes = 8;
+inline constexpr int64_t kV4PageRows = kPageTokens + 1;
+inline constexpr int64_t kV4KernelTokenBytes = kV4RowBytes + kV4ScaleBytes;
+
 }  // namespace jax_flashmla
 
 #endif  // JAX_FLASHMLA_FFI_LAYOUTS_H_

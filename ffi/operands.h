@@ -82,6 +82,27 @@ auto BindSparseDecodeOperands(Binding binding) {
       .template Attr<int64_t>("layer");
 }
 
+// DeepSeek-V4's sparse decode (FlashMLA's MODEL1 form): q (batch, s_q, h_q, 512), the main
+// cache (num_pages, 65, 576) bytes (jax_flashmla/caches/v4.py) with the slots each query reads
+// (batch, s_q, topk) and their lengths (batch,), the extra (window) cache and its slots and
+// lengths in the same forms (read only with with_extra), the per-head sink logits (read only
+// with with_sink), and the schedule as for V3.2: rows (parts, 8) flattened, then num_splits.
+template <typename Binding>
+auto BindSparseDecodeV4Operands(Binding binding) {
+  return std::move(binding).template Arg<ffi::AnyBuffer>()          // q
+      .template Arg<ffi::Buffer<ffi::U8>>()              // kv_cache
+      .template Arg<ffi::Buffer<ffi::S32>>()             // indices
+      .template Arg<ffi::Buffer<ffi::S32>>()             // topk_length
+      .template Arg<ffi::Buffer<ffi::U8>>()              // extra_kv_cache
+      .template Arg<ffi::Buffer<ffi::S32>>()             // extra_indices
+      .template Arg<ffi::Buffer<ffi::S32>>()             // extra_topk_length
+      .template Arg<ffi::Buffer<ffi::F32>>()             // attn_sink
+      .template Arg<ffi::Buffer<ffi::S32>>()             // schedule
+      .template Attr<float>("softmax_scale")
+      .template Attr<bool>("with_extra")
+      .template Attr<bool>("with_sink");
+}
+
 // DeepSeek-V3.2's sparse prefill: q (tokens, h_q, 576), kv (keys, 1, 576) and indices (tokens,
 // 1, topk) rows, the per-head sink logits (read only with with_sink).
 template <typename Binding>

@@ -17,6 +17,7 @@ inline constexpr char kMlaDecodeTarget[] = "jax_flashmla_mla_decode";
 inline constexpr char kMlaDecodeFp8Target[] = "jax_flashmla_mla_decode_fp8";
 inline constexpr char kMlaMetadataTarget[] = "jax_flashmla_mla_metadata";
 inline constexpr char kMlaSparseDecodeTarget[] = "jax_flashmla_mla_sparse_decode";
+inline constexpr char kMlaSparseDecodeV4Target[] = "jax_flashmla_mla_sparse_decode_v4";
 inline constexpr char kMlaSparsePrefillTarget[] = "jax_flashmla_mla_sparse_prefill";
 inline constexpr char kHostQueuePushTarget[] = "jax_flashmla_host_queue_push";
 inline constexpr char kIndexTopkTarget[] = "jax_flashmla_index_topk";

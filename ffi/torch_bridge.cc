@@ -51,6 +51,12 @@ OpArg ArgForName(std::string_view name, bool* known) {
       {"descale_k", OpArg::kDescaleK},
       {"indices", OpArg::kIndices},
       {"attn_sink", OpArg::kAttnSink},
+      {"topk_length", OpArg::kTopkLength},
+      {"extra_kv", OpArg::kExtraKv},
+      {"extra_k_cache", OpArg::kExtraKv},
+      {"extra_indices", OpArg::kExtraIndices},
+      {"extra_indices_in_kvcache", OpArg::kExtraIndices},
+      {"extra_topk_length", OpArg::kExtraTopkLength},
   };
   auto it = kNames.find(name);
   *known = it != kNames.end();

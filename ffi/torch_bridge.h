@@ -44,6 +44,10 @@ enum class OpArg {
   kDescaleK,
   kIndices,  // the sparse ops' indices, and their sink logits
   kAttnSink,
+  kTopkLength,  // DeepSeek-V4's decode: its indices' lengths, and the extra (window) cache's
+  kExtraKv,
+  kExtraIndices,
+  kExtraTopkLength,
   kCount,
 };
 

@@ -26,10 +26,11 @@ import numpy as np
 
 import jax_flashmla as jf
 from jax_flashmla.kernels import library as kernels
-from jax_flashmla.sparse import (IndexKeyCache, SparseKVCache, indexer_decode, indexer_prefill,
-                                 mask_indices, sparse_mla_decode, sparse_mla_prefill,
-                                 write_index_keys)
+from jax_flashmla.sparse import (indexer_decode, indexer_prefill, IndexKeyCache, mask_indices,
+                                 sparse_mla_decode, sparse_mla_prefill, SparseKVCache,
+                                 write_sparse_kv)
 from jax_flashmla.caches.index_keys import quantize_index_keys
+from jax_flashmla.caches.v4 import V4KVCache
 from jax_flashmla.caches.sparse import quantize_tokens
 from jax_flashmla.ops.indexer import IndexQuery
 from jax_flashmla.ops.sparse import MaskedIndices
@@ -54,7 +55,8 @@ class Case:
 
 # The groups in the order the one-process run takes them.
 GROUPS = {group: [] for group in ("sparse_prefill", "indexer", "prefill_cudnn_bf16",
-                                  "prefill_cudnn_fp8", "flax_extend", "sparse_decode")}
+                                  "prefill_cudnn_fp8", "flax_extend", "sparse_decode",
+                                  "v4_decode")}
 
 
 def case(group, needs=None):
@@ -233,6 +235,104 @@ def masked_indices_are_not_built_from_an_array():
     raise AssertionError("MaskedIndices(slots, num_keys) was built from an array")
 
 
+# -- DeepSeek-V4's sparse decode ------------------------------------------------------------------
+
+SPARSE_DECODE_V4 = "jax_flashmla_mla_sparse_decode_v4"
+_v4_decode = jax.jit(functools.partial(sparse_mla_decode, softmax_scale=SCALE))
+
+
+def _v4_cache(rng, pages):
+    rows = jnp.asarray(rng.normal(0, 0.3, (pages * 64, 512)), jnp.float32)
+    return write_sparse_kv(V4KVCache.create(pages), jnp.arange(pages * 64, dtype=jnp.int32),
+                           rows)
+
+
+def _v4_problem(seed, batch=3, s_q=1, h_q=16, topk=64, window=64):
+    """q, a main cache of 4 pages and a window cache of 2, and valid indices into both."""
+    rng = np.random.default_rng(seed)
+    cache, window_cache = _v4_cache(rng, 4), _v4_cache(rng, 2)
+    indices = jnp.asarray(rng.integers(0, 256, (batch, s_q, topk)), jnp.int32)
+    window_indices = jnp.asarray(rng.integers(0, 128, (batch, s_q, window)), jnp.int32)
+    q = jnp.asarray(rng.normal(0, 1, (batch, s_q, h_q, 512)), jnp.bfloat16)
+    return q, cache, indices, window_cache, window_indices
+
+
+@case("v4_decode", needs=ON_GPU)
+def v4_decode_defaults_to_flashmlas_kernel():
+    q, cache, indices, window, window_indices = _v4_problem(0)
+    assert_lowers_to(lambda *a: _v4_decode(*a[:3], extra_kv_cache=a[3], extra_indices=a[4]),
+                     SPARSE_DECODE_V4, q, cache, indices, window, window_indices)
+
+
+@case("v4_decode")
+def v4_decode_never_reads_indices_past_either_cache():
+    """Request 1's indices past both caches (int32 extremes among them), request 2's last
+    query's too: as with -1 there; request 2's last query empty; request 0 untouched."""
+    q, cache, indices, window, window_indices = _v4_problem(1, s_q=2)
+    extremes = jnp.asarray(np.resize([INT32_MIN, INT32_MAX, -2, 256, 10**6], 64), jnp.int32)
+    bad = indices.at[1, 0].set(extremes).at[2, 1].set(extremes)
+    bad_window = window_indices.at[1, 0, ::2].set(extremes[:32]).at[2, 1].set(extremes)
+    clean = indices.at[1, 0].set(-1).at[2, 1].set(-1)
+    clean_window = window_indices.at[1, 0, ::2].set(-1).at[2, 1].set(-1)
+    out, lse = jax.block_until_ready(_v4_decode(q, cache, bad, extra_kv_cache=window,
+                                                extra_indices=bad_window))
+    want_out, want_lse = _v4_decode(q, cache, clean, extra_kv_cache=window,
+                                    extra_indices=clean_window)
+    assert_empty(out[2, 1], lse[2, :, 1], "request 2's last query, every index invalid")
+    assert_same(out, want_out, "out against the indices made -1")
+    assert_same(lse, want_lse, "lse against the indices made -1")
+
+
+@case("v4_decode")
+def v4_decode_lengths_past_topk_keep_every_index_and_negative_ones_none():
+    q, cache, indices, window, window_indices = _v4_problem(2)
+    past = jnp.asarray([65, INT32_MAX, 10**6], jnp.int32)
+    negative = jnp.asarray([-1, INT32_MIN, 0], jnp.int32)
+    call = lambda lengths, window_lengths: jax.block_until_ready(_v4_decode(
+        q, cache, indices, topk_length=lengths, extra_kv_cache=window,
+        extra_indices=window_indices, extra_topk_length=window_lengths))
+    got, want = call(past, past), call(None, None)
+    assert_same(got[0], want[0], "out, lengths past topk")
+    assert_same(got[1], want[1], "lse, lengths past topk")
+    out, lse = call(negative, negative)
+    assert_empty(out, lse, "negative lengths in both caches")
+    window_alone = _v4_decode(q, window, window_indices)
+    out, lse = call(negative, None)
+    np.testing.assert_allclose(_host(out), _host(window_alone[0]), rtol=1e-2, atol=1e-5,
+                               err_msg="negative main lengths leave the window")
+
+
+@case("v4_decode")
+def v4_decode_attn_sink_infinities_and_nan():
+    q, cache, indices, window, window_indices = _v4_problem(3)
+    indices, window_indices = indices.at[1].set(-1), window_indices.at[1].set(-1)
+
+    def out_of(sink):
+        out, lse = jax.block_until_ready(_v4_decode(q, cache, indices, attn_sink=sink,
+                                                    extra_kv_cache=window,
+                                                    extra_indices=window_indices))
+        return out[:, 0], lse[:, :, 0]
+    check_sink(out_of, q.shape[2])
+
+
+@case("v4_decode")
+def v4_decode_over_a_main_cache_of_no_pages():
+    """No main pages: the window alone is read; no window pages either: the empty answer,
+    without a kernel."""
+    q, _, indices, window, window_indices = _v4_problem(4)
+    empty = V4KVCache(jnp.zeros((0, 65, 576), jnp.uint8))
+    mixed = indices.at[0, 0, :4].set(jnp.asarray([-1, 0, 5, INT32_MAX], jnp.int32))
+    out, lse = jax.block_until_ready(_v4_decode(q, empty, mixed, extra_kv_cache=window,
+                                                extra_indices=window_indices))
+    window_alone = _v4_decode(q, window, window_indices)
+    np.testing.assert_allclose(_host(out), _host(window_alone[0]), rtol=1e-2, atol=1e-5)
+    np.testing.assert_allclose(_host(lse), _host(window_alone[1]), rtol=1e-6)
+    empty_args = (q, empty, mixed, empty, window_indices)
+    call = lambda *a: _v4_decode(*a[:3], extra_kv_cache=a[3], extra_indices=a[4])
+    assert_empty(*jax.block_until_ready(call(*empty_args)), "no pages in either cache")
+    assert_no_kernel(call, SPARSE_DECODE_V4, *empty_args)
+
+
 # -- sparse prefill -----------------------------------------------------------------------------
 
 SPARSE_PREFILL = "jax_flashmla_mla_sparse_prefill"
@@ -336,7 +436,7 @@ def _index_problem(seed, lengths=(300, 200, 150), s_q=1, rows=None):
     positions = np.concatenate([np.arange(n) for n in lengths]).astype(np.int32)
     requests = np.repeat(np.arange(len(lengths)), lengths)
     slots = jf.token_slots(jnp.asarray(table[requests]), jnp.asarray(positions[:, None]))[:, 0]
-    cache = write_index_keys(IndexKeyCache(jnp.full((num_pages, PAGE_BYTES), 0xFF, jnp.uint8)),
+    cache = write_sparse_kv(IndexKeyCache(jnp.full((num_pages, PAGE_BYTES), 0xFF, jnp.uint8)),
                              slots, jnp.asarray(rng.normal(0, 1, (len(slots), 128)), jnp.float32))
     shape = (len(lengths), s_q) if rows is None else (rows,)
     values, scales = quantize_index_keys(jnp.asarray(rng.normal(0, 1, shape + (HEADS, 128)),

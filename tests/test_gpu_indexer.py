@@ -12,7 +12,7 @@ import pytest
 
 from helpers import SENTINEL_PAGE
 from jax_flashmla import token_slots
-from jax_flashmla.sparse import IndexKeyCache, indexer_decode, indexer_prefill, write_index_keys
+from jax_flashmla.sparse import indexer_decode, indexer_prefill, IndexKeyCache, write_sparse_kv
 from jax_flashmla.caches.index_keys import quantize_index_keys
 from jax_flashmla.ops.indexer import IndexQuery, index_scores
 from jax_flashmla.ops import indexer
@@ -38,7 +38,7 @@ def _problem(seed, lengths, heads=HEADS, s_q=1):
     positions = np.concatenate([np.arange(n) for n in lengths]).astype(np.int32)
     requests = np.repeat(np.arange(len(lengths)), lengths)
     slots = token_slots(jnp.asarray(table[requests]), jnp.asarray(positions[:, None]))[:, 0]
-    cache = write_index_keys(IndexKeyCache(jnp.full((num_pages, PAGE_BYTES), 0xFF, jnp.uint8)),
+    cache = write_sparse_kv(IndexKeyCache(jnp.full((num_pages, PAGE_BYTES), 0xFF, jnp.uint8)),
                              slots, jnp.asarray(rng.normal(0, 1, (len(slots), 128)), jnp.float32))
     values, scales = quantize_index_keys(jnp.asarray(rng.normal(0, 1, (len(lengths), s_q, heads,
                                                                        128)), jnp.float32))

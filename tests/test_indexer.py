@@ -13,8 +13,8 @@ from jax.experimental import checkify
 from indexer_cases import assert_same_selection, paged_block_table, selected_positions
 from jax_flashmla import token_slots, value_checks
 from jax_flashmla.kernels import library as kernels
-from jax_flashmla.sparse import (IndexerWeights, IndexKeyCache, index_keys, index_query,
-                                 indexer_decode, indexer_prefill, write_index_keys)
+from jax_flashmla.sparse import (index_keys, index_query, indexer_decode, indexer_prefill,
+                                 IndexerWeights, IndexKeyCache, write_sparse_kv)
 from jax_flashmla.caches.index_keys import dequantize_index_keys, quantize_index_keys
 from jax_flashmla.ops.indexer import IndexQuery, index_scores
 from jax_flashmla.caches.index_keys import PAGE_BYTES
@@ -33,7 +33,7 @@ SCORE_RTOL, SCORE_ATOL = (2e-3, 5e-4) if kernels.own_kernels_available() else (1
 _keys = jax.jit(lambda weights, x, positions: index_keys(weights, x, positions, INV_FREQ))
 _query = jax.jit(lambda weights, x, q_lora, positions: index_query(weights, x, q_lora,
                                                                    positions, INV_FREQ))
-_write = jax.jit(write_index_keys)
+_write = jax.jit(write_sparse_kv)
 _scores = jax.jit(index_scores)
 _decode = jax.jit(indexer_decode, static_argnames="topk")
 _prefill = jax.jit(indexer_prefill, static_argnames="topk")
@@ -185,7 +185,7 @@ def test_writes_land_in_place_and_bad_slots_write_nothing():
     fresh = np.asarray(cache.data).copy()
     slots = jnp.asarray([[5, 130], [-1, 3 * PAGE], [10**6, -PAGE]], jnp.int32)
     keys = jnp.asarray(np.random.default_rng(2).normal(0, 3, (3, 2, 128)), jnp.float32)
-    write = jax.jit(write_index_keys, donate_argnums=0)
+    write = jax.jit(write_sparse_kv, donate_argnums=0)
     pointer = cache.data.unsafe_buffer_pointer()
     new = write(cache, slots, keys)
     assert cache.data.is_deleted() and new.data.unsafe_buffer_pointer() == pointer
@@ -468,10 +468,10 @@ def test_decode_after_the_prompt_selects_what_hf_selects():
     (lambda q, c, bt, sl: indexer_prefill(IndexQuery(*(x[0] for x in q)), c, bt, sl,
                                           jnp.zeros((2,), jnp.int32)), ValueError,
      r"indexer_prefill: cu_seqlens must have shape \(3,\); got \(2,\)"),
-    (lambda q, c, bt, sl: write_index_keys(c, jnp.zeros((3,), jnp.int32), jnp.zeros((3, 64))),
-     ValueError, r"write_index_keys: keys must be floating with shape \(3, 128\)"),
-    (lambda q, c, bt, sl: write_index_keys(c, np.zeros((3,), np.int64), jnp.zeros((3, 128))),
-     TypeError, r"write_index_keys: slots must be int32; got int64"),
+    (lambda q, c, bt, sl: write_sparse_kv(c, jnp.zeros((3,), jnp.int32), jnp.zeros((3, 64))),
+     ValueError, r"write_sparse_kv: keys must be floating with shape \(3, 128\)"),
+    (lambda q, c, bt, sl: write_sparse_kv(c, np.zeros((3,), np.int64), jnp.zeros((3, 128))),
+     TypeError, r"write_sparse_kv: slots must be int32; got int64"),
     (lambda q, c, bt, sl: indexer_decode(q, c, bt, sl, implementation="triton"), ValueError,
      r"indexer_decode: implementation must be None or one of \('custom_call', 'reference'\); "
      r"got 'triton'"),

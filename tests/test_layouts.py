@@ -2,7 +2,7 @@
 which the CPU and CUDA modules are compiled with) equal those the Python package states once."""
 from jax_flashmla import _cpu
 from jax_flashmla.base import validation
-from jax_flashmla.caches import index_keys
+from jax_flashmla.caches import index_keys, v4
 from jax_flashmla.serving import host_queue
 
 
@@ -14,6 +14,10 @@ def test_compiled_layouts_equal_pythons():
         "index_key_scale_bytes": index_keys.SCALE_BYTES,
         "index_page_values_bytes": index_keys.VALUES_BYTES,
         "index_page_bytes": index_keys.PAGE_BYTES,
+        "v4_row_bytes": v4.ROW_BYTES,
+        "v4_scale_bytes": v4.SCALE_BYTES,
+        "v4_page_rows": v4.PAGE_ROWS,
+        "v4_kernel_token_bytes": v4.KERNEL_TOKEN_BYTES,
         "host_queue_header_bytes": host_queue.HEADER_BYTES,
         "host_queue_writing": host_queue.WRITING,
     }

@@ -19,8 +19,8 @@ from jax_flashmla.kernels import custom_calls, logical
 from jax_flashmla.ops import sparse as sparse_ops
 from jax_flashmla.ops.indexer import IndexQuery, index_scores
 from jax_flashmla.reference.sparse import sparse_decode_reference
-from jax_flashmla.sparse import (IndexKeyCache, indexer_decode, indexer_prefill, mask_indices,
-                                 sparse_mla_decode, sparse_mla_prefill, write_index_keys)
+from jax_flashmla.sparse import (indexer_decode, indexer_prefill, IndexKeyCache, mask_indices,
+                                 sparse_mla_decode, sparse_mla_prefill, write_sparse_kv)
 
 NUM_SMS = 132
 LENGTH = 8192  # each request's keys in the rows op's schedule: split over several SM parts
@@ -145,7 +145,7 @@ def _indexer_problem(rows=8, heads=4, pages=6):
     values = jnp.asarray(rng.normal(0, 1, (rows, heads, 128)), jnp.float8_e4m3fn)
     weights = jnp.asarray(rng.normal(0, 1, (rows, heads)), jnp.float32)
     slots = jnp.arange(pages * 64, dtype=jnp.int32)
-    cache = write_index_keys(IndexKeyCache.create(pages), slots,
+    cache = write_sparse_kv(IndexKeyCache.create(pages), slots,
                              jnp.asarray(rng.normal(0, 1, (pages * 64, 128)), jnp.float32))
     block_table = jnp.asarray(rng.integers(0, pages, (rows, 2)), jnp.int32)
     lengths = jnp.asarray(rng.integers(0, 129, (rows,)), jnp.int32)

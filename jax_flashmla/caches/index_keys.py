@@ -92,7 +92,7 @@ def dequantize_index_keys(values, scales):
     return values.astype(jnp.float32) * scales[..., None].astype(jnp.float32)
 
 
-def write_index_keys(cache, slots, keys):
+def write_index_keys(cache, slots, keys, where="write_index_keys"):
     """Stores new tokens' index keys, quantized, at their slots.
 
     Args:
@@ -105,7 +105,6 @@ def write_index_keys(cache, slots, keys):
       The updated cache, of cache's kind. Under jax.jit(..., donate_argnums=<the cache>) the
       write is in place (two scatters into reshaped views of the one buffer).
     """
-    where = "write_index_keys"
     data = index_cache_array(cache, where)
     slots = slots if hasattr(slots, "dtype") else jnp.asarray(slots)
     validation.check_int32(where, "slots", slots)  # before jnp.asarray would narrow an int64

@@ -18,7 +18,10 @@ import numpy as np
 
 from jax_flashmla.base import validation
 from jax_flashmla.base.validation import HEAD_DIM, HEAD_DIM_V, PAGE_SIZE
+from jax_flashmla.caches.index_keys import PAGE_BYTES as INDEX_PAGE_BYTES
+from jax_flashmla.caches.index_keys import IndexKeyCache, write_index_keys
 from jax_flashmla.caches.paged import PagedArray, check_num_pages, droppable_slots, scatter_rows
+from jax_flashmla.caches.v4 import PAGE_ROWS, ROW_BYTES, V4KVCache, write_v4_kv
 
 TILE = 128
 TILES = HEAD_DIM_V // TILE
@@ -106,26 +109,40 @@ def sparse_cache_array(kv_cache, where):
 
 
 def write_sparse_kv(kv_cache, slots, kv):
-    """Stores new tokens' rows, quantized, at their slots.
+    """Stores new tokens' rows, quantized, at their slots, in any of the sparse attention's
+    caches: the cache's kind picks the format.
 
     Args:
-      kv_cache: SparseKVCache or its (num_pages, 64, 1, 656) uint8 array.
+      kv_cache: SparseKVCache or its (num_pages, 64, 1, 656) uint8 array (DeepSeek-V3.2's rows,
+        576 wide: the 512-d latent, also V, then the 64-d rope key); V4KVCache or its
+        (num_pages, 65, 576) uint8 array (DeepSeek-V4's rows, 512 wide: 448 no-RoPE, 64 RoPE
+        dims, key and value both; caches/v4.py); or IndexKeyCache or its (num_pages, 8448)
+        uint8 array (V3.2's index keys, 128 wide, Hadamard-rotated; caches/index_keys.py).
       slots: int32 of any shape S, slot = page * 64 + offset. Slots < 0 or >= num_pages * 64
         are dropped. Two equal valid slots in one call store one of their rows (unspecified).
-      kv: S + (576,) rows (the 512-d latent, then the 64-d rope key), any float dtype.
+      kv: S + (the format's width,) rows, any float dtype.
 
     Returns:
       The updated cache, of kv_cache's kind. Under jax.jit(..., donate_argnums=<the cache>)
       the write is in place.
     """
-    data = sparse_cache_array(kv_cache, "write_sparse_kv")
+    where = "write_sparse_kv"
+    shape = tuple(getattr(getattr(kv_cache, "data", kv_cache), "shape", ()))
+    if isinstance(kv_cache, V4KVCache) or shape[1:] == (PAGE_ROWS, ROW_BYTES):
+        return write_v4_kv(kv_cache, slots, kv, where)
+    if isinstance(kv_cache, IndexKeyCache) or shape[1:] == (INDEX_PAGE_BYTES,):
+        return write_index_keys(kv_cache, slots, kv, where)
+    if not isinstance(kv_cache, SparseKVCache) and len(shape) != 4:
+        raise ValueError(f"{where}: kv_cache must be a SparseKVCache, a V4KVCache or an "
+                         f"IndexKeyCache (or the array of one); got shape {shape}")
+    data = sparse_cache_array(kv_cache, where)
     # Checked before jnp.asarray, which would narrow a NumPy int64 array without a word.
     slots = slots if hasattr(slots, "dtype") else jnp.asarray(slots)
-    validation.check_int32("write_sparse_kv", "slots", slots)
+    validation.check_int32(where, "slots", slots)
     slots = jnp.asarray(slots)
     expected = tuple(slots.shape) + (HEAD_DIM,)
     if tuple(kv.shape) != expected or not jnp.issubdtype(kv.dtype, jnp.floating):
-        raise ValueError(f"write_sparse_kv: kv must be floating with shape {expected} (slots' "
+        raise ValueError(f"{where}: kv must be floating with shape {expected} (slots' "
                          f"shape + ({HEAD_DIM},)); got {kv.dtype} {tuple(kv.shape)}")
     tokens = quantize_tokens(kv.reshape(-1, HEAD_DIM))
     new = scatter_rows(data, droppable_slots(slots, data.shape[0]), tokens)

@@ -118,7 +118,7 @@ def v4_cache_array(kv_cache, where, name="kv_cache"):
     return data
 
 
-def write_v4_kv(kv_cache, slots, kv):
+def write_v4_kv(kv_cache, slots, kv, where="write_v4_kv"):
     """Stores new tokens' rows, quantized, at their slots.
 
     Args:
@@ -131,15 +131,15 @@ def write_v4_kv(kv_cache, slots, kv):
       The updated cache, of kv_cache's kind. Under jax.jit(..., donate_argnums=<the cache>)
       the write is in place: two scatters, the token rows and the scale rows.
     """
-    data = v4_cache_array(kv_cache, "write_v4_kv")
+    data = v4_cache_array(kv_cache, where)
     # Checked before jnp.asarray, which would narrow a NumPy int64 array without a word.
     slots = slots if hasattr(slots, "dtype") else jnp.asarray(slots)
-    validation.check_int32("write_v4_kv", "slots", slots)
+    validation.check_int32(where, "slots", slots)
     slots = jnp.asarray(slots)
     expected = tuple(slots.shape) + (ROW_DIM,)
     if tuple(kv.shape) != expected or not jnp.issubdtype(kv.dtype, jnp.floating):
-        raise ValueError(f"write_v4_kv: kv must be floating with shape {expected} (slots' "
-                         f"shape + ({ROW_DIM},)); got {kv.dtype} {tuple(kv.shape)}")
+        raise ValueError(f"{where}: kv must be floating with shape {expected} (slots' shape "
+                         f"+ ({ROW_DIM},)); got {kv.dtype} {tuple(kv.shape)}")
     token_rows, scale_rows = quantize_rows(kv.reshape(-1, ROW_DIM))
     flat = droppable_slots(slots, data.shape[0])
     pages, offsets = flat // PAGE_SIZE, flat % PAGE_SIZE

@@ -158,7 +158,7 @@ def _metadata_attributes(platform, *, num_heads_q, num_q_tokens, num_sm_parts, f
 # Trusts: seq_lens in [0, max_pages * 64] (FlashMLA's scheduler sums their blocks in int32),
 # and that the decode it plans for is given these lengths. Guaranteed by: ops.safe_seq_lens
 # (get_mla_metadata, and decode_primitive._kernels on lengths already made safe); schedule()
-# raises the FP8 decode's lengths to 1; sparse.ops._schedule passes topk, a static shape.
+# raises the FP8 decode's lengths to 1; sparse.ops.kernel_schedule passes topk, a static shape.
 METADATA = CustomCall(
     "jax_flashmla_mla_metadata", ("seq_lens",), ("tile_scheduler_metadata", "num_splits"),
     lambda seq_lens, *, num_sm_parts, **_: (_i32(num_sm_parts, validation.METADATA_FIELDS),
@@ -255,7 +255,7 @@ def _sparse_attributes(name, what, platform, *, softmax_scale, with_sink, layer=
 # their num_keys checked against the cache (sparse.ops._unmasked). `layer` in [0, layers):
 # sparse.ops._stack_row, and the handler. Its schedule: FlashMLA's scheduler over batch
 # requests of the kernel's topk keys at the kernel's heads, s_q and this GPU's SMs, made from
-# the static shapes at trace time and held as a constant (sparse.ops._schedule): no caller
+# the static shapes at trace time and held as a constant (sparse.ops.kernel_schedule): no caller
 # hands one in.
 # A cache of no pages never reaches it (sparse.ops._no_keys). attn_sink: any float, a logit.
 SPARSE_DECODE = CustomCall(
@@ -264,6 +264,30 @@ SPARSE_DECODE = CustomCall(
     _sparse_decode_types,
     functools.partial(_sparse_attributes, "sparse_decode", "sparse decode (sparse_decode_fwd)"),
     _decode_layouts, platforms=("cuda",))
+
+
+def _sparse_decode_v4_attributes(platform, *, softmax_scale, with_extra, with_sink):
+    return dict(_sparse_attributes("sparse_decode", "sparse decode (sparse_decode_fwd)", platform,
+                                   softmax_scale=softmax_scale, with_sink=with_sink),
+                with_extra=bool(with_extra))
+
+
+# DeepSeek-V4's sparse decode (FlashMLA's MODEL1 kernel, which sparse_decode_fwd picks for a q
+# of 512): q (batch, s_q, h_q, 512) bf16 over the (num_pages, 65, 576) byte cache of
+# caches/v4.py (the handler hands the kernel its (num_pages, 64, 1, 584) view) with indices
+# (batch, s_q, topk) and topk_length (batch,), and with with_extra an extra (window) cache in
+# the same forms; without, the extra operands are empty. CUDA only. Its schedule is METADATA's
+# over each request's combined lengths (ops/sparse_v4.py), rows then num_splits as for V3.2.
+# Trusts: indices and extra_indices in [-1, their cache's num_pages * 64); topk_length in
+# [0, topk] and extra_topk_length in [0, extra_topk] (the kernel reads that many indices); at
+# least one page in each cache given; the schedule made over these lengths. Guaranteed by:
+# ops/sparse_v4.py, which masks the indices and clamps the lengths at each call, answers a
+# cache of no pages without a kernel, and makes the schedule from the clamped lengths.
+SPARSE_DECODE_V4 = CustomCall(
+    "jax_flashmla_mla_sparse_decode_v4",
+    ("q", "kv_cache", "indices", "topk_length", "extra_kv_cache", "extra_indices",
+     "extra_topk_length", "attn_sink", "schedule"), _DECODE_RESULTS, _sparse_decode_types,
+    _sparse_decode_v4_attributes, _decode_layouts, platforms=("cuda",))
 
 
 def _sparse_prefill_types(q, **_):

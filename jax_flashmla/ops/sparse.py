@@ -18,25 +18,22 @@ decode) or query tokens (the prefill), and under jit on several devices q may be
 batch (the decode: the indices follow, the cache and the sink stay whole, and each device's
 schedule is made for its local batch) or along query tokens and heads (the prefill: the
 indices and the sink follow, kv stays whole)."""
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jax_flashmla.base import trusted, validation
 from jax_flashmla.base.validation import HEAD_DIM, HEAD_DIM_V, PAGE_SIZE, fail
 from jax_flashmla.caches.sparse import sparse_cache_array
-from jax_flashmla.kernels import custom_calls, logical
+from jax_flashmla.caches.v4 import V4KVCache, v4_cache_array
+from jax_flashmla.kernels import custom_calls, logical, sparse_forms
+from jax_flashmla.kernels.sparse_forms import KERNEL_PREFILL_TOPK_BLOCK, kernel_schedule
 from jax_flashmla.kernels import library as kernels
+from jax_flashmla.ops import sparse_v4
 from jax_flashmla.ops.decode import default_num_sms
 from jax_flashmla.reference import sparse as reference
 
-KERNEL_HEADS = (64, 128)  # what FlashMLA's sparse kernels take
-KERNEL_QUERY_TOKENS = (1, 2)  # the sparse decode's
-KERNEL_TOPK_BLOCK = 64  # FlashMLA's sparse decode takes topk in multiples of this
-KERNEL_PREFILL_TOPK_BLOCK = 128  # and its sparse prefill in multiples of this
 # Each operand's and result's dims as Shardy factors. The decode's: b batch, s query tokens, h
 # heads, d q's 576 columns, n pages, p page size, k KV heads (1), z a token's 656 bytes, l the
 # layers of a stack of indices, i topk, v V's 512 columns, e the schedule's fields. The
@@ -83,67 +80,11 @@ def _implementation(where, implementation, kernel):
         refusal=lambda: validation.gpu_refusal("FlashMLA's kernel"))
 
 
-def _kernel_head_count(h_q):
-    """The kernel's heads (64 or 128) that h_q heads are padded to; h_q past them, unchanged
-    (the decode refuses it)."""
-    return next((h for h in KERNEL_HEADS if h >= h_q), h_q)
-
-
-def _kernel_topk(topk, block=KERNEL_TOPK_BLOCK):
-    """The kernel's topk: topk rounded up to a multiple of `block` (the indices padded with -1,
-    which it skips)."""
-    return -(-topk // block) * block
-
-
-def _check_kernel_heads(where, q):
-    """q as FlashMLA's sparse kernels take it: bfloat16, at most 128 heads."""
-    if q.dtype != jnp.bfloat16:
-        fail(TypeError, where, f"FlashMLA's sparse kernels take a bfloat16 q; got {q.dtype}")
-    if q.shape[-2] > KERNEL_HEADS[-1]:
-        fail(ValueError, where, f"FlashMLA's sparse kernels take at most {KERNEL_HEADS[-1]} "
-                                f"heads; got h_q={q.shape[-2]} (split the heads)")
-
-
-def _kernel_heads(q, attn_sink):
-    """q (..., h_q, 576) bf16 (_check_kernel_heads) and the sink (h_q,) padded with zeros to
-    the kernel's heads (an empty sink where none is given), and whether a sink was given."""
-    h_q = q.shape[-2]
-    heads = _kernel_head_count(h_q)
-    q = jnp.pad(q, [(0, 0)] * (q.ndim - 2) + [(0, heads - h_q), (0, 0)])
-    if attn_sink is None:  # the kernel reads no sink: an empty operand takes no kernel to make
-        return q, jnp.zeros((0,), jnp.float32), False
-    return q, jnp.pad(attn_sink, (0, heads - h_q)), True
-
-
-@functools.lru_cache(maxsize=None)
-def kernel_schedule(batch, heads, s_q, topk, num_sms):
-    """FlashMLA's split-KV schedule for `batch` requests of `topk` keys each (the kernel's
-    topk, a multiple of 64) at the kernel's `heads`, made by its scheduler once per shape at
-    trace time: a numpy int32 array, the scheduler's rows (parts, 8) flattened, then num_splits
-    (batch + 1). The decode takes it as a constant of the program, in one array so that XLA
-    keeps it as written (num_splits alone, an arithmetic sequence here, it would rebuild as an
-    iota at every execution)."""
-    parts = validation.num_sm_parts(num_sms, heads, s_q)
-    with jax.ensure_compile_time_eval():
-        tile_md, num_splits = custom_calls.schedule(
-            jnp.full((batch,), topk, jnp.int32), num_heads_q=heads, num_q_tokens=s_q,
-            num_sm_parts=parts, fp8=False)
-        return np.concatenate([np.asarray(tile_md).reshape(-1), np.asarray(num_splits)])
-
-
 def _no_keys(rows, out_dtype, lse_shape):
     """The answer of queries `rows` (their shape but the head dim) over no keys at all: out 0
     and lse +inf, as for a query with no valid index, without a kernel (which would read)."""
     return (jnp.zeros(rows + (HEAD_DIM_V,), out_dtype),
             jnp.full(lse_shape, jnp.inf, jnp.float32))
-
-
-def _check_kernel_decode(where, q):
-    """q as FlashMLA's sparse decode takes it (_check_kernel_heads, s_q 1 or 2)."""
-    _check_kernel_heads(where, q)
-    if q.shape[1] not in KERNEL_QUERY_TOKENS:
-        fail(ValueError, where, f"FlashMLA's sparse decode takes s_q in {KERNEL_QUERY_TOKENS}; "
-                                f"got {q.shape[1]} (pass implementation='reference')")
 
 
 def _decode_types(avals, **_):
@@ -160,20 +101,20 @@ def _reference_decode(named, *, softmax_scale, layer, num_sms):
 
 
 def _decode_schedule(avals, *, softmax_scale, layer, num_sms):
-    """The schedule of the kernel's decode of these shapes (kernel_schedule): a constant of the op's
-    custom-call path (kernels/logical.py), made for each device's local batch."""
+    """The schedule of the kernel's decode of these shapes (kernel_schedule): a constant of the
+    op's custom-call path (kernels/logical.py), made for each device's local batch."""
     batch, s_q, h_q, _ = avals["q"].shape
-    topk = _kernel_topk(avals["indices"].shape[-1])
-    return kernel_schedule(batch, _kernel_head_count(h_q), s_q, topk, num_sms)
+    topk = sparse_forms.kernel_topk(avals["indices"].shape[-1])
+    return kernel_schedule(batch, sparse_forms.kernel_head_count(h_q), s_q, topk, num_sms)
 
 
 def _kernel_decode(named, *, softmax_scale, layer, num_sms):
-    """The custom call on one device's q (_check_kernel_decode), row `layer` of its indices, a
-    stack (layers, batch, s_q, topk), masked, and its schedule (_decode_schedule)."""
+    """The custom call on one device's q (sparse_forms.check_kernel_decode), row `layer` of its
+    indices, a stack (layers, batch, s_q, topk), masked, and its schedule (_decode_schedule)."""
     q, data, stack = named["q"], named["kv_cache"], named["indices"]
     h_q = q.shape[2]
-    q, sink, with_sink = _kernel_heads(q, named.get("attn_sink"))
-    topk = _kernel_topk(stack.shape[-1])
+    q, sink, with_sink = sparse_forms.kernel_heads(q, named.get("attn_sink"))
+    topk = sparse_forms.kernel_topk(stack.shape[-1])
     if topk != stack.shape[-1]:  # a copy of the stack: only where topk is not the kernel's
         stack = jnp.pad(stack, ((0, 0),) * 3 + ((0, topk - stack.shape[-1]),),
                         constant_values=-1)
@@ -258,20 +199,32 @@ def _check_masked(where, indices, data, topk_length):
 
 
 def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale=None, topk_length=None,
-                      attn_sink=None, implementation=None):
-    """Sparse MLA decode over DeepSeek-V3.2's FP8 cache (FlashMLA's sparse_decode_fwd).
+                      attn_sink=None, extra_kv_cache=None, extra_indices=None,
+                      extra_topk_length=None, implementation=None):
+    """Sparse MLA decode over DeepSeek-V3.2's or V4's FP8 cache (FlashMLA's sparse_decode_fwd).
+
+    The cache's kind picks the model. V3.2: q (batch, s_q, h_q, 576) over a SparseKVCache.
+    V4 (jax_flashmla/ops/sparse_v4.py): q (batch, s_q, h_q, 512) over a V4KVCache, its
+    compressed entries, and optionally an extra cache (its sliding window): one softmax over
+    the keys both sets of indices name.
 
     Args:
-      q: (batch, s_q, h_q, 576) bfloat16 (float16, float32): 512 latent + 64 rope columns.
-      kv_cache: SparseKVCache or its (num_pages, 64, 1, 656) uint8 array.
+      q: (batch, s_q, h_q, 576) (V3.2: 512 latent + 64 rope columns) or (batch, s_q, h_q, 512)
+        (V4: 448 + 64 rope columns), bfloat16 (float16, float32).
+      kv_cache: SparseKVCache or its (num_pages, 64, 1, 656) uint8 array; or V4KVCache or its
+        (num_pages, 65, 576) uint8 array.
       indices: (batch, s_q, topk) int32 slots (page * 64 + offset) each query attends to;
         outside [0, num_pages * 64) (e.g. -1) an index is invalid and never read. Or
         MaskedIndices of that shape (mask_indices), taken as they are (a layer's row of a
         stack of them, masked[layer], read in place).
-      softmax_scale: a Python float; defaults to 576 ** -0.5.
+        V4: int32 arrays only.
+      softmax_scale: a Python float; defaults to q's width ** -0.5.
       topk_length: (batch,) int32 or None: a request's entries from topk_length on are
         invalid.
       attn_sink: (h_q,) float32 or None: a logit per head added to each softmax's denominator.
+      extra_kv_cache, extra_indices, extra_topk_length: V4 only: a second V4KVCache, the
+        (batch, s_q, extra_topk) int32 slots each query reads there, their (batch,) lengths
+        (or None), as kv_cache, indices and topk_length are.
       implementation: None picks "custom_call" on a Hopper GPU whose FlashMLA kernels and CUDA
         bridge are available, else "reference". "custom_call" is FlashMLA's sparse_decode_fwd
         (CUDA only; bfloat16 q, at most 128 heads, s_q 1 or 2); "reference" is pure JAX.
@@ -281,7 +234,21 @@ def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale=None, topk_length=N
       valid keys; a query with no valid index gets out 0 and lse +inf.
     """
     where = "sparse_mla_decode"
-    validation.check_rank(where, "q", q, 4, "(batch, s_q, h_q, 576)")
+    validation.check_rank(where, "q", q, 4, "(batch, s_q, h_q, 576 or 512)")
+    if isinstance(kv_cache, V4KVCache) or getattr(kv_cache, "ndim", None) == 3:
+        if isinstance(indices, MaskedIndices):
+            fail(TypeError, where, "a V4KVCache takes int32 indices, not MaskedIndices")
+        if not jnp.issubdtype(q.dtype, jnp.floating):
+            fail(TypeError, where, f"q must be floating; got {q.dtype}")
+        return sparse_v4.v4_sparse_decode(
+            where, q, v4_cache_array(kv_cache, where), indices, softmax_scale=softmax_scale,
+            topk_length=topk_length, attn_sink=attn_sink, extra_kv_cache=extra_kv_cache,
+            extra_indices=extra_indices, extra_topk_length=extra_topk_length,
+            implementation=_implementation(where, implementation, "sparse_decode"),
+            num_sms=default_num_sms())
+    if extra_kv_cache is not None or extra_indices is not None or extra_topk_length is not None:
+        fail(TypeError, where, "extra_kv_cache, extra_indices and extra_topk_length are V4's: "
+                               "kv_cache must be a V4KVCache with them")
     data = sparse_cache_array(kv_cache, where)
     masked = indices if isinstance(indices, MaskedIndices) else None
     if masked is not None:
@@ -293,7 +260,7 @@ def sparse_mla_decode(q, kv_cache, indices, *, softmax_scale=None, topk_length=N
     if data.shape[0] == 0:
         return _no_keys(q.shape[:-1], jnp.bfloat16, (q.shape[0], q.shape[2], q.shape[1]))
     if implementation == "custom_call":
-        _check_kernel_decode(where, q)
+        sparse_forms.check_kernel_decode(where, q)
     if masked is None:
         # The kernel skips -1 alone: it would read an index past the cache, and it takes no
         # topk_length with this cache format.
@@ -320,14 +287,15 @@ def _reference_prefill(named, *, softmax_scale):
 
 
 def _kernel_prefill(named, *, softmax_scale):
-    """The custom call on one device's q (tokens, h_q, 576) (_check_kernel_heads once cast to
-    bfloat16), kv and masked indices (tokens, topk)."""
+    """The custom call on one device's q (tokens, h_q, 576) (sparse_forms.check_kernel_heads
+    once cast to bfloat16), kv and masked indices (tokens, topk)."""
     q, kv, indices = named["q"], named["kv"], named["indices"]
     dtype, h_q = q.dtype, q.shape[1]
-    q, sink, with_sink = _kernel_heads(q.astype(jnp.bfloat16), named.get("attn_sink"))
+    q, sink, with_sink = sparse_forms.kernel_heads(q.astype(jnp.bfloat16),
+                                                   named.get("attn_sink"))
     topk = indices.shape[-1]
-    indices = jnp.pad(indices, ((0, 0), (0, _kernel_topk(topk, KERNEL_PREFILL_TOPK_BLOCK) - topk)),
-                      constant_values=-1)
+    padded = sparse_forms.kernel_topk(topk, KERNEL_PREFILL_TOPK_BLOCK)
+    indices = jnp.pad(indices, ((0, 0), (0, padded - topk)), constant_values=-1)
     out, lse_base2, _ = custom_calls.SPARSE_PREFILL(
         q=q, kv=kv.astype(jnp.bfloat16)[:, None, :], indices=indices[:, None, :],
         attn_sink=sink, softmax_scale=softmax_scale, with_sink=with_sink)
@@ -370,7 +338,7 @@ def sparse_mla_prefill(q, kv, indices, *, softmax_scale=None, topk_length=None,
     if kv.shape[0] == 0:
         return _no_keys(q.shape[:-1], q.dtype, (q.shape[1], q.shape[0]))
     if implementation == "custom_call":
-        _check_kernel_heads(where, q.astype(jnp.bfloat16))
+        sparse_forms.check_kernel_heads(where, q.astype(jnp.bfloat16))
     # As in the decode: the kernel skips -1 alone.
     operands = dict(q=q, kv=kv, indices=_masked(indices, kv.shape[0], topk_length))
     if attn_sink is not None:
