@@ -181,11 +181,12 @@ def sparse_decode_negative_topk_length_keeps_no_index():
     assert_same(lse[0], want_lse[0], "request 0's lse")
 
 
-def check_sink(out_of, q_rows, sink_heads=(0, 1, 2), empty_query=1):
+def check_sink(out_of, q_rows, sink_heads=(0, 1, 2), empty_query=1, nan_reaches_empty=False):
     """attn_sink +inf, -inf and NaN in heads 0, 1, 2: out_of(sink) gives (out (queries, h,
     512), lse (queries, h)). The sink joins each softmax's denominator and not the lse: head 0's
     out is 0, head 1's the sinkless one's, head 2's NaN; the lse and the other heads are as
-    under a finite sink; query `empty_query` (no valid index) stays out 0, lse +inf."""
+    under a finite sink; query `empty_query` (no valid index) stays out 0, lse +inf, but for
+    head 2's out, NaN too with nan_reaches_empty (DeepSeek-V4's kernel)."""
     finite = jnp.asarray(np.random.default_rng(6).normal(0, 2, q_rows), jnp.float32)
     bad = finite.at[jnp.asarray(sink_heads)].set(jnp.asarray([jnp.inf, -jnp.inf, jnp.nan]))
     out, lse = (_host(x) for x in out_of(bad))
@@ -194,7 +195,12 @@ def check_sink(out_of, q_rows, sink_heads=(0, 1, 2), empty_query=1):
     others = np.setdiff1d(np.arange(q_rows), sink_heads)
     assert_same(out[:, others], want_out[:, others], "the other heads' out")
     assert_same(lse, want_lse, "lse, which the sink does not join")
-    assert_empty(out[empty_query], lse[empty_query], "the query with no valid index")
+    empty_heads = np.arange(q_rows) if not nan_reaches_empty else np.setdiff1d(
+        np.arange(q_rows), sink_heads[2:])
+    assert_empty(out[empty_query, empty_heads], lse[empty_query],
+                 "the query with no valid index")
+    if nan_reaches_empty:
+        assert np.all(np.isnan(out[empty_query, sink_heads[2]])), "a NaN sink's empty query"
     seen = np.setdiff1d(np.arange(out.shape[0]), [empty_query])
     assert np.all(out[seen, 0] == 0), "a sink of +inf leaves out 0"
     np.testing.assert_allclose(out[seen, 1], sinkless[seen, 1], rtol=1e-2, atol=1e-2,
@@ -312,7 +318,7 @@ def v4_decode_attn_sink_infinities_and_nan():
                                                     extra_kv_cache=window,
                                                     extra_indices=window_indices))
         return out[:, 0], lse[:, :, 0]
-    check_sink(out_of, q.shape[2])
+    check_sink(out_of, q.shape[2], nan_reaches_empty=True)
 
 
 @case("v4_decode")

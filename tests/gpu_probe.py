@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_flashmla as jf
+from jax_flashmla.caches import fp8 as fp8_cache
 from jax_flashmla.kernels import custom_calls
 from jax_flashmla.kernels import library as kernels
 
@@ -86,7 +87,7 @@ def capture(dtype, driver_calls):
     cache = jnp.asarray(rng.normal(0, 0.1, (32, 64, 1, 576)), jnp.bfloat16)
     scale = jnp.float32(1 / 400)
     if fp8:
-        cache = jf.fp8.quantize(cache, scale)
+        cache = fp8_cache.quantize(cache, scale)
     qs = jnp.asarray(rng.normal(0, 0.1, (LAYERS, 4, 1, 16, 576)), jnp.bfloat16)
 
     def step(qs, cache, bt, sl):

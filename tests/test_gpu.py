@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import jax_flashmla as jf
+from jax_flashmla.caches import fp8 as fp8_cache
 from jax_flashmla.kernels import custom_calls
 from jax_flashmla.kernels import library as kernels
 from helpers import K_SCALE, call_by_name, fp8_inputs, make_decode_inputs, torch_decode
@@ -130,7 +131,7 @@ def test_out_of_range_requests_under_flashmla(fp8):
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(want_lse))
     # The CUDA context is healthy: a clean decode is still torch-direct's.
     out, lse = step(q, kv, bt, sl)
-    kernel_q = q if not fp8 else jf.fp8.quantize(q, k_scale)
+    kernel_q = q if not fp8 else fp8_cache.quantize(q, k_scale)
     ref_out, ref_lse = torch_decode(kernel_q, kv, bt, sl, softmax_scale=0.1, k_scale=k_scale)
     np.testing.assert_array_equal(np.asarray(out, np.float32), ref_out)
     np.testing.assert_array_equal(np.asarray(lse), ref_lse)

@@ -6,8 +6,9 @@ query attends to the keys its indices name in the main cache (a layer's compress
 and, where given, in the extra cache (its sliding window): one softmax over both. Validity,
 the sink and the answer for a query with no valid key follow jax_flashmla.reference.sparse: an
 index is valid where it names a key and stands among its row's first topk_length entries; no
-valid key gives out 0 and lse +inf; the sink joins the denominator only. float32 arithmetic
-over the dequantized rows.
+valid key gives out 0 and lse +inf; the sink joins the denominator only. One difference, as
+FlashMLA's MODEL1 kernel has it: a NaN sink makes its head's out NaN for a query with no valid
+key too. float32 arithmetic over the dequantized rows.
 """
 import jax.numpy as jnp
 
@@ -37,5 +38,7 @@ def v4_decode_reference(q, kv_cache, indices, *, softmax_scale, topk_length=None
     n = batch * s_q
     out, lse = attend(q.reshape(n, h_q, ROW_DIM), rows.reshape(n, -1, ROW_DIM),
                       valid.reshape(n, -1), softmax_scale=softmax_scale, attn_sink=attn_sink)
+    if attn_sink is not None:
+        out = jnp.where(jnp.isnan(attn_sink)[None, :, None], jnp.nan, out)
     return (out.reshape(batch, s_q, h_q, ROW_DIM).astype(jnp.bfloat16),
             lse.reshape(batch, s_q, h_q).transpose(0, 2, 1))
