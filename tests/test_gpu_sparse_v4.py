@@ -15,7 +15,7 @@ from jax_flashmla.caches.v4 import V4KVCache
 from jax_flashmla.kernels import custom_calls
 from jax_flashmla.kernels import library as kernels
 from jax_flashmla.ops import sparse_v4
-from jax_flashmla.sparse import sparse_mla_decode, write_sparse_kv
+from jax_flashmla.sparse import sparse_mla_decode, sparse_mla_prefill, write_sparse_kv
 
 pytestmark = pytest.mark.gpu
 SCALE = 512 ** -0.5
@@ -142,3 +142,45 @@ def test_a_step_shares_one_schedule_and_replays_with_new_inputs():
             t_out, t_lse, *_ = _torch_decode({**p, "q": qs[i]})
             np.testing.assert_array_equal(np.asarray(out, np.float32), t_out)
             np.testing.assert_array_equal(np.asarray(lse), t_lse)
+
+
+@pytest.mark.parametrize("tokens,h_q,keys,topk,with_sink", [(64, 64, 1000, 512, True),
+                                                             (130, 128, 4096, 200, False),
+                                                             (7, 32, 300, 128, True)])
+def test_the_v4_prefill_is_flashmlas_op_bit_for_bit(tokens, h_q, keys, topk, with_sink):
+    """sparse_mla_prefill on 512-wide rows against sparse_prefill_fwd from torch (d_qk 512,
+    sink, topk lengths) on what the custom call hands it: heads padded to 64 or 128, topk to
+    128 with -1, invalid indices -1; its lse in base 2 made natural."""
+    import torch
+
+    kernels.ensure_cuda_targets()
+    rng = np.random.default_rng(tokens)
+    q = jnp.asarray(rng.normal(0, 1, (tokens, h_q, 512)), jnp.bfloat16)
+    kv = jnp.asarray(rng.normal(0, 0.3, (keys, 512)), jnp.bfloat16)
+    indices = rng.integers(0, keys, (tokens, topk)).astype(np.int32)
+    indices[0] = -1
+    indices[-1, :3] = [-5, keys, 2 ** 31 - 1]
+    lengths = jnp.asarray(rng.integers(0, topk + 1, tokens), jnp.int32)
+    sink = jnp.asarray(rng.normal(0, 2, h_q), jnp.float32) if with_sink else None
+    prefill = jax.jit(functools.partial(sparse_mla_prefill, softmax_scale=SCALE,
+                                        implementation="custom_call"))
+    out, lse = prefill(q, kv, jnp.asarray(indices), topk_length=lengths, attn_sink=sink)
+    heads = 64 if h_q <= 64 else 128
+    valid = (indices >= 0) & (indices < keys) & (np.arange(topk) < np.asarray(lengths)[:, None])
+    kernel_indices = np.pad(np.where(valid, indices, -1), ((0, 0), (0, -topk % 128)),
+                            constant_values=-1)
+    t_out, _, t_lse = torch.ops.sgl_kernel.sparse_prefill_fwd(
+        torch_view(torch, jnp.pad(q, ((0, 0), (0, heads - h_q), (0, 0)))),
+        torch_view(torch, kv[:, None, :]), torch_view(torch, jnp.asarray(kernel_indices)[:, None]),
+        SCALE, 512, None if sink is None else torch_view(torch, jnp.pad(sink, (0, heads - h_q))),
+        None)
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                  t_out[:, :h_q].float().cpu().numpy())
+    np.testing.assert_array_equal(np.asarray(lse),
+                                  (t_lse[:, :h_q] * np.log(2)).T.cpu().numpy())
+    reference = sparse_mla_prefill(q, kv, jnp.asarray(indices), topk_length=lengths,
+                                   attn_sink=sink, softmax_scale=SCALE,
+                                   implementation="reference")
+    np.testing.assert_allclose(np.asarray(out, np.float32),
+                               np.asarray(reference[0], np.float32), rtol=2e-2, atol=2e-2)

@@ -1,8 +1,9 @@
-"""sparse_mla_decode over DeepSeek-V4's cache on CPU: the reference on the masked indices and
-clamped lengths, bad values (int32 extremes, caches of no pages) and bad arguments, what the
-custom call is handed (padded heads and topk, the schedule of the combined lengths), and the
-logical op's rules (vmap, a batch split over 8 devices, no gradient). The kernel against
-FlashMLA's op from torch is tests/test_gpu_sparse_v4.py's."""
+"""sparse_mla_decode over DeepSeek-V4's cache, and sparse_mla_prefill over V4's rows, on
+CPU: the reference on the masked indices and clamped lengths, bad values (int32 extremes,
+caches of no pages) and bad arguments, what the custom calls are handed (padded heads and
+topk, the schedule of the combined lengths), and the logical op's rules (vmap, a batch split
+over 8 devices, no gradient). The kernels against FlashMLA's ops from torch are
+tests/test_gpu_sparse_v4.py's."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,9 +12,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_flashmla.caches.v4 import V4KVCache, write_v4_kv
 from jax_flashmla.kernels import custom_calls
+from jax_flashmla.ops import sparse as sparse_ops
 from jax_flashmla.ops import sparse_v4
 from jax_flashmla.reference.v4 import v4_decode_reference
-from jax_flashmla.sparse import SparseKVCache, mask_indices, sparse_mla_decode
+from jax_flashmla.sparse import SparseKVCache, mask_indices, sparse_mla_decode, sparse_mla_prefill
 
 INT32_MIN, INT32_MAX = -2 ** 31, 2 ** 31 - 1
 
@@ -160,3 +162,49 @@ def test_vmap_folds_into_the_batch_and_a_batch_split_runs_each_devices_rows():
         np.testing.assert_array_equal(np.asarray(lse[rows]), np.asarray(alone[1]))
     with pytest.raises(NotImplementedError, match="sparse_mla_decode has no gradient"):
         jax.grad(lambda q: decode(q, indices, extra_indices)[1].sum())(q)
+
+
+def test_the_v4_prefill_over_512_wide_rows_matches_the_float64_oracle():
+    """sparse_mla_prefill on V4's rows (q and kv 512 wide, value = key) with a sink and topk
+    lengths, against float64 attention over the valid rows."""
+    rng = np.random.default_rng(7)
+    tokens, h_q, keys, topk = 6, 16, 90, 24
+    q = jnp.asarray(rng.normal(0, 1, (tokens, h_q, 512)), jnp.bfloat16)
+    kv = jnp.asarray(rng.normal(0, 0.3, (keys, 512)), jnp.bfloat16)
+    indices = rng.integers(0, keys, (tokens, topk)).astype(np.int32)
+    indices[0, :3] = [-1, keys, INT32_MAX]
+    indices[2] = -1  # a query with no valid index
+    lengths = np.asarray([24, 10, 24, 0, INT32_MAX, 5], np.int32)
+    sink = rng.normal(0, 2, h_q).astype(np.float32)
+    out, lse = jax.jit(sparse_mla_prefill)(q, kv, jnp.asarray(indices),
+                                           topk_length=jnp.asarray(lengths),
+                                           attn_sink=jnp.asarray(sink))
+    assert out.shape == (tokens, h_q, 512) and lse.shape == (h_q, tokens)
+    rows = np.asarray(kv, np.float64)
+    for t in range(tokens):
+        valid = [i for j, i in enumerate(indices[t]) if 0 <= i < keys and j < lengths[t]]
+        if not valid:
+            assert not np.asarray(out[t], np.float32).any() and np.isposinf(lse[:, t]).all()
+            continue
+        s = np.asarray(q[t], np.float64) @ rows[valid].T * 512 ** -0.5
+        m = s.max(-1, keepdims=True)
+        p = np.exp(s - m)
+        want = p @ rows[valid] / (p.sum(-1) + np.exp(sink - m[:, 0]))[:, None]
+        np.testing.assert_allclose(np.asarray(out[t], np.float32), want, rtol=2e-2, atol=2e-2)
+        np.testing.assert_allclose(np.asarray(lse[:, t]), m[:, 0] + np.log(p.sum(-1)),
+                                   rtol=1e-5, atol=1e-4)
+
+
+def test_the_v4_prefill_kernel_gets_512_wide_rows_and_padded_heads_and_topk():
+    q = jnp.zeros((5, 16, 512), jnp.bfloat16)
+    kv = jnp.zeros((70, 512), jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(lambda n: sparse_ops._kernel_prefill(n, softmax_scale=0.1))(
+        dict(q=q, kv=kv, indices=jnp.zeros((5, 40), jnp.int32)))
+    call = _custom_calls(jaxpr)[custom_calls.SPARSE_PREFILL.target]
+    assert [v.aval.shape for v in call.invars][:3] == [(5, 64, 512), (70, 1, 512), (5, 1, 128)]
+
+
+def test_a_prefill_of_kv_another_width_is_refused():
+    with pytest.raises(ValueError, match=r"kv must be floating with q's last dimension, 512"):
+        sparse_mla_prefill(jnp.zeros((2, 16, 512), jnp.bfloat16), jnp.zeros((8, 576)),
+                           jnp.zeros((2, 4), jnp.int32))

@@ -43,14 +43,18 @@ DECODE_FACTORS = {"q": "b s h d", "kv_cache": "n p k z", "indices": "l b s i", "
 PREFILL_FACTORS = {"q": "t h d", "kv": "k d", "indices": "t i", "attn_sink": "h",
                    "out": "t h v", "lse": "h t"}
 NO_GRADIENT = "FlashMLA's sparse kernels are forward-only"
+# q's widths: DeepSeek-V3.2's rows, and V4's (its key, also its value).
+WIDTHS = {HEAD_DIM: "V3.2: 512 latent + 64 rope", 512: "V4: 448 + 64 rope"}
 
 
-def _check_common(where, q, indices, rows, topk_length, attn_sink, softmax_scale):
-    """q's heads and the index rows' count `rows`; returns the softmax scale."""
-    if q.shape[-1] != HEAD_DIM or q.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+def _check_common(where, q, indices, rows, topk_length, attn_sink, softmax_scale,
+                  widths=(HEAD_DIM,)):
+    """q's width (one of `widths`) and heads and the index rows' count `rows`; returns the
+    softmax scale (q's width ** -0.5 by default)."""
+    if q.shape[-1] not in widths or q.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        named = " or ".join(f"{w} ({WIDTHS[w]})" for w in widths)
         fail(ValueError, where, f"q must be bfloat16, float16 or float32 with a last dimension "
-                                f"of {HEAD_DIM} (512 latent + 64 rope); got {q.dtype} "
-                                f"{tuple(q.shape)}")
+                                f"of {named}; got {q.dtype} {tuple(q.shape)}")
     validation.check_int32(where, "indices", indices)
     if tuple(indices.shape[:-1]) != rows or indices.shape[-1] < 1:
         fail(ValueError, where, f"indices must have shape {rows + ('topk >= 1',)} for q of shape "
@@ -66,7 +70,7 @@ def _check_common(where, q, indices, rows, topk_length, attn_sink, softmax_scale
         fail(ValueError, where, f"attn_sink must be float32 of shape ({h_q},), one logit per "
                                 f"head; got {attn_sink.dtype} {tuple(attn_sink.shape)}")
     if softmax_scale is None:
-        return HEAD_DIM ** -0.5
+        return q.shape[-1] ** -0.5
     validation.check_softmax_scale(where, softmax_scale)
     return float(softmax_scale)
 
@@ -287,7 +291,7 @@ def _reference_prefill(named, *, softmax_scale):
 
 
 def _kernel_prefill(named, *, softmax_scale):
-    """The custom call on one device's q (tokens, h_q, 576) (sparse_forms.check_kernel_heads
+    """The custom call on one device's q (tokens, h_q, 576 or 512) (sparse_forms.check_kernel_heads
     once cast to bfloat16), kv and masked indices (tokens, topk)."""
     q, kv, indices = named["q"], named["kv"], named["indices"]
     dtype, h_q = q.dtype, q.shape[1]
@@ -310,30 +314,32 @@ SPARSE_PREFILL = logical.LogicalOp(
 
 def sparse_mla_prefill(q, kv, indices, *, softmax_scale=None, topk_length=None,
                        attn_sink=None, implementation=None):
-    """Sparse MLA prefill over MLA rows (FlashMLA's sparse_prefill_fwd).
+    """Sparse MLA prefill over MLA rows (FlashMLA's sparse_prefill_fwd), DeepSeek-V3.2's or V4's.
 
     Args:
-      q: (tokens, h_q, 576) bfloat16 (float16, float32).
-      kv: (keys, 576) rows of q's dtype family (the 512-d latent, also V, then the rope key).
+      q: (tokens, h_q, 576) (V3.2) or (tokens, h_q, 512) (V4), bfloat16 (float16, float32).
+      kv: (keys, q's width) rows of q's dtype family: V3.2's 512-d latent (also V) then the
+        64-d rope key; V4's 512-d row, key and value both.
       indices: (tokens, topk) int32 rows of kv each query attends to; outside [0, keys) an
         index is invalid and never read.
-      softmax_scale, attn_sink: as in sparse_mla_decode; topk_length: (tokens,) int32 or None.
+      softmax_scale, attn_sink: as in sparse_mla_decode (the scale defaults to q's width **
+        -0.5); topk_length: (tokens,) int32 or None.
       implementation: as in sparse_mla_decode; "custom_call" is FlashMLA's sparse_prefill_fwd
         (CUDA only; at most 128 heads; it computes in bfloat16, q and kv cast to it and out
-        back to q's dtype); "reference" is pure JAX, which gathers (tokens, topk, 576) float32
-        rows at once.
+        back to q's dtype); "reference" is pure JAX, which gathers (tokens, topk, width)
+        float32 rows at once.
 
     Returns:
       out (tokens, h_q, 512) in q's dtype; lse (h_q, tokens) float32, natural log.
     """
     where = "sparse_mla_prefill"
-    validation.check_rank(where, "q", q, 3, "(tokens, h_q, 576)")
-    validation.check_rank(where, "kv", kv, 2, "(keys, 576)")
-    if kv.shape[-1] != HEAD_DIM or not jnp.issubdtype(kv.dtype, jnp.floating):
-        fail(ValueError, where, f"kv must be floating with a last dimension of {HEAD_DIM}; got "
-                                f"{kv.dtype} {tuple(kv.shape)}")
+    validation.check_rank(where, "q", q, 3, "(tokens, h_q, 576 or 512)")
+    validation.check_rank(where, "kv", kv, 2, "(keys, q's width)")
     scale = _check_common(where, q, indices, tuple(q.shape[:1]), topk_length, attn_sink,
-                          softmax_scale)
+                          softmax_scale, widths=tuple(WIDTHS))
+    if kv.shape[-1] != q.shape[-1] or not jnp.issubdtype(kv.dtype, jnp.floating):
+        fail(ValueError, where, f"kv must be floating with q's last dimension, {q.shape[-1]}; "
+                                f"got {kv.dtype} {tuple(kv.shape)}")
     implementation = _implementation(where, implementation, "sparse_prefill")
     if kv.shape[0] == 0:
         return _no_keys(q.shape[:-1], q.dtype, (q.shape[1], q.shape[0]))

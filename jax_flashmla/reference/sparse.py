@@ -26,7 +26,8 @@ def valid_indices(indices, num_keys, topk_length):
 
 
 def attend(q, rows, valid, *, softmax_scale, attn_sink=None):
-    """q (n, h, 576), rows (n, topk, 576), valid (n, topk) -> out (n, h, 512) float32 and lse
+    """q (n, h, d), rows (n, topk, d), valid (n, topk) -> out (n, h, 512) float32 (each row's
+    first 512 columns: V3.2's latent for d 576, V4's whole row for d 512) and lse
     (n, h) float32."""
     rows = jnp.where(valid[..., None], rows.astype(jnp.float32), 0.0)
     scores = jnp.einsum("nhd,nkd->nhk", q.astype(jnp.float32), rows) * softmax_scale
@@ -61,8 +62,8 @@ def sparse_decode_reference(q, kv_cache, indices, *, softmax_scale, topk_length=
 
 def sparse_prefill_reference(q, kv, indices, *, softmax_scale, topk_length=None,
                              attn_sink=None):
-    """q (s_q, h_q, 576); kv (s_kv, 576); indices (s_q, topk) int32 rows of kv -> out (s_q, h_q,
-    512) in q's dtype, lse (h_q, s_q) float32."""
+    """q (s_q, h_q, d); kv (s_kv, d), d 576 or 512; indices (s_q, topk) int32 rows of kv ->
+    out (s_q, h_q, 512) in q's dtype, lse (h_q, s_q) float32."""
     valid = valid_indices(indices, kv.shape[0], topk_length)
     out, lse = attend(q, kv[jnp.where(valid, indices, 0)], valid, softmax_scale=softmax_scale,
                       attn_sink=attn_sink)
