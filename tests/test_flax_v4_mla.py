@@ -51,6 +51,11 @@ def _prefill(layer, x, cache, lengths):
 
 
 @nnx.jit
+def _extend(layer, x, cache, lengths):
+    return layer.extend(x, cache, lengths=lengths)
+
+
+@nnx.jit
 def _decode(layer, x, cache):
     return layer.decode(x, cache)
 
@@ -71,18 +76,20 @@ class Run:
         self.lengths = list(prompt_lengths)
         self.rng = np.random.default_rng(seed)
 
-    def prefill(self):
-        """Prefills the prompts padded with noise; returns (ours, HF's), each a list of (n,
+    def prefill(self, lengths=None, form=_prefill):
+        """Feeds each request `lengths` new tokens (default the prompt lengths) padded with
+        noise, through form (_prefill or _extend); returns (ours, HF's), each a list of (n,
         hidden) float64 arrays."""
-        s = max(self.lengths)
-        x = self.rng.normal(size=(len(self.lengths), s, HIDDEN)).astype(np.float32)
-        out, self.cache = _prefill(self.layer, jnp.asarray(x), self.cache,
-                                   jnp.asarray(self.lengths, jnp.int32))
+        lengths = self.lengths if lengths is None else lengths
+        s = max(1, max(lengths))
+        x = self.rng.normal(size=(len(lengths), s, HIDDEN)).astype(np.float32)
+        out, self.cache = form(self.layer, jnp.asarray(x), self.cache,
+                               jnp.asarray(lengths, jnp.int32))
         out = np.asarray(out, np.float64)
-        ours = [out[b, :n] for b, n in enumerate(self.lengths)]
-        want = [self.hf.feed(r, x[b, :n])[self.index]
-                for b, (r, n) in enumerate(zip(self.requests, self.lengths))]
-        assert not np.any(out[np.arange(s)[None] >= np.asarray(self.lengths)[:, None]])
+        ours = [out[b, :n] for b, n in enumerate(lengths)]
+        want = [self.hf.feed(r, x[b, :n])[self.index] if n else np.zeros((0, HIDDEN))
+                for b, (r, n) in enumerate(zip(self.requests, lengths))]
+        assert not np.any(out[np.arange(s)[None] >= np.asarray(lengths)[:, None]])
         return ours, want
 
     def step(self):
@@ -132,6 +139,31 @@ def test_decode_steps_equal_hf(hf, kind):
     assert errors.max() < FP8_TOKEN_TOL, errors.max()
     assert errors.mean() < FP8_MEAN_TOL, errors.mean()
     np.testing.assert_array_equal(run.cache.num_tokens, np.asarray(run.lengths) + STEPS)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_extend_from_nothing_is_prefill(hf, kind):
+    runs = [Run(hf, KINDS[kind], [150, 37, 1], max_tokens=160) for _ in range(2)]
+    (prefilled, _), (extended, _) = runs[0].prefill(), runs[1].prefill(form=_extend)
+    for a, b in zip(prefilled, extended):
+        np.testing.assert_allclose(a, b, **PREFILL_TOL)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_chunks_then_decode_equal_hf(hf, kind):
+    """Prompts fed in chunks of different sizes a request (a request idle in a chunk: length
+    0), each chunk over the cache the earlier ones left, then decode steps."""
+    run = Run(hf, KINDS[kind], [37, 5, 0], max_tokens=400, seed=3)
+    errors = []
+    for lengths in ([37, 5, 0], [100, 0, 130], [1, 140, 17], [64, 3, 0]):
+        ours, want = run.prefill(lengths, form=_extend)
+        errors += [_relative_errors(o, w) for o, w in zip(ours, want) if len(w)]
+    for _ in range(8):
+        errors.append(_relative_errors(*run.step()))
+    errors = np.concatenate(errors)
+    assert errors.max() < FP8_TOKEN_TOL, errors.max()
+    assert errors.mean() < FP8_MEAN_TOL, errors.mean()
+    np.testing.assert_array_equal(run.cache.num_tokens, [210, 156, 155])
 
 
 @pytest.mark.parametrize("dropped", ["window", "compressor"])

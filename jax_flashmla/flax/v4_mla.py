@@ -15,7 +15,8 @@ The output's RoPE dims are rotated back (cos, -sin at p), then the grouped outpu
 
 prefill attends over the prompts' rows as computed (no FP8 rounding), in pure JAX: the dense
 scores of every query against its prompt's rows and entries, masked (O(s^2) memory: a
-reference for CPUs and short prompts). decode attends through sparse_mla_decode over the FP8
+reference for CPUs and short prompts). extend does the same for new tokens of cached requests,
+reading their rings and cached entries (FP8) too. decode attends through sparse_mla_decode over the FP8
 caches: the compressed entries as the main cache, the window as the extra one (a sliding layer:
 the window as the main cache), FlashMLA's MODEL1 kernel on a Hopper GPU.
 Parameter names are HF's (load_v4_attention_weights reads a state dict or safetensors).
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 
 from jax_flashmla.base.validation import PAGE_SIZE, fail
 from jax_flashmla.caches.sparse import write_sparse_kv
-from jax_flashmla.caches.v4 import V4KVCache
+from jax_flashmla.caches.v4 import V4KVCache, gather_rows
 from jax_flashmla.caches.v4_layer import V4LayerCache
 from jax_flashmla.flax.v4_config import CSA, SLIDING, V4Config, check_layer_type
 from jax_flashmla.ops.compressor import (CompressorWeights, compress, initial_state,
@@ -178,10 +179,10 @@ class V4Attention(nnx.Module):
                         hidden_states.astype(self.dtype), lengths,
                         jnp.asarray(self.inv_freq, jnp.float32), self.attention_factor)
 
-    # -- prefill -------------------------------------------------------------------------------
+    # -- prefill and extend --------------------------------------------------------------------
     def prefill(self, hidden_states, cache, *, lengths=None):
         """Causal attention over new prompts (module doc); stores their windows' rows, their
-        entries and their compressor state in the cache.
+        entries and their compressor state in the cache. Reads nothing from the cache.
 
         Args:
           hidden_states: (b, s, hidden_size), prompts right-padded to s.
@@ -194,35 +195,74 @@ class V4Attention(nnx.Module):
         Returns:
           (out (b, s, hidden_size) in the compute dtype, the updated V4LayerCache).
         """
-        b, s = _check_tokens("V4Attention.prefill", hidden_states, cache)
+        return self._chunk("V4Attention.prefill", hidden_states, cache, lengths, False)
+
+    def extend(self, hidden_states, cache, *, lengths=None):
+        """New tokens of requests whose first cache.num_tokens tokens went through this layer
+        before (a prompt's next chunk, a conversation's next turn): they attend to their
+        windows, reaching back into the ring (FP8 rows), and to their requests' compressed
+        entries, the cached ones (FP8) and those they complete (as computed); then they are
+        stored as prefill stores them. Pure JAX, like prefill.
+
+        Args:
+          hidden_states: (b, s, hidden_size) new tokens, right-padded to s; a request's are
+            at positions num_tokens, num_tokens + 1, ...
+          cache: V4LayerCache of the b requests (a new request: num_tokens 0).
+          lengths: optional (b,) int32 new tokens a request (default s), as prefill's.
+
+        Returns:
+          (out (b, s, hidden_size) in the compute dtype, the updated V4LayerCache).
+        """
+        return self._chunk("V4Attention.extend", hidden_states, cache, lengths, True)
+
+    def _chunk(self, where, hidden_states, cache, lengths, read_cache):
+        """prefill (read_cache False: the requests are new) and extend (True)."""
+        b, s = _check_tokens(where, hidden_states, cache)
         if lengths is None:
             lengths = jnp.full((b,), s, jnp.int32)
         lengths = jnp.where((lengths < 0) | (lengths > s), 0, lengths).astype(jnp.int32)
-        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-        real = positions < lengths[:, None]
+        start = cache.num_tokens
+        offsets = jnp.arange(s, dtype=jnp.int32)
+        positions = start[:, None] + offsets
+        real = offsets < lengths[:, None]
         q, kv = self.project(hidden_states, positions)
-        # Key j is visible to query i in its window; padding keys to no one.
-        visible = ((positions[:, None, :] <= positions[:, :, None])
-                   & (positions[:, :, None] - positions[:, None, :] < self.config.sliding_window)
-                   & real[:, None, :])
-        keys = kv
+        window = self.config.sliding_window
+        # Key j (this call's token) is visible to query i in its window; padding to no one.
+        keys = [kv.astype(jnp.float32)]
+        visible = [(offsets[None, :, None] >= offsets[None, None, :])
+                   & (offsets[None, :, None] - offsets[None, None, :] < window)
+                   & real[:, None, :]]
+        if read_cache:
+            # Ring slot k holds the latest position below start congruent to k mod R.
+            ring = jnp.arange(cache.ring_size, dtype=jnp.int32)
+            held = start[:, None] - 1 - (start[:, None] - 1 - ring) % cache.ring_size
+            keys.append(_gather(cache.window, cache.window_slots(held)))
+            visible.append((held[:, None, :] >= 0)
+                           & (positions[:, :, None] - held[:, None, :] < window))
         replaced = {}
         if self.compressor is not None:
             entries, replaced["compressor"] = self._compress(cache, hidden_states, lengths)
-            ids = entries.entry_ids
-            seen = visible_entries(positions, self.ratio)
-            visible = jnp.concatenate(
-                [visible, (ids[:, None, :] >= 0) & (ids[:, None, :] < seen[:, :, None])], -1)
-            keys = jnp.concatenate([kv, entries.entries.astype(kv.dtype)], axis=1)
-            replaced["compressed"] = write_sparse_kv(cache.compressed, cache.entry_slots(ids),
-                                                     entries.entries)
-        attn = _attend(q, keys, visible, self.sinks[...], self.config.softmax_scale)
+            seen = visible_entries(positions, self.ratio)[:, :, None]
+            ids = entries.entry_ids[:, None, :]
+            keys.append(entries.entries.astype(jnp.float32))
+            visible.append((ids >= 0) & (ids < seen))
+            if read_cache:
+                cached = jnp.broadcast_to(jnp.arange(cache.entry_capacity, dtype=jnp.int32),
+                                          (b, cache.entry_capacity))
+                keys.append(_gather(cache.compressed, cache.entry_slots(cached)))
+                visible.append((cached[:, None, :] < cache.compressor.entry_count[:, None, None])
+                               & (cached[:, None, :] < seen))
+            replaced["compressed"] = write_sparse_kv(
+                cache.compressed, cache.entry_slots(entries.entry_ids), entries.entries)
+        attn = _attend(q, jnp.concatenate(keys, 1), jnp.concatenate(visible, -1),
+                       self.sinks[...], self.config.softmax_scale)
         attn = jnp.where(real[:, :, None, None], attn, 0)
-        # The ring keeps each prompt's last ring_size tokens, one a slot.
-        kept = real & (positions >= lengths[:, None] - cache.ring_size)
-        window = write_sparse_kv(cache.window, cache.window_slots(jnp.where(kept, positions, -1)),
-                                 kv)
-        cache = dataclasses.replace(cache, window=window, num_tokens=lengths, **replaced)
+        # The ring keeps each request's last ring_size tokens, one a slot.
+        kept = real & (offsets[None] >= lengths[:, None] - cache.ring_size)
+        ring_rows = write_sparse_kv(cache.window,
+                                    cache.window_slots(jnp.where(kept, positions, -1)), kv)
+        cache = dataclasses.replace(cache, window=ring_rows, num_tokens=start + lengths,
+                                    **replaced)
         return self._output(attn, positions), cache
 
     # -- decode --------------------------------------------------------------------------------
@@ -304,6 +344,13 @@ def _attend(q, keys, visible, sinks, scale):
     weights = jnp.exp(logits - top)
     total = weights.sum(-1, keepdims=True) + jnp.exp(sinks[None, :, None, None] - top)
     return jnp.einsum("bhsn,bnd->bshd", weights / total, keys.astype(jnp.float32))
+
+
+def _gather(kv_cache, slots):
+    """(b, n, 512) float32: the dequantized rows of a V4KVCache at slots (b, n); zeros where
+    a slot is -1."""
+    rows = gather_rows(kv_cache.data, jnp.maximum(slots, 0))
+    return jnp.where((slots >= 0)[..., None], rows, 0)
 
 
 def _check_tokens(where, hidden_states, cache):
