@@ -56,8 +56,8 @@ def _extend(layer, x, cache, lengths):
 
 
 @nnx.jit
-def _decode(layer, x, cache):
-    return layer.decode(x, cache)
+def _decode(layer, x, cache, active):
+    return layer.decode(x, cache, active=active)
 
 
 def _relative_errors(ours, want):
@@ -92,13 +92,17 @@ class Run:
         assert not np.any(out[np.arange(s)[None] >= np.asarray(lengths)[:, None]])
         return ours, want
 
-    def step(self):
-        """One decode step of every request; returns (ours, HF's), (batch, hidden) float64."""
+    def step(self, active=None):
+        """One decode step of the active requests (default all); returns (ours, HF's), each
+        (active requests, hidden) float64. Idle rows must come out 0."""
+        active = np.ones(len(self.lengths), bool) if active is None else np.asarray(active)
         x = self.rng.normal(size=(len(self.lengths), 1, HIDDEN)).astype(np.float32)
-        out, self.cache = _decode(self.layer, jnp.asarray(x), self.cache)
+        out, self.cache = _decode(self.layer, jnp.asarray(x), self.cache, jnp.asarray(active))
+        out = np.asarray(out[:, 0], np.float64)
+        assert not np.any(out[~active])
         want = np.stack([self.hf.feed(r, x[b])[self.index][0]
-                         for b, r in enumerate(self.requests)])
-        return np.asarray(out[:, 0], np.float64), want
+                         for b, r in enumerate(self.requests) if active[b]])
+        return out[active], want
 
 
 @pytest.fixture(scope="module")
@@ -158,12 +162,12 @@ def test_chunks_then_decode_equal_hf(hf, kind):
     for lengths in ([37, 5, 0], [100, 0, 130], [1, 140, 17], [64, 3, 0]):
         ours, want = run.prefill(lengths, form=_extend)
         errors += [_relative_errors(o, w) for o, w in zip(ours, want) if len(w)]
-    for _ in range(8):
-        errors.append(_relative_errors(*run.step()))
+    for step in range(8):  # the last request idle every other step
+        errors.append(_relative_errors(*run.step([True, True, step % 2 == 0])))
     errors = np.concatenate(errors)
     assert errors.max() < FP8_TOKEN_TOL, errors.max()
     assert errors.mean() < FP8_MEAN_TOL, errors.mean()
-    np.testing.assert_array_equal(run.cache.num_tokens, [210, 156, 155])
+    np.testing.assert_array_equal(run.cache.num_tokens, [210, 156, 151])
 
 
 @pytest.mark.parametrize("dropped", ["window", "compressor"])
@@ -184,6 +188,18 @@ def test_decode_needs_what_the_cache_carries(hf, dropped):
     run.cache = dataclasses.replace(run.cache, **wiped)
     errors = np.concatenate([_relative_errors(*run.step()) for _ in range(10)])
     assert errors.max() > FP8_TOKEN_TOL, errors
+
+
+def test_hca_at_v4s_ratio():
+    """HCA at ratio 128: a prompt of 250 (one entry, 122 tokens waiting), then decode steps
+    that complete the second entry at token 256."""
+    run = Run(HFLayers(config(hca_ratio=128)), HCA, [250, 3], max_tokens=300, seed=4)
+    ours, want = run.prefill()
+    for o, w in zip(ours, want):
+        np.testing.assert_allclose(o, w, **PREFILL_TOL)
+    errors = np.concatenate([_relative_errors(*run.step()) for _ in range(10)])
+    assert errors.max() < FP8_TOKEN_TOL, errors.max()
+    assert int(run.cache.compressor.entry_count[0]) == 2
 
 
 def test_compressed_sparse_attention_needs_the_indexer(hf):

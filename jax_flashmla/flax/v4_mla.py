@@ -266,7 +266,7 @@ class V4Attention(nnx.Module):
         return self._output(attn, positions), cache
 
     # -- decode --------------------------------------------------------------------------------
-    def decode(self, hidden_states, cache, *, implementation=None):
+    def decode(self, hidden_states, cache, *, active=None, implementation=None):
         """One new token a request, at position cache.num_tokens: stored in the window (and fed
         to the compressor, its completed entry stored), then attended through
         sparse_mla_decode over the FP8 caches.
@@ -274,6 +274,8 @@ class V4Attention(nnx.Module):
         Args:
           hidden_states: (b, 1, hidden_size), each request's new token.
           cache: V4LayerCache of the b requests.
+          active: optional (b,) bool (default all True): an idle row (False) stores nothing,
+            feeds nothing to its compressor, keeps its num_tokens and gets out 0.
           implementation: as in jax_flashmla.sparse.sparse_mla_decode.
 
         Returns:
@@ -284,13 +286,17 @@ class V4Attention(nnx.Module):
         if s != 1:
             fail(ValueError, "V4Attention.decode", f"hidden_states must hold one token a "
                                                    f"request; got shape {hidden_states.shape}")
+        fed = (jnp.ones((b,), jnp.int32) if active is None
+               else jnp.asarray(active, jnp.bool_).astype(jnp.int32))
         position = cache.num_tokens
         q, kv = self.project(hidden_states, position[:, None])
-        window = write_sparse_kv(cache.window, cache.window_slots(position[:, None]), kv)
+        window = write_sparse_kv(cache.window,
+                                 cache.window_slots(jnp.where(fed > 0, position, -1)[:, None]),
+                                 kv)
         # The window newest first: positions p, p - 1, ..., p - W + 1 (those >= 0 valid).
         recent = position[:, None] - jnp.arange(self.config.sliding_window, dtype=jnp.int32)
         window_indices = cache.window_slots(recent)[:, None]
-        window_length = jnp.minimum(position + 1, self.config.sliding_window)
+        window_length = jnp.minimum(position + 1, self.config.sliding_window) * fed
         # FlashMLA's sparse decode takes q in bf16.
         q = q.astype(jnp.bfloat16)
         common = dict(attn_sink=self.sinks[...], softmax_scale=self.config.softmax_scale,
@@ -300,18 +306,17 @@ class V4Attention(nnx.Module):
             attn, _ = sparse_mla_decode(q, window, window_indices, topk_length=window_length,
                                         **common)
         else:
-            entries, replaced["compressor"] = self._compress(cache, hidden_states,
-                                                             jnp.ones((b,), jnp.int32))
+            entries, replaced["compressor"] = self._compress(cache, hidden_states, fed)
             compressed = write_sparse_kv(cache.compressed, cache.entry_slots(entries.entry_ids),
                                          entries.entries)
             entry_ids = jnp.broadcast_to(jnp.arange(cache.entry_capacity, dtype=jnp.int32),
                                          (b, cache.entry_capacity))
             attn, _ = sparse_mla_decode(
                 q, compressed, cache.entry_slots(entry_ids)[:, None],
-                topk_length=visible_entries(position, self.ratio), extra_kv_cache=window,
+                topk_length=visible_entries(position, self.ratio) * fed, extra_kv_cache=window,
                 extra_indices=window_indices, extra_topk_length=window_length, **common)
             replaced["compressed"] = compressed
-        cache = dataclasses.replace(cache, window=window, num_tokens=position + 1, **replaced)
+        cache = dataclasses.replace(cache, window=window, num_tokens=position + fed, **replaced)
         return self._output(attn, position[:, None]), cache
 
 
