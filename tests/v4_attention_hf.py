@@ -21,17 +21,18 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 FLOAT32_PARAMETERS = ("position_bias", "kv_norm", "q_a_norm", "sinks")
 
 
-def config(hca_ratio=16, sliding_window=128):
+def config(hca_ratio=16):
     """A small V4 config at V4's head: 4 heads of 512 (64 RoPE dims) in 2 output groups,
-    q_lora_rank 16, an indexer of 2 heads of 128 keeping 8 entries; layers sliding, HCA (ratio hca_ratio), CSA (ratio 4); the compress rope
-    V4-Flash's (theta 160000, YaRN factor 16), the main one theta 10000."""
+    q_lora_rank 16, an indexer of 2 heads of 128 keeping 8 entries; layers sliding, HCA
+    (ratio hca_ratio), CSA (ratio 4); the compress rope V4-Flash's (theta 160000, YaRN factor
+    16), the main one theta 10000."""
     cfg = DeepseekV4Config(
         hidden_size=HIDDEN, num_attention_heads=4, head_dim=512, q_lora_rank=16,
         num_hidden_layers=3, layer_types=LAYER_TYPES,
         compress_rates={"compressed_sparse_attention": 4,
                         "heavily_compressed_attention": hca_ratio},
         index_n_heads=2, index_head_dim=128, index_topk=8, o_groups=2, o_lora_rank=8,
-        sliding_window=sliding_window, partial_rotary_factor=64 / 512,
+        sliding_window=128, partial_rotary_factor=64 / 512,
         max_position_embeddings=1 << 20,
         rope_parameters={"rope_type": "yarn", "factor": 16.0, "beta_fast": 32, "beta_slow": 1,
                          "original_max_position_embeddings": 65536})

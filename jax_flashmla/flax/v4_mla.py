@@ -15,10 +15,11 @@ The output's RoPE dims are rotated back (cos, -sin at p), then the grouped outpu
 
 prefill attends over the prompts' rows as computed (no FP8 rounding), in pure JAX: the dense
 scores of every query against its prompt's rows and entries, masked (O(s^2) memory: a
-reference for CPUs and short prompts). extend does the same for new tokens of cached requests,
-reading their rings and cached entries (FP8) too. decode attends through sparse_mla_decode over the FP8
-caches: the compressed entries as the main cache, the window as the extra one (a sliding layer:
-the window as the main cache), FlashMLA's MODEL1 kernel on a Hopper GPU.
+reference for CPUs and short prompts). extend does the same for new tokens of cached
+requests, reading their rings and cached entries (FP8) too. decode attends through
+sparse_mla_decode over the FP8 caches: the compressed entries as the main cache, the window as
+the extra one (a sliding layer: the window as the main cache), FlashMLA's MODEL1 kernel on a
+Hopper GPU.
 Parameter names are HF's (load_v4_attention_weights reads a state dict or safetensors).
 """
 import dataclasses
@@ -92,7 +93,8 @@ class V4Attention(nnx.Module):
         if layer_type == CSA:
             raise NotImplementedError(
                 "V4Attention: compressed_sparse_attention layers need V4's lightning indexer "
-                "(each query's top index_topk compressed entries), not yet available")
+                "(each query's top index_topk compressed entries, its own compressor and index-key "
+                "cache), not yet wired into this layer")
         self.config, self.layer_type, self.dtype = config, layer_type, dtype
         c, h = config, config.num_heads
         linear = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype,  # noqa: E731
