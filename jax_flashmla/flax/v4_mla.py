@@ -1,0 +1,373 @@
+"""DeepSeek-V4's attention as a Flax NNX layer, equal to HF transformers' DeepseekV4Attention,
+over paged FP8 caches (jax_flashmla.caches.v4_layer.V4LayerCache).
+
+Per token: q = q_b_proj(q_a_norm(q_a_proj(x))) in num_heads heads of 512, each RMS-normed
+without weight, then roped; one K=V row kv_norm(kv_proj(x)), roped. RoPE is interleaved (pairs
+(x0, x1), ...) on the trailing 64 dims, at the token's position, with the layer type's rope
+(V4Config.rope). A query at position p reads, in one softmax with a per-head sink in its
+denominator only:
+  - its window: the K=V rows at positions p - W + 1 .. p of its request (W = sliding_window);
+  - HCA: every compressed entry its request has completed by then, j < (p + 1) // r
+    (ops/compressor.py; window tokens are not left out of them);
+  - CSA: the entries among those that its indexer selects (not yet here: the layer raises).
+The output's RoPE dims are rotated back (cos, -sin at p), then the grouped output projection
+(o_a_proj per contiguous group of heads, o_b_proj) gives (..., hidden_size).
+
+prefill attends over the prompts' rows as computed (no FP8 rounding), in pure JAX: the dense
+scores of every query against its prompt's rows and entries, masked (O(s^2) memory: a
+reference for CPUs and short prompts). extend does the same for new tokens of cached
+requests, reading their rings and cached entries (FP8) too. decode attends through
+sparse_mla_decode over the FP8 caches: the compressed entries as the main cache, the window as
+the extra one (a sliding layer: the window as the main cache), FlashMLA's MODEL1 kernel on a
+Hopper GPU.
+Parameter names are HF's (load_v4_attention_weights reads a state dict or safetensors).
+"""
+import dataclasses
+
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+
+from jax_flashmla.base.validation import PAGE_SIZE, fail
+from jax_flashmla.caches.sparse import write_sparse_kv
+from jax_flashmla.caches.v4 import V4KVCache, gather_rows
+from jax_flashmla.caches.v4_layer import V4LayerCache
+from jax_flashmla.flax.v4_config import CSA, SLIDING, V4Config, check_layer_type
+from jax_flashmla.ops.compressor import (CompressorWeights, compress, initial_state,
+                                         visible_entries)
+from jax_flashmla.ops.sparse import sparse_mla_decode
+
+
+class V4RMSNorm(nnx.Module):
+    """HF's DeepseekV4RMSNorm: normalise in float32, times the float32 weight, then x's dtype."""
+
+    def __init__(self, dim, *, eps):
+        self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
+        self.eps = eps
+
+    def __call__(self, x):
+        return _rms_norm(x, self.weight[...], self.eps)
+
+
+class V4Compressor(nnx.Module):
+    """A compressor's parameters, nnx.Params named and laid out as HF's (CompressorWeights'
+    fields): kv_proj and gate_proj (width, hidden_size) in param_dtype, position_bias
+    (ratio, width) and kv_norm (head_dim,) float32; width head_dim (HCA) or 2 * head_dim (CSA).
+    The arithmetic is jax_flashmla.ops.compressor's."""
+
+    def __init__(self, config, ratio, width, *, rngs, param_dtype):
+        init = jax.nn.initializers.lecun_normal(in_axis=-1, out_axis=-2)
+        self.kv_proj = nnx.Param(init(rngs.params(), (width, config.hidden_size), param_dtype))
+        self.gate_proj = nnx.Param(init(rngs.params(), (width, config.hidden_size), param_dtype))
+        self.position_bias = nnx.Param(jnp.zeros((ratio, width), jnp.float32))
+        self.kv_norm = nnx.Param(jnp.ones((config.head_dim,), jnp.float32))
+        self.eps = config.rms_norm_eps
+
+    def weights(self):
+        """The parameters' current values as CompressorWeights."""
+        return CompressorWeights(kv_proj=self.kv_proj[...], gate_proj=self.gate_proj[...],
+                                 position_bias=self.position_bias[...],
+                                 kv_norm=self.kv_norm[...], eps=self.eps)
+
+
+class V4Attention(nnx.Module):
+    """One DeepSeek-V4 attention layer of a layer type (module doc), HF's module tree:
+    q_a_proj, q_a_norm, q_b_proj, kv_proj, kv_norm, o_b_proj (nnx.Linear, kernels (in, out)),
+    o_a_proj (an nnx.Param in HF's (o_groups * o_lora_rank, num_heads * 512 / o_groups)
+    layout), sinks ((num_heads,) float32), and compressor (V4Compressor) in CSA and HCA layers.
+
+    Args:
+      config: V4Config.
+      layer_type: "sliding_attention" or "heavily_compressed_attention";
+        "compressed_sparse_attention" needs the CSA indexer (NotImplementedError).
+      rngs: nnx.Rngs for the initial weights.
+      dtype: compute dtype of the projections (HF's model dtype).
+      param_dtype: dtype of the projections' parameters (the norms, sinks and position bias
+        are float32, as HF keeps them).
+    """
+
+    def __init__(self, config, layer_type, *, rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        if not isinstance(config, V4Config):
+            raise TypeError(f"config must be a V4Config; got {type(config).__name__}")
+        check_layer_type(layer_type)
+        if layer_type == CSA:
+            raise NotImplementedError(
+                "V4Attention: compressed_sparse_attention layers need V4's lightning indexer "
+                "(each query's top index_topk compressed entries, its own compressor and index-key "
+                "cache), not yet wired into this layer")
+        self.config, self.layer_type, self.dtype = config, layer_type, dtype
+        c, h = config, config.num_heads
+        linear = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype,  # noqa: E731
+                                         param_dtype=param_dtype, rngs=rngs)
+        self.q_a_proj = linear(c.hidden_size, c.q_lora_rank)
+        self.q_a_norm = V4RMSNorm(c.q_lora_rank, eps=c.rms_norm_eps)
+        self.q_b_proj = linear(c.q_lora_rank, h * c.head_dim)
+        self.kv_proj = linear(c.hidden_size, c.head_dim)
+        self.kv_norm = V4RMSNorm(c.head_dim, eps=c.rms_norm_eps)
+        init = jax.nn.initializers.lecun_normal(in_axis=-1, out_axis=-2)
+        self.o_a_proj = nnx.Param(init(rngs.params(), (c.o_groups * c.o_lora_rank,
+                                                       h * c.head_dim // c.o_groups),
+                                       param_dtype))
+        self.o_b_proj = linear(c.o_groups * c.o_lora_rank, c.hidden_size)
+        self.sinks = nnx.Param(jnp.zeros((h,), jnp.float32))
+        self.ratio = c.ratio(layer_type)
+        self.compressor = (None if layer_type == SLIDING else
+                           V4Compressor(c, self.ratio, c.head_dim, rngs=rngs,
+                                        param_dtype=param_dtype))
+        inv_freq, factor = c.rope(layer_type)
+        self.inv_freq = tuple(float(f) for f in inv_freq)  # static, hashable
+        self.attention_factor = float(factor)
+
+    # -- cache ---------------------------------------------------------------------------------
+    def init_cache(self, batch_size, max_tokens):
+        """A V4LayerCache of batch_size new requests, each given its own pages in order: a ring
+        of ceil(sliding_window / 64) pages and, in an HCA layer, pages for the entries of
+        max_tokens tokens."""
+        ring_pages = -(-self.config.sliding_window // PAGE_SIZE)
+        window_table = jnp.arange(batch_size * ring_pages, dtype=jnp.int32).reshape(
+            batch_size, ring_pages)
+        cache = dict(window=V4KVCache.create(batch_size * ring_pages), window_table=window_table,
+                     num_tokens=jnp.zeros((batch_size,), jnp.int32))
+        if self.compressor is not None:
+            entry_pages = max(1, -(-(max_tokens // self.ratio) // PAGE_SIZE))
+            cache.update(
+                compressed=V4KVCache.create(batch_size * entry_pages),
+                compressed_table=jnp.arange(batch_size * entry_pages, dtype=jnp.int32).reshape(
+                    batch_size, entry_pages),
+                compressor=initial_state(self.compressor.weights(), batch_size, self.dtype))
+        return V4LayerCache(**cache)
+
+    # -- projections ---------------------------------------------------------------------------
+    def _cos_sin(self, positions):
+        """cos, sin (b, s, 32), rounded to the compute dtype as HF's rotary embedding does."""
+        freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(self.inv_freq, jnp.float32)
+        return ((jnp.cos(freqs) * self.attention_factor).astype(self.dtype),
+                (jnp.sin(freqs) * self.attention_factor).astype(self.dtype))
+
+    def project(self, hidden_states, positions):
+        """hidden_states (b, s, hidden_size), positions (b, s) int32 -> q (b, s, num_heads,
+        512) and kv (b, s, 512), normed and roped, in the compute dtype."""
+        c = self.config
+        if hidden_states.ndim != 3 or hidden_states.shape[-1] != c.hidden_size:
+            raise ValueError(f"hidden_states must have shape (batch, seq, {c.hidden_size}); "
+                             f"got {tuple(hidden_states.shape)}")
+        b, s, _ = hidden_states.shape
+        x = hidden_states.astype(self.dtype)
+        q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x))).reshape(b, s, c.num_heads, c.head_dim)
+        scale = jax.lax.rsqrt(jnp.mean(jnp.square(q.astype(jnp.float32)), -1, keepdims=True)
+                              + c.rms_norm_eps)
+        q = q * scale.astype(q.dtype)
+        cos, sin = self._cos_sin(positions)
+        q = _rope(q, cos[:, :, None], sin[:, :, None])
+        kv = _rope(self.kv_norm(self.kv_proj(x)), cos, sin)
+        return q, kv
+
+    def _output(self, attn, positions):
+        """attn (b, s, num_heads, 512) -> (b, s, hidden_size): RoPE dims rotated back at the
+        queries' positions, then the grouped output projection."""
+        c = self.config
+        b, s = attn.shape[:2]
+        cos, sin = self._cos_sin(positions)
+        attn = _rope(attn.astype(self.dtype), cos[:, :, None], -sin[:, :, None])
+        grouped = attn.reshape(b, s, c.o_groups, -1)
+        w = self.o_a_proj[...].astype(self.dtype).reshape(c.o_groups, c.o_lora_rank, -1)
+        mixed = jnp.einsum("bsgi,goi->bsgo", grouped, w)
+        return self.o_b_proj(mixed.reshape(b, s, -1))
+
+    def _compress(self, cache, hidden_states, lengths):
+        """The compressor on new tokens: (CompressedEntries, the new CompressorState)."""
+        # A compressing layer's rope is its compressor's (the compress rope).
+        return compress(self.compressor.weights(), cache.compressor,
+                        hidden_states.astype(self.dtype), lengths,
+                        jnp.asarray(self.inv_freq, jnp.float32), self.attention_factor)
+
+    # -- prefill and extend --------------------------------------------------------------------
+    def prefill(self, hidden_states, cache, *, lengths=None):
+        """Causal attention over new prompts (module doc); stores their windows' rows, their
+        entries and their compressor state in the cache. Reads nothing from the cache.
+
+        Args:
+          hidden_states: (b, s, hidden_size), prompts right-padded to s.
+          cache: V4LayerCache of b new requests (num_tokens 0, compressor at initial_state),
+            e.g. init_cache's.
+          lengths: optional (b,) int32 prompt lengths (default s); tokens past them are padding
+            (their attention 0 before the output projection, never stored or read). A length
+            outside [0, s] makes its row empty.
+
+        Returns:
+          (out (b, s, hidden_size) in the compute dtype, the updated V4LayerCache).
+        """
+        return self._chunk("V4Attention.prefill", hidden_states, cache, lengths, False)
+
+    def extend(self, hidden_states, cache, *, lengths=None):
+        """New tokens of requests whose first cache.num_tokens tokens went through this layer
+        before (a prompt's next chunk, a conversation's next turn): they attend to their
+        windows, reaching back into the ring (FP8 rows), and to their requests' compressed
+        entries, the cached ones (FP8) and those they complete (as computed); then they are
+        stored as prefill stores them. Pure JAX, like prefill.
+
+        Args:
+          hidden_states: (b, s, hidden_size) new tokens, right-padded to s; a request's are
+            at positions num_tokens, num_tokens + 1, ...
+          cache: V4LayerCache of the b requests (a new request: num_tokens 0).
+          lengths: optional (b,) int32 new tokens a request (default s), as prefill's.
+
+        Returns:
+          (out (b, s, hidden_size) in the compute dtype, the updated V4LayerCache).
+        """
+        return self._chunk("V4Attention.extend", hidden_states, cache, lengths, True)
+
+    def _chunk(self, where, hidden_states, cache, lengths, read_cache):
+        """prefill (read_cache False: the requests are new) and extend (True)."""
+        b, s = _check_tokens(where, hidden_states, cache)
+        if lengths is None:
+            lengths = jnp.full((b,), s, jnp.int32)
+        lengths = jnp.where((lengths < 0) | (lengths > s), 0, lengths).astype(jnp.int32)
+        start = cache.num_tokens
+        offsets = jnp.arange(s, dtype=jnp.int32)
+        positions = start[:, None] + offsets
+        real = offsets < lengths[:, None]
+        q, kv = self.project(hidden_states, positions)
+        window = self.config.sliding_window
+        # Key j (this call's token) is visible to query i in its window; padding to no one.
+        keys = [kv.astype(jnp.float32)]
+        visible = [(offsets[None, :, None] >= offsets[None, None, :])
+                   & (offsets[None, :, None] - offsets[None, None, :] < window)
+                   & real[:, None, :]]
+        if read_cache:
+            # Ring slot k holds the latest position below start congruent to k mod R.
+            ring = jnp.arange(cache.ring_size, dtype=jnp.int32)
+            held = start[:, None] - 1 - (start[:, None] - 1 - ring) % cache.ring_size
+            keys.append(_gather(cache.window, cache.window_slots(held)))
+            visible.append((held[:, None, :] >= 0)
+                           & (positions[:, :, None] - held[:, None, :] < window))
+        replaced = {}
+        if self.compressor is not None:
+            entries, replaced["compressor"] = self._compress(cache, hidden_states, lengths)
+            seen = visible_entries(positions, self.ratio)[:, :, None]
+            ids = entries.entry_ids[:, None, :]
+            keys.append(entries.entries.astype(jnp.float32))
+            visible.append((ids >= 0) & (ids < seen))
+            if read_cache:
+                cached = jnp.broadcast_to(jnp.arange(cache.entry_capacity, dtype=jnp.int32),
+                                          (b, cache.entry_capacity))
+                keys.append(_gather(cache.compressed, cache.entry_slots(cached)))
+                visible.append((cached[:, None, :] < cache.compressor.entry_count[:, None, None])
+                               & (cached[:, None, :] < seen))
+            replaced["compressed"] = write_sparse_kv(
+                cache.compressed, cache.entry_slots(entries.entry_ids), entries.entries)
+        attn = _attend(q, jnp.concatenate(keys, 1), jnp.concatenate(visible, -1),
+                       self.sinks[...], self.config.softmax_scale)
+        attn = jnp.where(real[:, :, None, None], attn, 0)
+        # The ring keeps each request's last ring_size tokens, one a slot.
+        kept = real & (offsets[None] >= lengths[:, None] - cache.ring_size)
+        ring_rows = write_sparse_kv(cache.window,
+                                    cache.window_slots(jnp.where(kept, positions, -1)), kv)
+        cache = dataclasses.replace(cache, window=ring_rows, num_tokens=start + lengths,
+                                    **replaced)
+        return self._output(attn, positions), cache
+
+    # -- decode --------------------------------------------------------------------------------
+    def decode(self, hidden_states, cache, *, active=None, implementation=None):
+        """One new token a request, at position cache.num_tokens: stored in the window (and fed
+        to the compressor, its completed entry stored), then attended through
+        sparse_mla_decode over the FP8 caches.
+
+        Args:
+          hidden_states: (b, 1, hidden_size), each request's new token.
+          cache: V4LayerCache of the b requests.
+          active: optional (b,) bool (default all True): an idle row (False) stores nothing,
+            feeds nothing to its compressor, keeps its num_tokens and gets out 0.
+          implementation: as in jax_flashmla.sparse.sparse_mla_decode.
+
+        Returns:
+          (out (b, 1, hidden_size) in the compute dtype, the updated V4LayerCache); under
+          jax.jit donating the cache, written in place.
+        """
+        b, s = _check_tokens("V4Attention.decode", hidden_states, cache)
+        if s != 1:
+            fail(ValueError, "V4Attention.decode", f"hidden_states must hold one token a "
+                                                   f"request; got shape {hidden_states.shape}")
+        fed = (jnp.ones((b,), jnp.int32) if active is None
+               else jnp.asarray(active, jnp.bool_).astype(jnp.int32))
+        position = cache.num_tokens
+        q, kv = self.project(hidden_states, position[:, None])
+        window = write_sparse_kv(cache.window,
+                                 cache.window_slots(jnp.where(fed > 0, position, -1)[:, None]),
+                                 kv)
+        # The window newest first: positions p, p - 1, ..., p - W + 1 (those >= 0 valid).
+        recent = position[:, None] - jnp.arange(self.config.sliding_window, dtype=jnp.int32)
+        window_indices = cache.window_slots(recent)[:, None]
+        window_length = jnp.minimum(position + 1, self.config.sliding_window) * fed
+        # FlashMLA's sparse decode takes q in bf16.
+        q = q.astype(jnp.bfloat16)
+        common = dict(attn_sink=self.sinks[...], softmax_scale=self.config.softmax_scale,
+                      implementation=implementation)
+        replaced = {}
+        if self.compressor is None:
+            attn, _ = sparse_mla_decode(q, window, window_indices, topk_length=window_length,
+                                        **common)
+        else:
+            entries, replaced["compressor"] = self._compress(cache, hidden_states, fed)
+            compressed = write_sparse_kv(cache.compressed, cache.entry_slots(entries.entry_ids),
+                                         entries.entries)
+            entry_ids = jnp.broadcast_to(jnp.arange(cache.entry_capacity, dtype=jnp.int32),
+                                         (b, cache.entry_capacity))
+            attn, _ = sparse_mla_decode(
+                q, compressed, cache.entry_slots(entry_ids)[:, None],
+                topk_length=visible_entries(position, self.ratio) * fed, extra_kv_cache=window,
+                extra_indices=window_indices, extra_topk_length=window_length, **common)
+            replaced["compressed"] = compressed
+        cache = dataclasses.replace(cache, window=window, num_tokens=position + fed, **replaced)
+        return self._output(attn, position[:, None]), cache
+
+
+def _rms_norm(x, weight, eps):
+    h = x.astype(jnp.float32)
+    h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
+    return (weight * h).astype(x.dtype)
+
+
+def _rope(x, cos, sin):
+    """HF's apply_rotary_pos_emb: interleaved pairs of x's trailing 2 * cos.shape[-1] dims
+    rotated in float32 by cos, sin (broadcasting to x's leading axes), back to x's dtype."""
+    cos = jnp.repeat(cos, 2, axis=-1).astype(jnp.float32)
+    sin = jnp.repeat(sin, 2, axis=-1).astype(jnp.float32)
+    rope_dim = cos.shape[-1]
+    rope = x[..., -rope_dim:]
+    pairs = rope.reshape(*rope.shape[:-1], rope_dim // 2, 2)
+    turned = jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(rope.shape)
+    rotated = rope.astype(jnp.float32) * cos + turned.astype(jnp.float32) * sin
+    return jnp.concatenate([x[..., :-rope_dim], rotated.astype(x.dtype)], axis=-1)
+
+
+def _attend(q, keys, visible, sinks, scale):
+    """q (b, s, h, d), K=V rows keys (b, n, d), visible (b, s, n) bool, sinks (h,) float32 ->
+    (b, s, h, d) float32: softmax over the visible keys with the sink in the denominator (a
+    query seeing none gets 0)."""
+    logits = jnp.einsum("bshd,bnd->bhsn", q.astype(jnp.float32), keys.astype(jnp.float32))
+    logits = jnp.where(visible[:, None], logits * scale, -jnp.inf)
+    top = jnp.maximum(logits.max(-1, keepdims=True), sinks[None, :, None, None])
+    weights = jnp.exp(logits - top)
+    total = weights.sum(-1, keepdims=True) + jnp.exp(sinks[None, :, None, None] - top)
+    return jnp.einsum("bhsn,bnd->bshd", weights / total, keys.astype(jnp.float32))
+
+
+def _gather(kv_cache, slots):
+    """(b, n, 512) float32: the dequantized rows of a V4KVCache at slots (b, n); zeros where
+    a slot is -1."""
+    rows = gather_rows(kv_cache.data, jnp.maximum(slots, 0))
+    return jnp.where((slots >= 0)[..., None], rows, 0)
+
+
+def _check_tokens(where, hidden_states, cache):
+    """(b, s) of hidden_states, which must fit the cache's batch."""
+    if not isinstance(cache, V4LayerCache):
+        fail(TypeError, where, f"cache must be a V4LayerCache; got {type(cache).__name__}")
+    if hidden_states.ndim != 3 or hidden_states.shape[0] != cache.num_tokens.shape[0]:
+        fail(ValueError, where, f"hidden_states must have shape ({cache.num_tokens.shape[0]}, "
+                                f"s, hidden_size) for the cache's batch; got "
+                                f"{tuple(hidden_states.shape)}")
+    return hidden_states.shape[:2]
+
+
