@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import jax.numpy as jnp
 
 from jax_flashmla.flax.v4_mla import V4Attention
-from jax_flashmla.flax.weights import _to_numpy, read_safetensors
+from jax_flashmla.flax.weights import read_safetensors, to_numpy
 
 LINEARS = ("q_a_proj", "q_b_proj", "kv_proj", "o_b_proj")
 NORMS = ("q_a_norm", "kv_norm")
@@ -70,7 +70,7 @@ def load_v4_attention_weights(layer, weights, *, prefix=""):
         if key not in weights:
             raise KeyError(f"weights has no {key!r} (needed by the V4 attention layer)")
         param, transposed = _parameter(layer, name)
-        value = jnp.asarray(_to_numpy(weights[key], key))
+        value = jnp.asarray(to_numpy(weights[key], key))
         seen = tuple(value.shape)
         if transposed:
             value = value.T

@@ -41,7 +41,7 @@ def attention_parameter_names(config):
     return names
 
 
-def _to_numpy(value, name):
+def to_numpy(value, name):
     """numpy / jax / torch tensor -> a numpy or jax array (bfloat16 kept via float32)."""
     if hasattr(value, "detach"):  # torch, without importing it
         value = value.detach().cpu()
@@ -145,7 +145,7 @@ def load_attention_weights(layer, weights, *, prefix=""):
         if key not in weights:
             raise KeyError(f"weights has no {key!r} (needed by the attention layer)")
         param, transposed = _parameter(layer, name)
-        value = jnp.asarray(_to_numpy(weights[key], key))
+        value = jnp.asarray(to_numpy(weights[key], key))
         seen = tuple(value.shape)
         if transposed:
             value = value.T

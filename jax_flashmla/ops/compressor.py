@@ -171,8 +171,8 @@ def compress(weights, state, x, lengths, inv_freq, attention_scaling=1.0):
     exp = jnp.exp(logits - logits.max(axis=2, keepdims=True))
     softmax = (exp / exp.sum(axis=2, keepdims=True)).astype(kv.dtype)
     pooled = (slots_kv * softmax).sum(axis=2)
-    entries = _rope(_rms_norm(pooled, weights.kv_norm, weights.eps), entry_ids * ratio,
-                    inv_freq, attention_scaling)
+    entries = interleaved_rope(_rms_norm(pooled, weights.kv_norm, weights.eps),
+                               entry_ids * ratio, inv_freq, attention_scaling)
     done = jnp.arange(num_windows)[None] < completed[:, None]
     entries = jnp.where(done[..., None], entries, jnp.zeros_like(entries))
 
@@ -203,7 +203,7 @@ def _rms_norm(rows, weight, eps):
     return (weight * h).astype(rows.dtype)
 
 
-def _rope(rows, positions, inv_freq, attention_scaling):
+def interleaved_rope(rows, positions, inv_freq, attention_scaling):
     """V4's interleaved RoPE on rows' trailing 2 * len(inv_freq) dims, pairs (x0, x1),
     (x2, x3), ...: cos and sin rounded to rows' dtype, the rotation in float32 (as HF)."""
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq.astype(jnp.float32)

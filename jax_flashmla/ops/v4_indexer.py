@@ -126,7 +126,7 @@ def v4_index_query(weights, x, q_residual, positions, inv_freq, attention_scalin
     q = jnp.einsum("...r,or->...o", q_residual, weights.wq_b.astype(q_residual.dtype))
     q = q.reshape(*lead, weights.num_heads, INDEX_HEAD_DIM)
     # The compressor's own RoPE, so that queries and entries turn alike (HF's one rotary).
-    q = compressor._rope(q, positions[..., None], inv_freq, attention_scaling)
+    q = compressor.interleaved_rope(q, positions[..., None], inv_freq, attention_scaling)
     values, q_scales = quantize_index_keys(_rotate(q))
     w = jnp.einsum("...i,hi->...h", x, weights.weights_proj.astype(x.dtype))
     head_weights = w.astype(jnp.float32) * weights.num_heads ** -0.5 * INDEX_HEAD_DIM ** -0.5
