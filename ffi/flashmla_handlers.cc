@@ -165,6 +165,24 @@ ffi::Error ScheduleTensors(std::string_view op, ffi::Buffer<ffi::S32> schedule, 
   return ffi::Error::Success();
 }
 
+// Runs a sparse decode op (V3.2's or V4's sparse_decode_fwd) on `args` and the schedule's
+// tensors, its results and accumulators lent in the order it allocates them: out, lse, then
+// lse_accum before out_accum.
+void CallSparseDecode(std::string_view op, OpArgs& args, const at::Tensor& rows,
+                      const at::Tensor& splits, float softmax_scale, int32_t device,
+                      ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::F32> lse,
+                      ffi::ResultBuffer<ffi::F32> out_accum,
+                      ffi::ResultBuffer<ffi::F32> lse_accum) {
+  Slot(args, OpArg::kTileSchedulerMetadata) = rows;
+  Slot(args, OpArg::kNumSplits) = splits;
+  Slot(args, OpArg::kHeadDimV) = out->dimensions().back();
+  Slot(args, OpArg::kSoftmaxScale) = static_cast<double>(softmax_scale);
+  CallTorchOp(op, args,
+              {WrapBuffer(*out, device), LseBuffer(lse, device), WrapBuffer(*lse_accum, device),
+               WrapBuffer(*out_accum, device)},
+              {{"out", 0}, {"lse", 1}});
+}
+
 // DeepSeek-V3.2's sparse decode (sparse_decode_fwd) over the 656-byte token cache, viewed as
 // the float8_e4m3fn bytes the op takes, on a schedule the metadata call made (one array: its
 // rows (parts, 8), then num_splits (batch + 1)); its results and accumulators in XLA's buffers
@@ -202,14 +220,8 @@ ffi::Error MlaSparseDecodeCudaImpl(cudaStream_t stream, int32_t device, ffi::Any
     Slot(args, OpArg::kIndices) = WrapBuffer(indices.typed_data() + layer * row,
                                              stack.last(3), ffi::DataType::S32, device);
     if (with_sink) Slot(args, OpArg::kAttnSink) = WrapBuffer(attn_sink, device);
-    Slot(args, OpArg::kTileSchedulerMetadata) = rows;
-    Slot(args, OpArg::kNumSplits) = splits;
-    Slot(args, OpArg::kHeadDimV) = out->dimensions().back();
-    Slot(args, OpArg::kSoftmaxScale) = static_cast<double>(softmax_scale);
-    CallTorchOp(op, args,
-                {WrapBuffer(*out, device), LseBuffer(lse, device), WrapBuffer(*lse_accum, device),
-                 WrapBuffer(*out_accum, device)},
-                {{"out", 0}, {"lse", 1}});
+    CallSparseDecode(op, args, rows, splits, softmax_scale, device, out, lse, out_accum,
+                     lse_accum);
     return ffi::Error::Success();
   });
 }
@@ -255,14 +267,8 @@ ffi::Error MlaSparseDecodeV4CudaImpl(
       Slot(args, OpArg::kExtraTopkLength) = WrapBuffer(extra_topk_length, device);
     }
     if (with_sink) Slot(args, OpArg::kAttnSink) = WrapBuffer(attn_sink, device);
-    Slot(args, OpArg::kTileSchedulerMetadata) = rows;
-    Slot(args, OpArg::kNumSplits) = splits;
-    Slot(args, OpArg::kHeadDimV) = out->dimensions().back();
-    Slot(args, OpArg::kSoftmaxScale) = static_cast<double>(softmax_scale);
-    CallTorchOp(op, args,
-                {WrapBuffer(*out, device), LseBuffer(lse, device), WrapBuffer(*lse_accum, device),
-                 WrapBuffer(*out_accum, device)},
-                {{"out", 0}, {"lse", 1}});
+    CallSparseDecode(op, args, rows, splits, softmax_scale, device, out, lse, out_accum,
+                     lse_accum);
     return ffi::Error::Success();
   });
 }

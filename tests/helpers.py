@@ -54,6 +54,26 @@ def make_decode_inputs(rng, *, batch, s_q, h_q, mean_sk, varlen, dtype, zero_len
     return q, kv, block_table, seq_lens
 
 
+def sparse_attention_f64(q, rows, valid, scale, sink):
+    """float64 attention of each query (n, h, d) over its valid rows (n, keys, d), d 576
+    (V3.2: V is a row's first 512) or 512 (V4: V is the row), with a sink per head (or None)
+    in each softmax's denominator. Returns out (n, h, 512) and lse (n, h), +inf where a query
+    has no valid row (its out 0)."""
+    n, h, _ = q.shape
+    out, lse = np.zeros((n, h, 512)), np.full((n, h), np.inf)
+    for i in range(n):
+        keys = rows[i][valid[i]].astype(np.float64)
+        if len(keys) == 0:
+            continue
+        s = q[i].astype(np.float64) @ keys.T * scale
+        m = s.max(-1, keepdims=True)
+        p = np.exp(s - m)
+        denominator = p.sum(-1) + (0 if sink is None else np.exp(sink - m[:, 0]))
+        out[i] = p @ keys[:, :512] / denominator[:, None]
+        lse[i] = m[:, 0] + np.log(p.sum(-1))
+    return out, lse
+
+
 def request_attention_f64(q, keys, length, *, softmax_scale, causal=True, head_dim_v=512):
     """Float64 attention of one request: q (s_q, h_q, 576) over the first `length` rows of
     keys (>= length, 576), bottom-right causal. Returns (out (s_q, h_q, dv), lse (h_q, s_q))."""

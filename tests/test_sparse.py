@@ -17,6 +17,7 @@ from jax_flashmla.caches.sparse import (TOKEN_BYTES, dequantize_tokens, quantize
 from jax_flashmla.ops import sparse as sparse_ops
 from jax_flashmla.ops.decode import default_num_sms
 from jax_flashmla.ops.sparse import MaskedIndices
+from helpers import sparse_attention_f64
 
 # out in bf16 from float32 arithmetic: a few bf16 ulps of the largest value; lse in float32.
 OUT_TOL = dict(rtol=2e-2, atol=2e-2)
@@ -79,23 +80,6 @@ def test_writes_land_at_their_slots_in_place_and_drop_invalid_slots():
     np.testing.assert_array_equal(tokens[untouched], np.broadcast_to(zero, (untouched.size, 656)))
 
 
-def _oracle(q, rows, valid, scale, sink):
-    """float64 attention of each query (n, h, 576) over its rows (n, topk, 576)."""
-    n, h, _ = q.shape
-    out, lse = np.zeros((n, h, 512)), np.full((n, h), np.inf)
-    for i in range(n):
-        keys = rows[i][valid[i]].astype(np.float64)
-        if len(keys) == 0:
-            continue
-        s = q[i].astype(np.float64) @ keys.T * scale
-        m = s.max(-1, keepdims=True)
-        p = np.exp(s - m)
-        denominator = p.sum(-1) + (0 if sink is None else np.exp(sink - m[:, 0]))
-        out[i] = p @ keys[:, :512] / denominator[:, None]
-        lse[i] = m[:, 0] + np.log(p.sum(-1))
-    return out, lse
-
-
 def _decode_problem(seed, batch=3, s_q=2, h_q=16, pages=6, topk=40):
     rng = np.random.default_rng(seed)
     cache = quantize_tokens(jnp.asarray(_rows(rng, (pages, 64, 1), spread=0.3)))
@@ -111,7 +95,7 @@ def _decode_problem(seed, batch=3, s_q=2, h_q=16, pages=6, topk=40):
 
 @pytest.mark.parametrize("with_length,with_sink", [(False, False), (True, False), (False, True),
                                                    (True, True)])
-def test_sparse_decode_matches_the_float64_oracle(with_length, with_sink):
+def test_sparse_decode_matches_the_float64sparse_attention_f64(with_length, with_sink):
     q, cache, indices = _decode_problem(3)
     batch, s_q, h_q, _ = q.shape
     topk_length = jnp.asarray([40, 17, 0], jnp.int32) if with_length else None
@@ -126,7 +110,7 @@ def test_sparse_decode_matches_the_float64_oracle(with_length, with_sink):
     valid = (idx >= 0) & (idx < rows.shape[0])
     if with_length:
         valid &= np.arange(idx.shape[-1]) < np.asarray(topk_length)[:, None, None]
-    expected_out, expected_lse = _oracle(
+    expected_out, expected_lse = sparse_attention_f64(
         np.asarray(q, np.float32).reshape(batch * s_q, h_q, 576),
         rows[np.where(valid, idx, 0)].reshape(batch * s_q, -1, 576),
         valid.reshape(batch * s_q, -1), 0.1, None if sink is None else np.asarray(sink))
@@ -169,7 +153,7 @@ def test_a_nan_in_a_row_read_poisons_only_the_queries_that_read_it():
                                   np.asarray(clean_lse).transpose(0, 2, 1)[~reads])
 
 
-def test_sparse_prefill_matches_the_float64_oracle():
+def test_sparse_prefill_matches_the_float64sparse_attention_f64():
     rng = np.random.default_rng(6)
     tokens, keys, h_q, topk = 9, 300, 16, 64
     q = jnp.asarray(rng.normal(0, 1, (tokens, h_q, 576)), jnp.bfloat16)
@@ -181,7 +165,7 @@ def test_sparse_prefill_matches_the_float64_oracle():
     assert lse.shape == (h_q, tokens)
     valid = (indices >= 0) & (indices < keys)
     rows = np.asarray(kv, np.float32)[np.where(valid, indices, 0)]
-    expected_out, expected_lse = _oracle(np.asarray(q, np.float32), rows, valid, 576 ** -0.5, None)
+    expected_out, expected_lse = sparse_attention_f64(np.asarray(q, np.float32), rows, valid, 576 ** -0.5, None)
     np.testing.assert_allclose(np.asarray(out, np.float32), expected_out, **OUT_TOL)
     np.testing.assert_allclose(np.asarray(lse).T, expected_lse, **LSE_TOL)
 

@@ -13,6 +13,7 @@ import pytest
 from jax_flashmla.caches.v4 import (KERNEL_TOKEN_BYTES, V4KVCache, dequantize_rows,
                                     quantize_rows, write_v4_kv)
 from jax_flashmla.reference.v4 import v4_decode_reference
+from helpers import sparse_attention_f64
 
 OUT_TOL = dict(rtol=2e-2, atol=2e-2)  # out in bf16 from float32 arithmetic
 LSE_TOL = dict(rtol=1e-5, atol=1e-4)
@@ -105,23 +106,6 @@ def test_bad_arguments_are_named():
         write_v4_kv(V4KVCache.create(1), np.zeros(4, np.int64), jnp.zeros((4, 512)))
 
 
-def _oracle(q, rows, valid, scale, sink):
-    """float64 attention of each query (n, h, 512) over its rows (n, keys, 512)."""
-    n, h, _ = q.shape
-    out, lse = np.zeros((n, h, 512)), np.full((n, h), np.inf)
-    for i in range(n):
-        keys = rows[i][valid[i]].astype(np.float64)
-        if len(keys) == 0:
-            continue
-        s = q[i].astype(np.float64) @ keys.T * scale
-        m = s.max(-1, keepdims=True)
-        p = np.exp(s - m)
-        denominator = p.sum(-1) + (0 if sink is None else np.exp(sink - m[:, 0]))
-        out[i] = p @ keys / denominator[:, None]
-        lse[i] = m[:, 0] + np.log(p.sum(-1))
-    return out, lse
-
-
 def _cache(rng, pages):
     rows = _rows(rng, (pages * 64,), spread=0.3)
     cache = write_v4_kv(V4KVCache.create(pages), jnp.arange(pages * 64, dtype=jnp.int32),
@@ -147,7 +131,7 @@ def _valid(indices, slots, lengths):
 
 @pytest.mark.parametrize("with_window,with_lengths,sink", [
     (True, True, "finite"), (True, False, "infinite"), (False, True, None), (True, True, None)])
-def test_v4_decode_matches_the_float64_oracle(with_window, with_lengths, sink):
+def test_v4_decode_matches_the_float64sparse_attention_f64(with_window, with_lengths, sink):
     rng = np.random.default_rng(3)
     batch, s_q, h_q, topk, window = 4, 2, 16, 48, 24
     cache, rows = _cache(rng, 3)
@@ -180,7 +164,7 @@ def test_v4_decode_matches_the_float64_oracle(with_window, with_lengths, sink):
         keys = np.concatenate([keys, extra_rows[np.where(extra_valid, extra_indices, 0)]], 2)
         valid = np.concatenate([valid, extra_valid], 2)
     n = batch * s_q
-    expected_out, expected_lse = _oracle(np.asarray(q, np.float32).reshape(n, h_q, 512),
+    expected_out, expected_lse = sparse_attention_f64(np.asarray(q, np.float32).reshape(n, h_q, 512),
                                          keys.reshape(n, -1, 512), valid.reshape(n, -1),
                                          512 ** -0.5, attn_sink)
     np.testing.assert_allclose(np.asarray(out, np.float32).reshape(n, h_q, 512), expected_out,

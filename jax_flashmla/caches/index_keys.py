@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flashmla.base import validation
 from jax_flashmla.base.validation import PAGE_SIZE, fail
-from jax_flashmla.caches.paged import PagedArray, check_num_pages, droppable_slots, scatter_rows
+from jax_flashmla.caches.paged import (PagedArray, check_num_pages, checked_rows, droppable_slots,
+                                      scatter_rows)
 
 INDEX_HEAD_DIM = 128
 SCALE_BYTES = 4
@@ -106,13 +106,8 @@ def write_index_keys(cache, slots, keys, where="write_index_keys"):
       write is in place (two scatters into reshaped views of the one buffer).
     """
     data = index_cache_array(cache, where)
-    slots = slots if hasattr(slots, "dtype") else jnp.asarray(slots)
-    validation.check_int32(where, "slots", slots)  # before jnp.asarray would narrow an int64
-    expected = tuple(slots.shape) + (INDEX_HEAD_DIM,)
-    if tuple(keys.shape) != expected or not jnp.issubdtype(keys.dtype, jnp.floating):
-        fail(ValueError, where, f"keys must be floating with shape {expected} (slots' shape + "
-                                 f"({INDEX_HEAD_DIM},)); got {keys.dtype} {tuple(keys.shape)}")
-    values, scales = quantize_index_keys(keys.reshape(-1, INDEX_HEAD_DIM))
+    slots, keys = checked_rows(where, slots, keys, INDEX_HEAD_DIM, name="keys")
+    values, scales = quantize_index_keys(keys)
     num_pages = data.shape[0]
     flat = droppable_slots(slots, num_pages)  # num_pages * 64 where dropped
     as_bytes = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint8)

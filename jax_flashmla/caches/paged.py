@@ -118,6 +118,21 @@ def _rows(slots_shape, latent, rope, kv):
     return parts
 
 
+def checked_rows(where, slots, rows, width, name="kv"):
+    """A sparse cache writer's slots (int32 of any shape S) and its rows (S + (width,), any
+    float dtype), checked: slots as a JAX array and the rows as (n, width)."""
+    # Checked before jnp.asarray, which would narrow a NumPy int64 array without a word.
+    slots = slots if hasattr(slots, "dtype") else jnp.asarray(slots)
+    validation.check_int32(where, "slots", slots)
+    slots = jnp.asarray(slots)
+    expected = tuple(slots.shape) + (width,)
+    if tuple(rows.shape) != expected or not jnp.issubdtype(rows.dtype, jnp.floating):
+        validation.fail(ValueError, where, f"{name} must be floating with shape {expected} "
+                                           f"(slots' shape + ({width},)); got {rows.dtype} "
+                                           f"{tuple(rows.shape)}")
+    return slots, rows.reshape(-1, width)
+
+
 def droppable_slots(slots, num_pages):
     """slots flattened to (n,), each outside [0, num_pages * 64) sent to num_pages * 64, past
     the end, where scatter_rows drops it: jnp indexing would wrap a negative one first."""

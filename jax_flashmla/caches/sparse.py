@@ -16,11 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flashmla.base import validation
 from jax_flashmla.base.validation import HEAD_DIM, HEAD_DIM_V, PAGE_SIZE
 from jax_flashmla.caches.index_keys import PAGE_BYTES as INDEX_PAGE_BYTES
 from jax_flashmla.caches.index_keys import IndexKeyCache, write_index_keys
-from jax_flashmla.caches.paged import PagedArray, check_num_pages, droppable_slots, scatter_rows
+from jax_flashmla.caches.paged import (PagedArray, check_num_pages, checked_rows, droppable_slots,
+                                      scatter_rows)
 from jax_flashmla.caches.v4 import PAGE_ROWS, ROW_BYTES, V4KVCache, write_v4_kv
 
 TILE = 128
@@ -136,14 +136,7 @@ def write_sparse_kv(kv_cache, slots, kv):
         raise ValueError(f"{where}: kv_cache must be a SparseKVCache, a V4KVCache or an "
                          f"IndexKeyCache (or the array of one); got shape {shape}")
     data = sparse_cache_array(kv_cache, where)
-    # Checked before jnp.asarray, which would narrow a NumPy int64 array without a word.
-    slots = slots if hasattr(slots, "dtype") else jnp.asarray(slots)
-    validation.check_int32(where, "slots", slots)
-    slots = jnp.asarray(slots)
-    expected = tuple(slots.shape) + (HEAD_DIM,)
-    if tuple(kv.shape) != expected or not jnp.issubdtype(kv.dtype, jnp.floating):
-        raise ValueError(f"{where}: kv must be floating with shape {expected} (slots' "
-                         f"shape + ({HEAD_DIM},)); got {kv.dtype} {tuple(kv.shape)}")
-    tokens = quantize_tokens(kv.reshape(-1, HEAD_DIM))
+    slots, rows = checked_rows(where, slots, kv, HEAD_DIM)
+    tokens = quantize_tokens(rows)
     new = scatter_rows(data, droppable_slots(slots, data.shape[0]), tokens)
     return SparseKVCache(new) if isinstance(kv_cache, SparseKVCache) else new

@@ -18,9 +18,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_flashmla.base import validation
 from jax_flashmla.base.validation import PAGE_SIZE
-from jax_flashmla.caches.paged import PagedArray, check_num_pages, droppable_slots
+from jax_flashmla.caches.paged import PagedArray, check_num_pages, checked_rows, droppable_slots
 
 ROW_DIM = 512  # the key, which is also the value
 ROPE_DIM = 64
@@ -132,15 +131,8 @@ def write_v4_kv(kv_cache, slots, kv, where="write_v4_kv"):
       the write is in place: two scatters, the token rows and the scale rows.
     """
     data = v4_cache_array(kv_cache, where)
-    # Checked before jnp.asarray, which would narrow a NumPy int64 array without a word.
-    slots = slots if hasattr(slots, "dtype") else jnp.asarray(slots)
-    validation.check_int32(where, "slots", slots)
-    slots = jnp.asarray(slots)
-    expected = tuple(slots.shape) + (ROW_DIM,)
-    if tuple(kv.shape) != expected or not jnp.issubdtype(kv.dtype, jnp.floating):
-        raise ValueError(f"{where}: kv must be floating with shape {expected} (slots' shape "
-                         f"+ ({ROW_DIM},)); got {kv.dtype} {tuple(kv.shape)}")
-    token_rows, scale_rows = quantize_rows(kv.reshape(-1, ROW_DIM))
+    slots, rows = checked_rows(where, slots, kv, ROW_DIM)
+    token_rows, scale_rows = quantize_rows(rows)
     flat = droppable_slots(slots, data.shape[0])
     pages, offsets = flat // PAGE_SIZE, flat % PAGE_SIZE
     new = data.at[pages, offsets].set(token_rows, mode="drop")

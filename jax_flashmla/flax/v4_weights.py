@@ -8,13 +8,8 @@ compressor.gate_proj.weight, compressor.position_bias, compressor.kv_norm.weight
 Linear's weight as (out, in): the nnx.Linear kernels (q_a_proj, q_b_proj, kv_proj, o_b_proj)
 take it transposed; the others keep HF's layout.
 """
-import os
-from collections.abc import Mapping
-
-import jax.numpy as jnp
-
 from jax_flashmla.flax.v4_mla import V4Attention
-from jax_flashmla.flax.weights import read_safetensors, to_numpy
+from jax_flashmla.flax.weights import load_parameters
 
 LINEARS = ("q_a_proj", "q_b_proj", "kv_proj", "o_b_proj")
 NORMS = ("q_a_norm", "kv_norm")
@@ -58,25 +53,5 @@ def load_v4_attention_weights(layer, weights, *, prefix=""):
     if not isinstance(layer, V4Attention):
         raise TypeError(f"load_v4_attention_weights: layer must be a V4Attention; got "
                         f"{type(layer).__name__}")
-    names = v4_parameter_names(layer)
-    if isinstance(weights, (str, os.PathLike)):
-        weights = read_safetensors(os.fspath(weights), [prefix + name for name in names])
-    elif not isinstance(weights, Mapping):
-        raise TypeError(f"load_v4_attention_weights: weights must be a mapping from HF names "
-                        f"to tensors or the path of a safetensors checkpoint; got "
-                        f"{type(weights).__name__}")
-    for name in names:
-        key = prefix + name
-        if key not in weights:
-            raise KeyError(f"weights has no {key!r} (needed by the V4 attention layer)")
-        param, transposed = _parameter(layer, name)
-        value = jnp.asarray(to_numpy(weights[key], key))
-        seen = tuple(value.shape)
-        if transposed:
-            value = value.T
-        if tuple(value.shape) != tuple(param.shape):
-            expected = param.shape[::-1] if transposed else param.shape
-            raise ValueError(f"weights[{key!r}] has shape {seen}; the layer's config needs "
-                             f"{tuple(expected)}")
-        param[...] = value.astype(param.dtype)
-    return layer
+    return load_parameters("load_v4_attention_weights", "the V4 attention layer", layer,
+                           v4_parameter_names(layer), _parameter, weights, prefix)

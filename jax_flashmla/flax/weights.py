@@ -41,7 +41,7 @@ def attention_parameter_names(config):
     return names
 
 
-def to_numpy(value, name):
+def _to_numpy(value, name):
     """numpy / jax / torch tensor -> a numpy or jax array (bfloat16 kept via float32)."""
     if hasattr(value, "detach"):  # torch, without importing it
         value = value.detach().cpu()
@@ -133,19 +133,28 @@ def load_attention_weights(layer, weights, *, prefix=""):
       layer or weights, KeyError naming a missing tensor and ValueError naming one whose shape
       does not fit.
     """
-    names = layer_parameter_names(layer)
+    return load_parameters("load_attention_weights", "the attention layer", layer,
+                           layer_parameter_names(layer), _parameter, weights, prefix)
+
+
+def load_parameters(where, needed_by, layer, names, parameter, weights, prefix):
+    """Loads HF's tensors `names` (each under prefix + name) into layer's parameters, cast to
+    their dtypes. parameter(layer, name) gives the nnx.Param a name loads into and whether
+    HF's value is its transpose. weights: a mapping from HF names to tensors, or the path of a
+    safetensors checkpoint (only the names needed are read). Raises TypeError for other
+    weights, KeyError naming a missing tensor (needed by `needed_by`), ValueError naming one
+    whose shape does not fit."""
     if isinstance(weights, (str, os.PathLike)):
         weights = read_safetensors(os.fspath(weights), [prefix + name for name in names])
     elif not isinstance(weights, Mapping):
-        raise TypeError(f"load_attention_weights: weights must be a mapping from HF names to "
-                        f"tensors or the path of a safetensors checkpoint; got "
-                        f"{type(weights).__name__}")
+        raise TypeError(f"{where}: weights must be a mapping from HF names to tensors or the "
+                        f"path of a safetensors checkpoint; got {type(weights).__name__}")
     for name in names:
         key = prefix + name
         if key not in weights:
-            raise KeyError(f"weights has no {key!r} (needed by the attention layer)")
-        param, transposed = _parameter(layer, name)
-        value = jnp.asarray(to_numpy(weights[key], key))
+            raise KeyError(f"weights has no {key!r} (needed by {needed_by})")
+        param, transposed = parameter(layer, name)
+        value = jnp.asarray(_to_numpy(weights[key], key))
         seen = tuple(value.shape)
         if transposed:
             value = value.T
