@@ -34,6 +34,8 @@
 #              test_flax_sparse_mla.py). HF's oracle needs transformers >= 5.24; where the
 #              machine's is older carry .device/transformers.tar.xz (`tar --exclude=__pycache__
 #              -cJf .device/transformers.tar.xz -C <site-packages> transformers`)
+#     v4-bench  bench_v4.py (DeepSeek-V4's step, decode by heads, prefill); V4_ARGS, V4_NAME
+#              (v4_h200), V4_DEADLINE_S (default 300)
 #     soak     benchmarks/soak_serving.py at its GPU sizes; SOAK_ARGS (default --steps 10000),
 #              SOAK_NAME (soak_h200)
 #     model1-probe  dev/probe_model1.py: FlashMLA's DeepSeek-V4 sparse decode and prefill from
@@ -113,6 +115,10 @@ for mode in "${modes[@]}"; do
     timeout $((${V32_DEADLINE_S:-420} + 120)) python3 benchmarks/bench_v32_decode.py \
       --deadline-s "${V32_DEADLINE_S:-420}" --out "$out/${V32_NAME:-v32_decode_h200}" \
       ${V32_ARGS:-} 2>&1 | tee "$out/v32.txt" | cut -c1-400 | tail -40 ;;
+  v4-bench)
+    timeout $((${V4_DEADLINE_S:-300} + 120)) python3 benchmarks/bench_v4.py \
+      --deadline-s "${V4_DEADLINE_S:-300}" --out "$out/${V4_NAME:-v4_h200}" ${V4_ARGS:-} 2>&1 \
+      | tee "$out/v4.txt" | grep -v "^[IW][0-9]" | cut -c1-600 | tail -40 ;;
   fp8)
     timeout 240 python3 benchmarks/bench_fp8.py --out "$out/fp8_h200.json" 2>&1 \
       | tee "$out/fp8.txt" | tail -20 ;;

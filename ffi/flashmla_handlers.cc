@@ -273,14 +273,16 @@ ffi::Error MlaSparseDecodeV4CudaImpl(
   });
 }
 
-// DeepSeek-V3.2's sparse prefill (sparse_prefill_fwd) on bf16 rows; no scratch. It allocates
+// The sparse prefill (sparse_prefill_fwd) on bf16 rows, V3.2's or V4's (with_topk_length: V4's
+// alone, whose kernel skips each row's indices from its length on); no scratch. It allocates
 // out, lse, max_logits (FlashMLA's sparse_fwd.h) and returns out, max_logits, lse. lse and
 // max_logits are the same size, so only the lending order tells them apart: a release that
 // allocated them the other way round fails the check on max_logits.
 ffi::Error MlaSparsePrefillCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
                                     ffi::AnyBuffer kv, ffi::Buffer<ffi::S32> indices,
-                                    ffi::Buffer<ffi::F32> attn_sink, float softmax_scale,
-                                    bool with_sink, std::string_view op,
+                                    ffi::Buffer<ffi::F32> attn_sink,
+                                    ffi::Buffer<ffi::S32> topk_length, float softmax_scale,
+                                    bool with_sink, bool with_topk_length, std::string_view op,
                                     ffi::Result<ffi::AnyBuffer> out,
                                     ffi::ResultBuffer<ffi::F32> lse_base2,
                                     ffi::ResultBuffer<ffi::F32> max_logits) {
@@ -290,6 +292,7 @@ ffi::Error MlaSparsePrefillCudaImpl(cudaStream_t stream, int32_t device, ffi::An
     Slot(args, OpArg::kKvCache) = WrapBuffer(kv, device);
     Slot(args, OpArg::kIndices) = WrapBuffer(indices, device);
     if (with_sink) Slot(args, OpArg::kAttnSink) = WrapBuffer(attn_sink, device);
+    if (with_topk_length) Slot(args, OpArg::kTopkLength) = WrapBuffer(topk_length, device);
     Slot(args, OpArg::kHeadDimV) = out->dimensions().back();
     Slot(args, OpArg::kSoftmaxScale) = static_cast<double>(softmax_scale);
     CallTorchOp(op, args,

@@ -111,8 +111,10 @@ auto BindSparsePrefillOperands(Binding binding) {
       .template Arg<ffi::AnyBuffer>()                    // kv
       .template Arg<ffi::Buffer<ffi::S32>>()             // indices
       .template Arg<ffi::Buffer<ffi::F32>>()             // attn_sink
+      .template Arg<ffi::Buffer<ffi::S32>>()             // topk_length
       .template Attr<float>("softmax_scale")
-      .template Attr<bool>("with_sink");
+      .template Attr<bool>("with_sink")
+      .template Attr<bool>("with_topk_length");
 }
 
 // out, the base-2 lse and the largest logits (tokens, h_q), in the order the op allocates them.

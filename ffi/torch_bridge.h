@@ -44,7 +44,7 @@ enum class OpArg {
   kDescaleK,
   kIndices,  // the sparse ops' indices, and their sink logits
   kAttnSink,
-  kTopkLength,  // DeepSeek-V4's decode: its indices' lengths, and the extra (window) cache's
+  kTopkLength,  // DeepSeek-V4's decode and prefill: the indices' lengths; the extra cache's
   kExtraKv,
   kExtraIndices,
   kExtraTopkLength,

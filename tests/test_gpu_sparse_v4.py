@@ -150,7 +150,7 @@ def test_a_step_shares_one_schedule_and_replays_with_new_inputs():
 def test_the_v4_prefill_is_flashmlas_op_bit_for_bit(tokens, h_q, keys, topk, with_sink):
     """sparse_mla_prefill on 512-wide rows against sparse_prefill_fwd from torch (d_qk 512,
     sink, topk lengths) on what the custom call hands it: heads padded to 64 or 128, topk to
-    128 with -1, invalid indices -1; its lse in base 2 made natural."""
+    128 with -1, invalid indices -1, the lengths; its lse in base 2 made natural."""
     import torch
 
     kernels.ensure_cuda_targets()
@@ -160,20 +160,23 @@ def test_the_v4_prefill_is_flashmlas_op_bit_for_bit(tokens, h_q, keys, topk, wit
     indices = rng.integers(0, keys, (tokens, topk)).astype(np.int32)
     indices[0] = -1
     indices[-1, :3] = [-5, keys, 2 ** 31 - 1]
-    lengths = jnp.asarray(rng.integers(0, topk + 1, tokens), jnp.int32)
+    lengths = rng.integers(0, topk + 1, tokens).astype(np.int32)
+    lengths[1:3] = [topk + 1000, -3]  # clamped to [0, topk] before the kernel gets them
+    lengths = jnp.asarray(lengths)
     sink = jnp.asarray(rng.normal(0, 2, h_q), jnp.float32) if with_sink else None
     prefill = jax.jit(functools.partial(sparse_mla_prefill, softmax_scale=SCALE,
                                         implementation="custom_call"))
     out, lse = prefill(q, kv, jnp.asarray(indices), topk_length=lengths, attn_sink=sink)
     heads = 64 if h_q <= 64 else 128
-    valid = (indices >= 0) & (indices < keys) & (np.arange(topk) < np.asarray(lengths)[:, None])
+    clamped = np.clip(np.asarray(lengths), 0, topk)
+    valid = (indices >= 0) & (indices < keys) & (np.arange(topk) < clamped[:, None])
     kernel_indices = np.pad(np.where(valid, indices, -1), ((0, 0), (0, -topk % 128)),
                             constant_values=-1)
     t_out, _, t_lse = torch.ops.sgl_kernel.sparse_prefill_fwd(
         torch_view(torch, jnp.pad(q, ((0, 0), (0, heads - h_q), (0, 0)))),
         torch_view(torch, kv[:, None, :]), torch_view(torch, jnp.asarray(kernel_indices)[:, None]),
         SCALE, 512, None if sink is None else torch_view(torch, jnp.pad(sink, (0, heads - h_q))),
-        None)
+        torch_view(torch, jnp.asarray(clamped)))
     torch.cuda.synchronize()
     np.testing.assert_array_equal(np.asarray(out, np.float32),
                                   t_out[:, :h_q].float().cpu().numpy())

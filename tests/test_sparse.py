@@ -191,8 +191,8 @@ def test_the_prefill_hands_its_kernel_padded_heads_and_topk():
     (call,) = [e for e in jaxpr.eqns if e.primitive.name == "jax_flashmla_mla_sparse_prefill"]
     assert [(v.aval.shape, v.aval.dtype) for v in call.invars] == [
         ((5, 64, 576), jnp.bfloat16), ((9, 1, 576), jnp.bfloat16), ((5, 1, 128), jnp.int32),
-        ((0,), jnp.float32)]  # no sink: an empty operand, which takes no kernel to make
-    assert call.params == dict(softmax_scale=0.1, with_sink=False)
+        ((0,), jnp.float32), ((0,), jnp.int32)]  # no sink, no lengths: empty operands
+    assert call.params == dict(softmax_scale=0.1, with_sink=False, with_topk_length=False)
     out, lse = (v.aval for v in jaxpr.jaxpr.outvars)
     assert (out.shape, out.dtype, lse.shape, lse.dtype) == ((5, 16, 512), jnp.float32, (16, 5),
                                                             jnp.float32)

@@ -202,6 +202,12 @@ def test_the_v4_prefill_kernel_gets_512_wide_rows_and_padded_heads_and_topk():
         dict(q=q, kv=kv, indices=jnp.zeros((5, 40), jnp.int32)))
     call = _custom_calls(jaxpr)[custom_calls.SPARSE_PREFILL.target]
     assert [v.aval.shape for v in call.invars][:3] == [(5, 64, 512), (70, 1, 512), (5, 1, 128)]
+    assert not call.params["with_topk_length"]
+    jaxpr = jax.make_jaxpr(lambda n: sparse_ops._kernel_prefill(n, softmax_scale=0.1))(
+        dict(q=q, kv=kv, indices=jnp.zeros((5, 40), jnp.int32),
+             topk_length=jnp.zeros((5,), jnp.int32)))
+    call = _custom_calls(jaxpr)[custom_calls.SPARSE_PREFILL.target]
+    assert call.params["with_topk_length"] and call.invars[4].aval.shape == (5,)
 
 
 def test_a_prefill_of_kv_another_width_is_refused():

@@ -234,12 +234,16 @@ def _sparse_decode_types(q, schedule, **_):
             _f32(splits, h_q, s_q, v), _f32(splits, h_q, s_q))
 
 
-def _sparse_attributes(name, what, platform, *, softmax_scale, with_sink, layer=None):
-    """The sparse calls' attributes; `layer` the decode's alone."""
+def _sparse_attributes(name, what, platform, *, softmax_scale, with_sink, layer=None,
+                       with_topk_length=None):
+    """The sparse calls' attributes; `layer` the V3.2 decode's alone, `with_topk_length` the
+    prefill's."""
     attributes = dict(softmax_scale=np.float32(softmax_scale), with_sink=bool(with_sink),
                       op=_kernel_op(kernels.ensure_cuda_targets(), name, what))
     if layer is not None:
         attributes["layer"] = np.int64(layer)
+    if with_topk_length is not None:
+        attributes["with_topk_length"] = bool(with_topk_length)
     return attributes
 
 
@@ -296,14 +300,17 @@ def _sparse_prefill_types(q, **_):
             _f32(tokens, h_q), _f32(tokens, h_q))
 
 
-# Its sparse prefill on bf16 rows, CUDA only as well: q (tokens, h_q, 576), kv (keys, 1, 576),
-# indices (tokens, 1, topk). The results are in the order the op allocates them: out, lse in
-# base 2, and the largest logits (scratch to jax_flashmla.sparse, which drops them).
-# Trusts: every index in [-1, keys) and at least one key. Guaranteed by: sparse.ops._masked at
-# each call (no pre-masked form), sparse.ops._no_keys for kv of no keys; topk padded to 128 and
+# Its sparse prefill on bf16 rows, CUDA only as well: q (tokens, h_q, 576 or 512), kv (keys, 1,
+# q's width), indices (tokens, 1, topk); with with_topk_length (512 wide only: the kernel
+# FlashMLA has for it) topk_length (tokens,), from which on the kernel skips a row's indices.
+# The results are in the order the op allocates them: out, lse in base 2, and the largest
+# logits (scratch to jax_flashmla.sparse, which drops them).
+# Trusts: every index in [-1, keys), at least one key, and each topk_length in [0, topk].
+# Guaranteed by: sparse.ops._masked at each call (no pre-masked form), sparse.ops._no_keys for
+# kv of no keys, the lengths clamped in sparse.ops.sparse_mla_prefill; topk padded to 128 and
 # heads to 64 or 128 in sparse.ops._kernel_prefill. attn_sink: any float, a logit.
 SPARSE_PREFILL = CustomCall(
-    "jax_flashmla_mla_sparse_prefill", ("q", "kv", "indices", "attn_sink"),
+    "jax_flashmla_mla_sparse_prefill", ("q", "kv", "indices", "attn_sink", "topk_length"),
     ("out", "lse_base2", "max_logits"), _sparse_prefill_types,
     functools.partial(_sparse_attributes, "sparse_prefill", "sparse prefill (sparse_prefill_fwd)"),
     platforms=("cuda",))

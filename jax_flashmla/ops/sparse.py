@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax_flashmla.base import trusted, validation
 from jax_flashmla.base.validation import HEAD_DIM, HEAD_DIM_V, PAGE_SIZE, fail
 from jax_flashmla.caches.sparse import sparse_cache_array
-from jax_flashmla.caches.v4 import V4KVCache, v4_cache_array
+from jax_flashmla.caches.v4 import ROW_DIM, V4KVCache, v4_cache_array
 from jax_flashmla.kernels import custom_calls, logical, sparse_forms
 from jax_flashmla.kernels.sparse_forms import KERNEL_PREFILL_TOPK_BLOCK, kernel_schedule
 from jax_flashmla.kernels import library as kernels
@@ -41,7 +41,7 @@ from jax_flashmla.reference import sparse as reference
 DECODE_FACTORS = {"q": "b s h d", "kv_cache": "n p k z", "indices": "l b s i", "attn_sink": "h",
                   "schedule": "e", "out": "b s h v", "lse": "b h s"}
 PREFILL_FACTORS = {"q": "t h d", "kv": "k d", "indices": "t i", "attn_sink": "h",
-                   "out": "t h v", "lse": "h t"}
+                   "topk_length": "t", "out": "t h v", "lse": "h t"}
 NO_GRADIENT = "FlashMLA's sparse kernels are forward-only"
 # q's widths: DeepSeek-V3.2's rows, and V4's (its key, also its value).
 WIDTHS = {HEAD_DIM: "V3.2: 512 latent + 64 rope", 512: "V4: 448 + 64 rope"}
@@ -300,9 +300,12 @@ def _kernel_prefill(named, *, softmax_scale):
     topk = indices.shape[-1]
     padded = sparse_forms.kernel_topk(topk, KERNEL_PREFILL_TOPK_BLOCK)
     indices = jnp.pad(indices, ((0, 0), (0, padded - topk)), constant_values=-1)
+    with_topk_length = "topk_length" in named
+    topk_length = named["topk_length"] if with_topk_length else jnp.zeros((0,), jnp.int32)
     out, lse_base2, _ = custom_calls.SPARSE_PREFILL(
         q=q, kv=kv.astype(jnp.bfloat16)[:, None, :], indices=indices[:, None, :],
-        attn_sink=sink, softmax_scale=softmax_scale, with_sink=with_sink)
+        attn_sink=sink, topk_length=topk_length, softmax_scale=softmax_scale,
+        with_sink=with_sink, with_topk_length=with_topk_length)
     return out[:, :h_q].astype(dtype), (lse_base2[:, :h_q] * math.log(2)).T
 
 
@@ -323,7 +326,9 @@ def sparse_mla_prefill(q, kv, indices, *, softmax_scale=None, topk_length=None,
       indices: (tokens, topk) int32 rows of kv each query attends to; outside [0, keys) an
         index is invalid and never read.
       softmax_scale, attn_sink: as in sparse_mla_decode (the scale defaults to q's width **
-        -0.5); topk_length: (tokens,) int32 or None.
+        -0.5); topk_length: (tokens,) int32 or None: a row's indices from its length on are
+        invalid (V4's kernel is also handed the lengths, clamped to [0, topk], and leaves
+        their blocks unread).
       implementation: as in sparse_mla_decode; "custom_call" is FlashMLA's sparse_prefill_fwd
         (CUDA only; at most 128 heads; it computes in bfloat16, q and kv cast to it and out
         back to q's dtype); "reference" is pure JAX, which gathers (tokens, topk, width)
@@ -349,4 +354,7 @@ def sparse_mla_prefill(q, kv, indices, *, softmax_scale=None, topk_length=None,
     operands = dict(q=q, kv=kv, indices=_masked(indices, kv.shape[0], topk_length))
     if attn_sink is not None:
         operands["attn_sink"] = attn_sink
+    if topk_length is not None and q.shape[-1] == ROW_DIM:
+        # V4's kernel also skips a row's indices from its length on, whole blocks unread.
+        operands["topk_length"] = jnp.clip(topk_length, 0, indices.shape[-1])
     return SPARSE_PREFILL(operands, implementation=implementation, softmax_scale=scale)

@@ -1,0 +1,110 @@
+"""bench_v4.py's results as a markdown report and a plot: the 43-layer step's µs per layer
+against b beside torch's CUDA graphs, the decode's cost by head count, the prefill against
+torch's."""
+from results_io import save_png
+
+STEP_VARIANTS = (("jax", "jax_flashmla"), ("torch_graph", "torch graph"),
+                 ("torch_graph_shared", "torch graph, shared schedule"))
+
+
+def _yes(value):
+    return "" if value is None else ("yes" if value else "no")
+
+
+def step_table(result):
+    rows = ["| b | " + " | ".join(label for _, label in STEP_VARIANTS)
+            + " | ratio | bar | queued: " + " | queued: ".join(l for _, l in STEP_VARIANTS)
+            + " | queued ratio | out identical | windows identical |",
+            "| --- " * (2 * len(STEP_VARIANTS) + 6) + "|"]
+    for r in result["step"]:
+        cells = [str(r.get(f"{name}_us", "")) for name, _ in STEP_VARIANTS]
+        queued = [str(r.get(f"{name}_queued_us", "")) for name, _ in STEP_VARIANTS]
+        identical = r.get(f"{r.get('torch_best')}_out_identical")
+        rows.append(f"| {r['b']} | " + " | ".join(cells)
+                    + f" | {r.get('ratio', '')} | {r.get('bar', '')} | " + " | ".join(queued)
+                    + f" | {r.get('queued_ratio', '')} | {_yes(identical)} | "
+                    + f"{_yes(r.get('windows_identical'))} |")
+    return rows
+
+
+def heads_table(result):
+    names = sorted({n for r in result["heads"] for n in r["us"]},
+                   key=lambda n: (n.split("_")[0], int(n.split("_h")[1])))
+    rows = ["| b | " + " | ".join(names) + " | " + " | ".join(
+        f"{n} / jax_h64" for n in names) + " |", "| --- " * (2 * len(names) + 1) + "|"]
+    for r in result["heads"]:
+        rows.append(f"| {r['b']} | " + " | ".join(str(r["us"].get(n, "")) for n in names)
+                    + " | " + " | ".join(str(r.get("cost_vs_h64", {}).get(n, ""))
+                                         for n in names) + " |")
+    return rows
+
+
+def prefill_table(result):
+    rows = ["| tokens | keys | h_q | topk | jax µs | torch µs | speed vs torch (median, "
+            "range) | bar |", "| --- " * 8 + "|"]
+    for r in result["prefill"]:
+        speed = r.get("speed_vs_torch")
+        shown = "" if speed is None else f"{speed[0]} ({speed[1]}–{speed[2]})"
+        rows.append(f"| {r['tokens']} | {r['keys']} | {r['h_q']} | {r['topk']} | "
+                    f"{r['us'].get('jax', '')} | {r['us'].get('torch', '')} | {shown} | "
+                    f"{r.get('bar', '')} |")
+    return rows
+
+
+def summary_lines(result):
+    lines = []
+    for r in result["step"]:
+        if "ratio" in r:
+            lines.append(f"- Step b={r['b']}: {r['jax_us']} µs a layer against "
+                         f"{r[r['torch_best'] + '_us']} ({r['torch_best']}), ratio {r['ratio']} "
+                         f"(bar {r['bar']}: {'met' if r['ratio'] <= r['bar'] else 'not met'}); "
+                         f"queued {r['queued_ratio']}; out identical: "
+                         f"{_yes(r.get(r['torch_best'] + '_out_identical'))}.")
+    for r in result["prefill"]:
+        if "speed_vs_torch" in r:
+            speed = r["speed_vs_torch"][0]
+            lines.append(f"- Prefill h_q {r['h_q']} topk {r['topk']}: {speed}x torch's speed "
+                         f"(bar 0.95: {'met' if speed >= 0.95 else 'not met'}).")
+    for r in result["heads"]:
+        cost = r.get("cost_vs_h64", {})
+        if "jax_h16" not in cost:
+            continue
+        lines.append(f"- Heads b={r['b']}: 16 heads cost {cost.get('jax_h16')}x and 32 heads "
+                     f"{cost.get('jax_h32')}x the 64-head call (padded to 64).")
+    if result["not_run"]:
+        lines.append(f"- Not run (deadline): {', '.join(result['not_run'])}.")
+    return lines
+
+
+def write_report(result, out):
+    meta = result["meta"]
+    text = [f"# DeepSeek-V4's attention kernels ({meta['device']}, jax {meta['jax']})", "",
+            "From benchmarks/bench_v4.py (its docstring says what each figure is). "
+            f"Layer types: {meta['layer_types']}; context {meta['context']}; "
+            f"h_q {meta['h_q']}.", "", "## Summary", "", *summary_lines(result), "",
+            "## The step, µs per layer", "",
+            "Wall clock of the median synced step / layers; queued: all steps launched before "
+            "one sync. Ratio: jax_flashmla over the faster torch graph.", "",
+            *step_table(result), "", "## The decode by head count, µs per call", "",
+            *heads_table(result), "", "## The prefill, µs per call", "",
+            *prefill_table(result), ""]
+    with open(out + ".md", "w") as f:
+        f.write("\n".join(text))
+    if not result["step"]:
+        return
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, label in STEP_VARIANTS:
+        points = [(r["b"], r[f"{name}_us"]) for r in result["step"] if f"{name}_us" in r]
+        if points:
+            ax.plot(*zip(*points), marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch")
+    ax.set_ylabel("µs per layer (synced step / layers)")
+    ax.set_title(f"V4 decode step, {meta['layers']} layers, {meta['device']}")
+    ax.legend()
+    fig.tight_layout()
+    save_png(fig, out + ".png")
+    plt.close(fig)
