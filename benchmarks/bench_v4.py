@@ -22,6 +22,10 @@ every other round); reported: µs per layer (the median step / 43), with all ste
 before one sync (queued: the GPU's time), the ratio to the faster torch graph (bar 1.05 at
 b >= 16, 1.15 at b = 1), and whether the last out and the windows' bytes equal torch's.
 
+The decodes alone: the same step with no layer writing its window, on both sides (torch's
+writes are torch ops, a dozen kernels a layer where XLA fuses the quantization into two
+scatters; without them the step compares the decode calls alone).
+
 Per call, heads: the decode of a CSA layer (512 entries and a 128-token window) at b in {16,
 128} for h_q 16, 32, 64 and 128; 16 and 32 run padded to 64 heads (their cost against 64 is the
 padding's), and torch's op (64 and 128 only) beside them.
@@ -110,8 +114,9 @@ class StepInputs:
     (its layer type's entries for b requests; CSA layers beyond `cache_gb` share caches), the
     indices of both, the first q, each layer's new rows and the sink."""
 
-    def __init__(self, b, context, h_q, layers, cache_gb, seed=0):
+    def __init__(self, b, context, h_q, layers, cache_gb, writes=True, seed=0):
         self.b, self.context, self.h_q, self.layers = b, context, h_q, layers
+        self.writes = writes  # False: the decodes alone, each layer's window as it is
         self.types = layer_types(layers)
         rng = np.random.default_rng(seed)
         keys = iter(jax.random.split(jax.random.key(seed), 3 * layers + 2))
@@ -144,6 +149,7 @@ class StepInputs:
         self.q0 = jax.random.normal(next(keys), (b, 1, h_q, ROW_DIM), jnp.bfloat16)
         self.sink = jax.random.normal(next(keys), (h_q,), jnp.float32)
         self.main_gb = sum(m.data.nbytes for m in self.mains) / 2**30
+        jax.block_until_ready(self.arguments())  # torch reads them on a stream of its own
 
     def arguments(self):
         return (self.windows, self.mains, self.q0, self.rows, self.indices, self.lengths,
@@ -156,7 +162,8 @@ def jax_step(inp):
              sink):
         windows = list(windows)
         for layer, t in enumerate(inp.types):
-            windows[layer] = write_sparse_kv(windows[layer], slots, rows[layer])
+            if inp.writes:
+                windows[layer] = write_sparse_kv(windows[layer], slots, rows[layer])
             q, _ = sparse_mla_decode(
                 q, mains[inp.main_of[layer]], indices[layer], topk_length=lengths[t],
                 attn_sink=sink, extra_kv_cache=windows[layer], extra_indices=window_indices,
@@ -208,24 +215,28 @@ class TorchV4:
         window.view(window.shape[0], PAGE_ROWS * ROW_BYTES // 8, 8)[
             pages, PAGE * ROW_BYTES // 8 + offsets] = scale
 
-    def steps(self, inp, schedules, variants):
-        """({name: (launch, sync)}, {name: its last out}, windows, {name: why not made}):
-        the step captured in CUDA graphs, "torch_graph" with the op's own schedule per layer,
-        "torch_graph_shared" with `schedules` ({layer type: (tile_md, num_splits)}, made
-        before); those of them in `variants`."""
+    def steps(self, inp, windows, schedules, variants):
+        """({name: (launch, sync)}, {name: its last out}, {name: why not made}): the step over
+        `windows` (torch's copies of the step's) captured in CUDA graphs, "torch_graph" with
+        the op's own schedule per layer, "torch_graph_shared" with `schedules` ({layer type:
+        (tile_md, num_splits)}, made before); those of them in `variants`."""
         torch, view = self.torch, self.side.view
-        windows = [view(w.data).clone() for w in inp.windows]
         mains = [self.kv(view(m.data)) for m in inp.mains]
         rows, indices = [view(r) for r in inp.rows], [view(i) for i in inp.indices]
         lengths = {t: view(v) for t, v in inp.lengths.items()}
         window_indices, window_length = view(inp.window_indices), view(inp.window_length)
         slots, sink, q0 = view(inp.write_slots).long(), view(inp.sink), view(inp.q0)
         shared = {t: tuple(view(x) for x in s) for t, s in schedules.items()}
+        # The JAX arrays behind the views, alive as long as the graphs that read them: with the
+        # schedules left to the garbage collector, the graphs met an illegal address once the
+        # jax step ran beside them.
+        self.held = schedules
 
         def step(schedule):
             q = q0
             for layer, t in enumerate(inp.types):
-                self.write(windows[layer], slots, rows[layer])
+                if inp.writes:
+                    self.write(windows[layer], slots, rows[layer])
                 md = schedule.get(t, (None, None))
                 q = self.decode(*kernels.arguments_by_name(self.decode, dict(
                     q=q, kv=mains[inp.main_of[layer]], indices=indices[layer],
@@ -247,7 +258,7 @@ class TorchV4:
                 if not schedule:
                     raise
                 skipped[name] = f"failed: {str(e)[:300]}"
-        return launches, outs, windows, skipped
+        return launches, outs, skipped
 
 
 def step_schedules(inp):
@@ -260,7 +271,7 @@ def step_schedules(inp):
 
 
 def run_step_point(inp, steps, torch_v4, variants=STEP_VARIANTS):
-    record = dict(label=f"step/b{inp.b}", b=inp.b, context=inp.context, h_q=inp.h_q,
+    record = dict(label=f"{'step' if inp.writes else 'decode'}/b{inp.b}", b=inp.b, context=inp.context, h_q=inp.h_q,
                   layers=inp.layers, main_cache_gb=round(inp.main_gb, 2), skipped={})
     start = time.perf_counter()
     step, queue = jax_step(inp)
@@ -278,14 +289,15 @@ def run_step_point(inp, steps, torch_v4, variants=STEP_VARIANTS):
             queue.pop()
         pending[0] = 0
     launches = {"jax": (launch, wait)} if "jax" in variants else {}
+    torch_windows = None if torch_v4 is None else [
+        torch_v4.side.view(w.data).clone() for w in inp.windows]  # before jax's donate them
     if launches:
         # A first step before torch captures its graphs: a torch graph captured before the
         # process's first FlashMLA custom call and replayed after it met an illegal address.
         launch(), wait()
-    torch_windows = None
     if torch_v4 is not None:
-        more, torch_outs, torch_windows, record["skipped"] = torch_v4.steps(
-            inp, step_schedules(inp), variants)
+        more, torch_outs, record["skipped"] = torch_v4.steps(
+            inp, torch_windows, step_schedules(inp), variants)
         launches.update(more)
         outs.update(torch_outs)
     runs = {name: (lambda launch=launch, sync=sync: (launch(), sync()))
@@ -364,8 +376,9 @@ def prefill_variants(tokens, keys, h_q, topk, torch_v4, seed=0):
                                           attn_sink=sink)[0], jax.block_until_ready)}
     if torch_v4 is not None:
         view = torch_v4.side.view
+        torch_v4.held = (kv[:, None, :], indices[:, None, :])  # alive while torch reads them
         args = kernels.arguments_by_name(torch_v4.prefill, dict(
-            q=view(q), kv=view(kv[:, None, :]), indices=view(indices[:, None, :]),
+            q=view(q), kv=view(torch_v4.held[0]), indices=view(torch_v4.held[1]),
             sm_scale=SCALE, d_v=ROW_DIM, attn_sink=view(sink), topk_length=view(lengths)))
         variants["torch"] = (lambda i: torch_v4.prefill(*args)[0],
                              lambda _: torch_v4.torch.cuda.synchronize())
@@ -385,8 +398,8 @@ def timed(variants, grid):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", nargs="+", default=["step", "heads", "prefill"],
-                        choices=("step", "heads", "prefill"))
+    parser.add_argument("--parts", nargs="+", default=["step", "decode", "heads", "prefill"],
+                        choices=("step", "decode", "heads", "prefill"))
     parser.add_argument("--variants", nargs="+", default=STEP_VARIANTS, choices=STEP_VARIANTS,
                         help="the step's variants (default all)")
     parser.add_argument("--b", type=int, nargs="+", default=None, help="the step's batches")
@@ -412,7 +425,7 @@ def main(argv=None):
         h_q=grid["h_q"], steps=grid["steps"], rounds=ROUNDS, cache_gb=args.cache_gb,
         layer_types={t: layer_types(grid["layers"]).count(t) for t in RATIO},
         torch=None if torch_v4 is None else torch_v4.info),
-        step=[], heads=[], prefill=[], not_run=[])
+        step=[], decode=[], heads=[], prefill=[], not_run=[])
     start = time.perf_counter()
     late = lambda: args.deadline_s is not None and time.perf_counter() - start > args.deadline_s
 
@@ -422,15 +435,15 @@ def main(argv=None):
             write_json(result, args.out + ".json")
             v4_report.write_report(result, args.out)
 
-    if "step" in args.parts:
-        for b in grid["step_b"]:
+    for part in ("step", "decode"):
+        for b in grid["step_b"] if part in args.parts else ():
             if late():
-                result["not_run"].append(f"step/b{b}")
+                result["not_run"].append(f"{part}/b{b}")
                 continue
-            inp = StepInputs(b, grid["context"], grid["h_q"], grid["layers"], args.cache_gb)
-            result["step"].append(run_step_point(inp, grid["steps"], torch_v4,
-                                                 args.variants))
-            print(result["step"][-1], flush=True)
+            inp = StepInputs(b, grid["context"], grid["h_q"], grid["layers"], args.cache_gb,
+                             writes=part == "step")
+            result[part].append(run_step_point(inp, grid["steps"], torch_v4, args.variants))
+            print(result[part][-1], flush=True)
             del inp
             save()
     if "prefill" in args.parts:

@@ -11,12 +11,12 @@ def _yes(value):
     return "" if value is None else ("yes" if value else "no")
 
 
-def step_table(result):
+def step_table(records):
     rows = ["| b | " + " | ".join(label for _, label in STEP_VARIANTS)
             + " | ratio | bar | queued: " + " | queued: ".join(l for _, l in STEP_VARIANTS)
             + " | queued ratio | out identical | windows identical |",
             "| --- " * (2 * len(STEP_VARIANTS) + 6) + "|"]
-    for r in result["step"]:
+    for r in records:
         cells = [str(r.get(f"{name}_us", "")) for name, _ in STEP_VARIANTS]
         queued = [str(r.get(f"{name}_queued_us", "")) for name, _ in STEP_VARIANTS]
         identical = r.get(f"{r.get('torch_best')}_out_identical")
@@ -53,9 +53,9 @@ def prefill_table(result):
 
 def summary_lines(result):
     lines = []
-    for r in result["step"]:
+    for r in result["step"] + result["decode"]:
         if "ratio" in r:
-            lines.append(f"- Step b={r['b']}: {r['jax_us']} µs a layer against "
+            lines.append(f"- {r['label'].split('/')[0].capitalize()} b={r['b']}: {r['jax_us']} µs a layer against "
                          f"{r[r['torch_best'] + '_us']} ({r['torch_best']}), ratio {r['ratio']} "
                          f"(bar {r['bar']}: {'met' if r['ratio'] <= r['bar'] else 'not met'}); "
                          f"queued {r['queued_ratio']}; out identical: "
@@ -85,21 +85,25 @@ def write_report(result, out):
             "## The step, µs per layer", "",
             "Wall clock of the median synced step / layers; queued: all steps launched before "
             "one sync. Ratio: jax_flashmla over the faster torch graph.", "",
-            *step_table(result), "", "## The decode by head count, µs per call", "",
+            *step_table(result["step"]), "",
+            "## The decodes alone (no window writes), µs per layer", "",
+            *step_table(result["decode"]), "", "## The decode by head count, µs per call", "",
             *heads_table(result), "", "## The prefill, µs per call", "",
             *prefill_table(result), ""]
     with open(out + ".md", "w") as f:
         f.write("\n".join(text))
-    if not result["step"]:
+    if not result["step"] and not result["decode"]:
         return
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name, label in STEP_VARIANTS:
-        points = [(r["b"], r[f"{name}_us"]) for r in result["step"] if f"{name}_us" in r]
-        if points:
-            ax.plot(*zip(*points), marker="o", label=label)
+    for part, style in (("step", "-"), ("decode", ":")):
+        for name, label in STEP_VARIANTS:
+            points = [(r["b"], r[f"{name}_us"]) for r in result[part] if f"{name}_us" in r]
+            if points:
+                ax.plot(*zip(*points), style, marker="o",
+                        label=label if part == "step" else f"{label}, decodes alone")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch")
     ax.set_ylabel("µs per layer (synced step / layers)")
