@@ -222,11 +222,13 @@ class V4Attention(nnx.Module):
     # -- prefill and extend --------------------------------------------------------------------
     def prefill(self, hidden_states, cache, *, lengths=None):
         """Causal attention over new prompts (module doc); stores their windows' rows, their
-        entries and their compressor state in the cache. Reads nothing from the cache.
+        entries and their compressors' states in the cache (a CSA layer: its indexer's keys
+        too). Reads from the cache only what it has just stored (a CSA layer's indexer scores
+        the prompts' index keys there).
 
         Args:
           hidden_states: (b, s, hidden_size), prompts right-padded to s.
-          cache: V4LayerCache of b new requests (num_tokens 0, compressor at initial_state),
+          cache: V4LayerCache of b new requests (num_tokens 0, compressors at initial_state),
             e.g. init_cache's.
           lengths: optional (b,) int32 prompt lengths (default s); tokens past them are padding
             (their attention 0 before the output projection, never stored or read). A length
@@ -241,8 +243,9 @@ class V4Attention(nnx.Module):
         """New tokens of requests whose first cache.num_tokens tokens went through this layer
         before (a prompt's next chunk, a conversation's next turn): they attend to their
         windows, reaching back into the ring (FP8 rows), and to their requests' compressed
-        entries, the cached ones (FP8) and those they complete (as computed); then they are
-        stored as prefill stores them. Pure JAX, like prefill.
+        entries, the cached ones (FP8) and those they complete (as computed), in a CSA layer
+        those its indexer selects; then they are stored as prefill stores them. Pure JAX, like
+        prefill.
 
         Args:
           hidden_states: (b, s, hidden_size) new tokens, right-padded to s; a request's are
@@ -312,8 +315,9 @@ class V4Attention(nnx.Module):
     # -- decode --------------------------------------------------------------------------------
     def decode(self, hidden_states, cache, *, active=None, implementation=None):
         """One new token a request, at position cache.num_tokens: stored in the window (and fed
-        to the compressor, its completed entry stored), then attended through
-        sparse_mla_decode over the FP8 caches.
+        to the compressor, its completed entry stored; in a CSA layer to the indexer too, which
+        then selects the token's entries), then attended through sparse_mla_decode over the FP8
+        caches.
 
         Args:
           hidden_states: (b, 1, hidden_size), each request's new token.
