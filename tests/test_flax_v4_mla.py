@@ -347,16 +347,17 @@ def test_hca_at_v4s_ratio():
 CSA_CHUNKS = [(1, 37, 129), (3, 1, 0), (37, 3, 1), (129, 129, 3)]
 CSA_PROMPTS = [sum(chunk) for chunk in zip(*CSA_CHUNKS)]  # 170, 170, 133
 CSA_STEPS = 22
+CSA_ACTIVE = [[True, True, step % 2 == 0] for step in range(CSA_STEPS)]  # the last idles
 CSA_MAX_TOKENS = 200
 
 
 @pytest.fixture(scope="module")
 def csa_runs(hf):
     """The same three CSA requests fed their prompts in chunks (extend, each call padded to 129
-    tokens) or at once (prefill), then CSA_STEPS decode steps; every call checked (CSARun) but
-    the at-once run's steps, which must be the chunked run's. {"chunks"|"at_once": {"run",
-    "prompt": (ours, HF's) a (n, hidden) array a request, "cache": the cache after the prompts,
-    "steps": (ours (CSA_STEPS, 3, hidden), HF's alike or None)}}."""
+    tokens) or at once (prefill), then CSA_STEPS decode steps (CSA_ACTIVE); every call checked
+    (CSARun) but the at-once run's steps, which must be the chunked run's. {"chunks"|"at_once":
+    {"run", "prompt": (ours, HF's) a (n, hidden) array a request, "cache": the cache after the
+    prompts, "steps": (ours, HF's or None), each step's (active requests, hidden) arrays}}."""
     runs = {}
     for form in ("chunks", "at_once"):
         run = CSARun(hf, CSA_PROMPTS, CSA_MAX_TOKENS, seed=5)
@@ -368,9 +369,10 @@ def csa_runs(hf):
             prompt = run.prefill()
             run.with_hf = False
         cache = run.cache
-        ours, want = zip(*[run.step() for _ in range(CSA_STEPS)])
+        ours, want = zip(*[run.step(active) for active in CSA_ACTIVE])
         runs[form] = dict(run=run, prompt=prompt, cache=cache,
-                          steps=(np.stack(ours), None if want[0] is None else np.stack(want)))
+                          steps=(np.concatenate(ours),
+                                 None if want[0] is None else np.concatenate(want)))
     return runs
 
 
@@ -392,14 +394,15 @@ def test_csa_decode_steps_equal_hf(csa_runs):
     errors = _relative_errors(*csa_runs["chunks"]["steps"])
     assert errors.max() < FP8_TOKEN_TOL, errors.max()
     assert errors.mean() < FP8_MEAN_TOL, errors.mean()
-    np.testing.assert_array_equal(run.cache.num_tokens, np.asarray(CSA_PROMPTS) + CSA_STEPS)
+    np.testing.assert_array_equal(run.cache.num_tokens,
+                                  np.asarray(CSA_PROMPTS) + np.sum(CSA_ACTIVE, axis=0))
 
 
 def test_csa_selections_are_hfs_up_to_ties(csa_runs):
     """CSARun held every token to the tie rule; here: every token was checked, and most
     picked HF's own entries (33 of 192 tokens differed in the indexer's own test)."""
     chunks, at_once = csa_runs["chunks"]["run"], csa_runs["at_once"]["run"]
-    assert chunks.rows == sum(CSA_PROMPTS) + 3 * CSA_STEPS
+    assert chunks.rows == sum(CSA_PROMPTS) + np.sum(CSA_ACTIVE)
     assert at_once.rows == sum(CSA_PROMPTS)
     for run in (chunks, at_once):
         assert run.differing < run.rows / 4, (run.differing, run.rows)
