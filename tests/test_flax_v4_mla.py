@@ -1,8 +1,16 @@
 """DeepSeek-V4's attention layer (jax_flashmla.flax.v4_mla.V4Attention) against HF
-transformers' DeepseekV4Attention on CPU, per layer type (sliding, HCA): a batch of prompts of
-different lengths (HF one request at a time, with its own cache), then decode steps that wrap
-the window ring and complete compressed entries; the window and the compressor state carried
-in the cache matter.
+transformers' DeepseekV4Attention on CPU, per layer type (sliding, HCA, CSA): a batch of prompts
+of different lengths (HF one request at a time, with its own cache), whole or in chunks, then
+decode steps that wrap the window ring and complete compressed entries; the window and the
+compressors' states carried in the cache matter.
+
+CSA: our indexer scores FP8 queries and keys, HF's exact ones, so the selections are HF's up
+to near-ties, by tests/v4_ties.py's rule (checked on every call: every entry scoring above the
+k-th best exact score by more than twice the row's largest FP8 score error is selected, none
+below it by more). HF's calls attend to our selections (v4_attention_hf), so that outputs
+compare where near-ties went another way. The entries and index keys stored are HF's to
+e4m3's rounding: relative L2 within FP8_ENTRY_TOL an entry (2**-4 a value, half a unit in
+e4m3's last place, plus room for values below its normals).
 
 Tolerances:
   - prefill attends over the rows as computed, in float32, as HF: 2e-5 absolute on outputs of
@@ -11,28 +19,37 @@ Tolerances:
     bf16) and its query and output pass through bf16 (FlashMLA's decode contract): a token's
     output differs from HF's by a relative L2 error (|ours - HF| / |HF|) of at most
     FP8_TOKEN_TOL, FP8_MEAN_TOL on average over tokens (V4's FP8 storage is known to move
-    HF's outputs by ~0.033, at most ~0.072 on a token).
+    HF's outputs by ~0.033, at most ~0.072 on a token). Prompts fed in chunks read the earlier
+    chunks' rows from the cache as FP8 too: their tokens' outputs differ from the prompt fed at
+    once within the same tolerance.
 """
 import dataclasses
 
 import flax.nnx as nnx
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from v4_attention_hf import HCA, HIDDEN, LAYER_TYPES, SLIDING, HFLayers, config
+from v4_attention_hf import CSA, HCA, HIDDEN, LAYER_TYPES, SLIDING, HFLayers, config
+from v4_ties import assert_selections_up_to_ties
 
 from jax_flashmla.caches.compressor_state import CompressorState
-from jax_flashmla.caches.v4 import V4KVCache
+from jax_flashmla.caches.index_keys import read_index_keys
+from jax_flashmla.caches.v4 import V4KVCache, gather_rows
 from jax_flashmla.flax.v4_config import V4Config
 from jax_flashmla.flax.v4_mla import V4Attention
 from jax_flashmla.flax.v4_weights import load_v4_attention_weights
+from jax_flashmla.ops.indexer import HADAMARD, IndexQuery, index_scores
+from jax_flashmla.ops.v4_indexer import v4_index_query, visible_entries
 
 PREFILL_TOL = dict(rtol=2e-5, atol=2e-5)
 FP8_TOKEN_TOL = 0.1
 FP8_MEAN_TOL = 0.05
+FP8_ENTRY_TOL = 0.07
 KINDS = {"sliding": SLIDING, "hca": HCA}
 STEPS = 24
+ROTATION = HADAMARD.astype(np.float64) / np.sqrt(128)  # the indexer's keys are stored rotated
 
 
 def _tokens(seed, n):
@@ -60,13 +77,64 @@ def _decode(layer, x, cache, active):
     return layer.decode(x, cache, active=active)
 
 
+@nnx.jit
+def _select(layer, x, cache, lengths):
+    """The CSA layer's selections of new tokens x (b, s, hidden) (select_entries') and our FP8
+    index scores behind them: (b, s, entry capacity) float32, -inf past each token's visible
+    entries."""
+    selection, cache = layer.select_entries(x, cache, lengths=lengths)
+    b, s, _ = x.shape
+    start = cache.num_tokens
+    positions = start[:, None] + jnp.arange(s, dtype=jnp.int32)
+    query = v4_index_query(layer.indexer.indexer_weights(), x, layer.q_a_norm(layer.q_a_proj(x)),
+                           positions, jnp.asarray(layer.inv_freq), layer.attention_factor)
+    rows = IndexQuery(*(a.reshape(b * s, *a.shape[2:]) for a in query))
+    visible = visible_entries(start, lengths, s, layer.ratio).reshape(-1)
+    tables = jnp.repeat(cache.compressed_table, s, axis=0)
+    return selection.entries, index_scores(rows, cache.index_keys, tables,
+                                           visible).reshape(b, s, -1)
+
+
+@jax.jit
+def _stored_entries(cache):
+    """Each request's compressed entries as stored, dequantized, (b, entry capacity, 512)
+    float32, and in a CSA layer its index keys, (b, entry capacity, 128) (else None); garbage
+    past the request's entries."""
+    ids = jnp.arange(cache.entry_capacity, dtype=jnp.int32)
+    slots = jnp.maximum(cache.entry_slots(jnp.broadcast_to(ids, cache.compressed_table.shape[:1]
+                                                           + ids.shape)), 0)
+    if cache.index_keys is None:
+        return gather_rows(cache.compressed.data, slots), None
+    values, scales = read_index_keys(cache.index_keys.data, slots)
+    return (gather_rows(cache.compressed.data, slots),
+            values.astype(jnp.float32) * scales[..., None])
+
+
+def _entry_errors(held, stored):
+    """{"compressed entries", and in a CSA layer "index keys": (count,)}: each of a request's
+    entries as stored (its rows of _stored_entries', numpy) against HF's (held: its cache
+    layer's compressed_kv; the index keys rotated), relative L2."""
+    count = 0 if held["compressor"] is None else held["compressor"].shape[1]
+    errors = {}
+    for name, hf_name, got in zip(("compressed entries", "index keys"), ("compressor", "indexer"),
+                                  stored):
+        if got is None or not count:
+            continue
+        want = held[hf_name][0].double().numpy()
+        want = want @ ROTATION if hf_name == "indexer" else want
+        errors[name] = _relative_errors(np.asarray(got[:count], np.float64), want)
+    return errors
+
+
 def _relative_errors(ours, want):
     """Each token's |ours - want| / |want| (L2 over hidden)."""
     return np.linalg.norm(ours - want, axis=-1) / np.linalg.norm(want, axis=-1)
 
 
 class Run:
-    """A batch of requests fed to our layer and, a request at a time, to HF's."""
+    """A batch of requests fed to our layer and, a request at a time, to HF's. Request b's
+    tokens come from its own stream, so runs of one seed feed the same tokens however they
+    chunk them."""
 
     def __init__(self, hf, index, prompt_lengths, max_tokens, seed=0):
         self.hf, self.index = hf, index
@@ -74,21 +142,40 @@ class Run:
         self.cache = self.layer.init_cache(len(prompt_lengths), max_tokens)
         self.requests = [hf.request() for _ in prompt_lengths]
         self.lengths = list(prompt_lengths)
-        self.rng = np.random.default_rng(seed)
+        self.rng = np.random.default_rng(seed)  # the padding's
+        self.streams = [_tokens(1000 * seed + b, max_tokens) for b in range(len(prompt_lengths))]
+        self.fed = [0] * len(prompt_lengths)
+        self.with_hf = True  # False: ours alone from here on (HF's outputs None)
 
-    def prefill(self, lengths=None, form=_prefill):
+    def _next_tokens(self, lengths, seq_len):
+        """(batch, seq_len, hidden): each request's next lengths[b] tokens, then noise."""
+        x = self.rng.normal(size=(len(lengths), seq_len, HIDDEN)).astype(np.float32)
+        for b, n in enumerate(lengths):
+            x[b, :n] = self.streams[b][self.fed[b]:self.fed[b] + n]
+            self.fed[b] += n
+        return x
+
+    def _call(self, ours, x, lengths):
+        """ours(layer, x, cache) -> (out, cache) on new tokens x, request b's first lengths[b]
+        rows; returns (our out float64, HF's outputs: a (lengths[b], hidden) array a request)."""
+        out, self.cache = ours(self.layer, jnp.asarray(x), self.cache)
+        if not self.with_hf:
+            return np.asarray(out, np.float64), None
+        want = [self.hf.feed(r, x[b, :n], layer=self.index)[self.index] if n
+                else np.zeros((0, HIDDEN)) for b, (r, n) in enumerate(zip(self.requests, lengths))]
+        return np.asarray(out, np.float64), want
+
+    def prefill(self, lengths=None, form=_prefill, seq_len=None):
         """Feeds each request `lengths` new tokens (default the prompt lengths) padded with
-        noise, through form (_prefill or _extend); returns (ours, HF's), each a list of (n,
-        hidden) float64 arrays."""
+        noise to seq_len (default the longest), through form (_prefill or _extend); returns
+        (ours, HF's), each a list of (n, hidden) float64 arrays."""
         lengths = self.lengths if lengths is None else lengths
-        s = max(1, max(lengths))
-        x = self.rng.normal(size=(len(lengths), s, HIDDEN)).astype(np.float32)
-        out, self.cache = form(self.layer, jnp.asarray(x), self.cache,
-                               jnp.asarray(lengths, jnp.int32))
-        out = np.asarray(out, np.float64)
+        s = seq_len or max(1, max(lengths))
+        x = self._next_tokens(lengths, s)
+        as_lengths = jnp.asarray(lengths, jnp.int32)
+        out, want = self._call(lambda layer, x, cache: form(layer, x, cache, as_lengths), x,
+                               lengths)
         ours = [out[b, :n] for b, n in enumerate(lengths)]
-        want = [self.hf.feed(r, x[b, :n])[self.index] if n else np.zeros((0, HIDDEN))
-                for b, (r, n) in enumerate(zip(self.requests, lengths))]
         assert not np.any(out[np.arange(s)[None] >= np.asarray(lengths)[:, None]])
         return ours, want
 
@@ -96,13 +183,58 @@ class Run:
         """One decode step of the active requests (default all); returns (ours, HF's), each
         (active requests, hidden) float64. Idle rows must come out 0."""
         active = np.ones(len(self.lengths), bool) if active is None else np.asarray(active)
-        x = self.rng.normal(size=(len(self.lengths), 1, HIDDEN)).astype(np.float32)
-        out, self.cache = _decode(self.layer, jnp.asarray(x), self.cache, jnp.asarray(active))
-        out = np.asarray(out[:, 0], np.float64)
+        x = self._next_tokens(active.astype(int), 1)
+        out, want = self._call(
+            lambda layer, x, cache: _decode(layer, x, cache, jnp.asarray(active)), x,
+            active.astype(int))
+        out = out[:, 0]
         assert not np.any(out[~active])
-        want = np.stack([self.hf.feed(r, x[b])[self.index][0]
-                         for b, r in enumerate(self.requests) if active[b]])
-        return out[active], want
+        return out[active], None if want is None else np.stack([w[0] for w in want if len(w)])
+
+
+class CSARun(Run):
+    """A Run of the CSA layer, HF attending to our selections, each call checked (module doc):
+    the stored entries and index keys against HF's, then the selections against HF's exact
+    scores by the tie rule. rows and differing count the tokens checked and those whose
+    selections are not HF's own (near-ties)."""
+
+    def __init__(self, hf, prompt_lengths, max_tokens, seed=0):
+        super().__init__(hf, CSA, prompt_lengths, max_tokens, seed)
+        self.rows = self.differing = 0
+        self.selections = [[] for _ in prompt_lengths]  # each call's (n, topk) a request
+
+    def _call(self, ours, x, lengths):
+        if not self.with_hf:
+            return super()._call(ours, x, lengths)
+        start = np.asarray(self.cache.num_tokens)
+        x_j = jnp.asarray(x)
+        entries, fp8 = _select(self.layer, x_j, self.cache, jnp.asarray(lengths, jnp.int32))
+        entries, fp8 = np.asarray(entries), np.asarray(fp8, np.float64)
+        out, self.cache = ours(self.layer, x_j, self.cache)
+        stored = _stored_entries(self.cache)
+        want = []
+        for b, n in enumerate(lengths):
+            want.append(self.hf.feed(self.requests[b], x[b, :n], selected=entries[b, :n],
+                                     layer=CSA)[CSA] if n else np.zeros((0, HIDDEN)))
+            if not n:
+                continue
+            self._check_entries(b, stored)
+            call = self.hf.indexer_call
+            count = call["scores"].shape[-1]
+            visible = (int(start[b]) + np.arange(n) + 1) // self.layer.ratio
+            exact = np.where(np.arange(count) < visible[:, None], call["scores"], -np.inf)
+            self.differing += assert_selections_up_to_ties(
+                entries[b, :n], call["selected"], exact, fp8[b, :n, :count],
+                self.layer.config.index_topk)
+            self.rows += n
+            self.selections[b].append(entries[b, :n])
+        return out, want
+
+    def _check_entries(self, b, stored):
+        """Request b's compressed entries and index keys as stored against HF's."""
+        held = self.requests[b]["cache"].layers[CSA].compressed_kv
+        for name, error in _entry_errors(held, [a[b] for a in stored]).items():
+            assert error.max() < FP8_ENTRY_TOL, f"request {b}'s {name} stray from HF's: {error}"
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +244,8 @@ def hf():
 
 def test_ropes_are_hfs(hf):
     cfg = V4Config.from_hf(hf.cfg)
-    for layer_type, kind in ((LAYER_TYPES[SLIDING], "main"), (LAYER_TYPES[HCA], "compress")):
+    for layer_type, kind in ((LAYER_TYPES[SLIDING], "main"), (LAYER_TYPES[HCA], "compress"),
+                             (LAYER_TYPES[CSA], "compress")):
         inv_freq, factor = cfg.rope(layer_type)
         np.testing.assert_allclose(inv_freq, getattr(hf.rotary, f"{kind}_inv_freq").numpy(),
                                    rtol=1e-6)
@@ -172,8 +305,9 @@ def test_chunks_then_decode_equal_hf(hf, kind):
 
 @pytest.mark.parametrize("dropped", ["window", "compressor"])
 def test_decode_needs_what_the_cache_carries(hf, dropped):
-    """The same run with the window's rows or the compressor's unfinished window wiped after
-    prefill strays from HF beyond the FP8 tolerance: both are read."""
+    """The same run with the window's rows wiped after prefill strays from HF beyond the FP8
+    tolerance; with the compressor's unfinished window wiped, the entry it completes next is
+    not HF's: both are read."""
     # 40 tokens: 8 wait in the compressor's unfinished window; step 8 completes an entry.
     run = Run(hf, HCA, [40], max_tokens=64, seed=2)
     run.prefill()
@@ -187,7 +321,13 @@ def test_decode_needs_what_the_cache_carries(hf, dropped):
             num_tokens=state.num_tokens))
     run.cache = dataclasses.replace(run.cache, **wiped)
     errors = np.concatenate([_relative_errors(*run.step()) for _ in range(10)])
-    assert errors.max() > FP8_TOKEN_TOL, errors
+    if dropped == "window":
+        assert errors.max() > FP8_TOKEN_TOL, errors
+    else:
+        stored = [None if a is None else np.asarray(a[0]) for a in _stored_entries(run.cache)]
+        errors = _entry_errors(run.requests[0]["cache"].layers[HCA].compressed_kv, stored)
+        assert errors["compressed entries"][:2].max() < FP8_ENTRY_TOL, errors
+        assert errors["compressed entries"][2] > FP8_ENTRY_TOL, errors
 
 
 def test_hca_at_v4s_ratio():
@@ -202,9 +342,115 @@ def test_hca_at_v4s_ratio():
     assert int(run.cache.compressor.entry_count[0]) == 2
 
 
-def test_compressed_sparse_attention_needs_the_indexer(hf):
-    with pytest.raises(NotImplementedError, match="indexer"):
-        V4Attention(V4Config.from_hf(hf.cfg), "compressed_sparse_attention", rngs=nnx.Rngs(0))
+# CSA: per call, each request's new tokens (0: it sits the call out); each request gets
+# chunks of 1, 3, 37 and 129 tokens in some order, crossing entry and window boundaries.
+CSA_CHUNKS = [(1, 37, 129), (3, 1, 0), (37, 3, 1), (129, 129, 3)]
+CSA_PROMPTS = [sum(chunk) for chunk in zip(*CSA_CHUNKS)]  # 170, 170, 133
+CSA_STEPS = 22
+CSA_ACTIVE = [[True, True, step % 2 == 0] for step in range(CSA_STEPS)]  # the last idles
+CSA_MAX_TOKENS = 200
+
+
+@pytest.fixture(scope="module")
+def csa_runs(hf):
+    """The same three CSA requests fed their prompts in chunks (extend, each call padded to 129
+    tokens) or at once (prefill), then CSA_STEPS decode steps (CSA_ACTIVE); every call checked
+    (CSARun) but the at-once run's steps, which must be the chunked run's. {"chunks"|"at_once":
+    {"run", "prompt": (ours, HF's) a (n, hidden) array a request, "cache": the cache after the
+    prompts, "steps": (ours, HF's or None), each step's (active requests, hidden) arrays}}."""
+    runs = {}
+    for form in ("chunks", "at_once"):
+        run = CSARun(hf, CSA_PROMPTS, CSA_MAX_TOKENS, seed=5)
+        if form == "chunks":
+            calls = [run.prefill(list(chunk), form=_extend, seq_len=129) for chunk in CSA_CHUNKS]
+            prompt = tuple([np.concatenate([call[side][b] for call in calls]) for b in range(3)]
+                           for side in range(2))
+        else:
+            prompt = run.prefill()
+            run.with_hf = False
+        cache = run.cache
+        ours, want = zip(*[run.step(active) for active in CSA_ACTIVE])
+        runs[form] = dict(run=run, prompt=prompt, cache=cache,
+                          steps=(np.concatenate(ours),
+                                 None if want[0] is None else np.concatenate(want)))
+    return runs
+
+
+def test_csa_prefill_of_a_batch_equals_hf(csa_runs):
+    ours, want = csa_runs["at_once"]["prompt"]
+    for o, w in zip(ours, want):
+        np.testing.assert_allclose(o, w, **PREFILL_TOL)
+
+
+def test_csa_chunks_equal_hf(csa_runs):
+    ours, want = csa_runs["chunks"]["prompt"]
+    errors = np.concatenate([_relative_errors(o, w) for o, w in zip(ours, want)])
+    assert errors.max() < FP8_TOKEN_TOL, errors.max()
+    assert errors.mean() < FP8_MEAN_TOL, errors.mean()
+
+
+def test_csa_decode_steps_equal_hf(csa_runs):
+    run = csa_runs["chunks"]["run"]
+    errors = _relative_errors(*csa_runs["chunks"]["steps"])
+    assert errors.max() < FP8_TOKEN_TOL, errors.max()
+    assert errors.mean() < FP8_MEAN_TOL, errors.mean()
+    np.testing.assert_array_equal(run.cache.num_tokens,
+                                  np.asarray(CSA_PROMPTS) + np.sum(CSA_ACTIVE, axis=0))
+
+
+def test_csa_selections_are_hfs_up_to_ties(csa_runs):
+    """CSARun held every token to the tie rule; here: every token was checked, and most
+    picked HF's own entries (33 of 192 tokens differed in the indexer's own test)."""
+    chunks, at_once = csa_runs["chunks"]["run"], csa_runs["at_once"]["run"]
+    assert chunks.rows == sum(CSA_PROMPTS) + np.sum(CSA_ACTIVE)
+    assert at_once.rows == sum(CSA_PROMPTS)
+    for run in (chunks, at_once):
+        assert run.differing < run.rows / 4, (run.differing, run.rows)
+
+
+def test_csa_chunking_does_not_matter(csa_runs):
+    """The prompts in chunks, then decode steps, against the prompts at once: the same
+    selections, the same cache after the prompts, the same decode steps; the prompts' outputs
+    within the FP8 tolerance (the chunks read earlier chunks' rows as FP8)."""
+    chunks, at_once = csa_runs["chunks"], csa_runs["at_once"]
+    for b, n in enumerate(CSA_PROMPTS):  # the chunked run's go on with its steps'
+        np.testing.assert_array_equal(np.concatenate(chunks["run"].selections[b])[:n],
+                                      np.concatenate(at_once["run"].selections[b]))
+    errors = np.concatenate([_relative_errors(c, a) for c, a in zip(chunks["prompt"][0],
+                                                                    at_once["prompt"][0])])
+    assert errors.max() < FP8_TOKEN_TOL, errors.max()
+    for got, want in zip(jax.tree.leaves(chunks["cache"]), jax.tree.leaves(at_once["cache"])):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(chunks["steps"][0], at_once["steps"][0], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dropped, strays", [("compressor", "compressed entries"),
+                                             ("index_compressor", "index keys")])
+def test_csa_decode_needs_the_compressors_states(hf, dropped, strays):
+    """The CSA compressor's overlap, or the whole state of the indexer's compressor (its
+    unfinished window and overlap), wiped after the prompts: the entries completed next stray
+    from HF's, which the checks of every call catch."""
+    # 62 and 150 tokens: 2 wait in each one's unfinished window; step 2 completes an entry.
+    run = CSARun(hf, [62, 150, 5], CSA_MAX_TOKENS, seed=6)
+    run.prefill(seq_len=max(CSA_PROMPTS))  # the shapes that csa_runs compiled
+    state = getattr(run.cache, dropped)
+    zeros = {name: jnp.zeros_like(getattr(state, name)) for name in
+             (("overlap_kv", "overlap_gate") if dropped == "compressor" else
+              ("window_kv", "window_gate", "overlap_kv", "overlap_gate"))}
+    run.cache = dataclasses.replace(run.cache,
+                                    **{dropped: dataclasses.replace(state, **zeros)})
+    with pytest.raises(AssertionError, match=strays):
+        for _ in range(4):
+            run.step()
+
+
+def test_csa_needs_a_128_wide_indexer(hf):
+    config = dataclasses.replace(V4Config.from_hf(hf.cfg), index_head_dim=64)
+    with pytest.raises(ValueError, match="index_head_dim 128"):
+        V4Attention(config, LAYER_TYPES[CSA], rngs=nnx.Rngs(0))
+    layer = _layer(hf, HCA)
+    with pytest.raises(ValueError, match="layer_type must be"):
+        layer.select_entries(jnp.zeros((1, 1, HIDDEN)), layer.init_cache(1, 64))
 
 
 def test_weights_must_fit(hf):
@@ -216,3 +462,14 @@ def test_weights_must_fit(hf):
     with pytest.raises(ValueError, match="sinks"):
         load_v4_attention_weights(layer, {**weights, "self_attn.sinks": np.zeros(3)},
                                   prefix="self_attn.")
+    # A CSA layer reads its indexer's six tensors too, the scorer's among them.
+    layer = V4Attention(V4Config.from_hf(hf.cfg), LAYER_TYPES[CSA], rngs=nnx.Rngs(0))
+    weights = hf.state_dict(CSA)
+    assert sum(".indexer." in name for name in weights) == 6
+    with pytest.raises(KeyError, match="compressor.indexer.scorer.weights_proj.weight"):
+        load_v4_attention_weights(layer, {k: v for k, v in weights.items()
+                                          if "scorer" not in k}, prefix="self_attn.")
+    with pytest.raises(ValueError, match="compressor.indexer.q_b_proj.weight"):
+        load_v4_attention_weights(
+            layer, {**weights, "self_attn.compressor.indexer.q_b_proj.weight": np.zeros((3, 16))},
+            prefix="self_attn.")

@@ -8,9 +8,9 @@ HF scores unquantized q and entries; ours are rotated and FP8 (module doc). So:
     the last of 3 mantissa bits: 2**-4 of a value, 2**-10 of the scale below the normals);
   - the scores are HF's within fp8_score_bound, the most e4m3's rounding of q and of the
     entries can move a score (plus float32's 1e-5 of the call's largest score);
-  - the selections are HF's up to ties (assert_top_up_to_ties): with k = min(topk, visible)
-    and s_k the k-th largest exact score (HF's), every entry scoring above s_k + slack is
-    selected and none below s_k - slack, slack twice the row's largest FP8 score error.
+  - the selections are HF's up to ties (tests/v4_ties.py's rule): with k = min(topk,
+    visible) and s_k the k-th largest exact score (HF's), every entry scoring above s_k + slack
+    is selected and none below s_k - slack, slack twice the row's largest FP8 score error.
     HF's own selections pass the same rule with no slack beyond float32's. Ties are real
     here: a score is exactly 0 where every head's relu is.
 Caches start as NaN bytes: a read of an entry never written shows.
@@ -22,6 +22,7 @@ import pytest
 
 from indexer_cases import paged_block_table
 from v4_compressor_hf import CSA, HIDDEN, HFLayers, config, torch
+from v4_ties import assert_top_up_to_ties
 
 from jax_flashmla.caches.index_keys import (PAGE_BYTES, IndexKeyCache, power_of_two_scales,
                                             read_index_keys)
@@ -153,19 +154,6 @@ class Ours:
         slots = np.asarray(self.table)[b, j // 64] * 64 + j % 64
         values, scales = read_index_keys(self.cache.data, jnp.asarray(slots, jnp.int32))
         return np.asarray(values, np.float64) * np.asarray(scales, np.float64)[:, None]
-
-
-def assert_top_up_to_ties(selected, exact, k, slack):
-    """selected (entries, -1 padding) holds k distinct entries that are exact's (a row's
-    float64 scores, -inf where not visible) top k but for ties within slack (module doc)."""
-    chosen = selected[selected >= 0]
-    assert len(chosen) == len(set(chosen.tolist())) == k, (selected, k)
-    assert np.isfinite(exact[chosen]).all(), (chosen, exact)
-    if k:
-        kth = np.sort(exact)[::-1][k - 1]
-        missed = set(np.flatnonzero(exact > kth + slack).tolist()) - set(chosen.tolist())
-        assert not missed, (missed, chosen, exact, kth, slack)
-        assert (exact[chosen] >= kth - slack).all(), (chosen, exact, kth, slack)
 
 
 def assert_fp8_error_bound(got, want, scale):

@@ -2,7 +2,9 @@
 a request at a time, for the V4 layer tests: small seeded layers of each type (sliding, HCA,
 CSA) at V4's real head (512 = 448 + 64 RoPE dims, the FP8 page's row) and window (128), the
 sliding-window causal mask and both ropes built per call as the model builds them, and each
-call's output."""
+call's output. The CSA layer's indexer is watched: each call's exact scores and selections are
+kept, and a call may be handed the selections to use instead of HF's own (so that outputs can
+be compared where FP8 scores tie differently)."""
 import numpy as np
 import pytest
 
@@ -23,7 +25,7 @@ FLOAT32_PARAMETERS = ("position_bias", "kv_norm", "q_a_norm", "sinks")
 
 def config(hca_ratio=16):
     """A small V4 config at V4's head: 4 heads of 512 (64 RoPE dims) in 2 output groups,
-    q_lora_rank 16, an indexer of 2 heads of 128 keeping 8 entries; layers sliding, HCA
+    q_lora_rank 16, an indexer of 4 heads of 128 keeping 8 entries; layers sliding, HCA
     (ratio hca_ratio), CSA (ratio 4); the compress rope V4-Flash's (theta 160000, YaRN factor
     16), the main one theta 10000."""
     cfg = DeepseekV4Config(
@@ -31,7 +33,7 @@ def config(hca_ratio=16):
         num_hidden_layers=3, layer_types=LAYER_TYPES,
         compress_rates={"compressed_sparse_attention": 4,
                         "heavily_compressed_attention": hca_ratio},
-        index_n_heads=2, index_head_dim=128, index_topk=8, o_groups=2, o_lora_rank=8,
+        index_n_heads=4, index_head_dim=128, index_topk=8, o_groups=2, o_lora_rank=8,
         sliding_window=128, partial_rotary_factor=64 / 512,
         max_position_embeddings=1 << 20,
         rope_parameters={"rope_type": "yarn", "factor": 16.0, "beta_fast": 32, "beta_slow": 1,
@@ -64,6 +66,23 @@ class HFLayers:
             for name, p in layer.named_parameters():
                 if name.removesuffix(".weight").split(".")[-1] in FLOAT32_PARAMETERS:
                     p.data = p.data.float()
+        indexer = self.layers[CSA].compressor.indexer
+        indexer.scorer.register_forward_hook(self._keep_scores)
+        indexer.register_forward_hook(self._select)
+        self.indexer_call = {}  # the CSA indexer's last: "scores" (S, T) float64, "selected"
+        self.forced = None
+
+    def _keep_scores(self, module, args, scores):
+        self.indexer_call = {"scores": scores[0].double().numpy()}
+
+    def _select(self, module, args, selected):
+        """Keeps HF's selections (1, S, k) (-1: masked) and returns the forced ones, if any:
+        forced (S, >= k) int entries, -1 after them, cut to HF's k."""
+        self.indexer_call["selected"] = selected[0].numpy()
+        if self.forced is None:
+            return None
+        return torch.as_tensor(np.array(self.forced)[:, :selected.shape[-1]],
+                               dtype=selected.dtype)[None]
 
     def state_dict(self, layer):
         """The layer's parameters under HF's names (prefix "self_attn."), torch tensors."""
@@ -73,10 +92,14 @@ class HFLayers:
         """A request's HF state: a fresh cache and its position."""
         return {"cache": DynamicCache(config=self.cfg), "position": 0}
 
-    def feed(self, request, x):
-        """Runs the three layers on a request's new tokens x (n, hidden) as DeepseekV4Model does:
+    def feed(self, request, x, selected=None, layer=None):
+        """Runs the layers on a request's new tokens x (n, hidden) as DeepseekV4Model does:
         positions after those fed before, the model's sliding-window causal mask and ropes.
-        Returns {layer: its output (n, hidden) float64}."""
+        selected: optional (n, >= k) entries the CSA layer's tokens attend to instead of its
+        indexer's choice (HF's k: min(index_topk, its entries)). layer: run only the sliding
+        layer and this one (default all three; a request must be fed the same layers every
+        call). Returns {layer: its output (n, hidden) float64}; the CSA indexer's call is
+        indexer_call."""
         n = x.shape[0]
         positions = torch.arange(n)[None] + request["position"]
         hidden = torch.as_tensor(np.asarray(x, np.float32)).to(self.dtype)[None]
@@ -86,10 +109,11 @@ class HFLayers:
         ropes = {kind: self.rotary(hidden, positions, layer_type=kind)
                  for kind in ("main", "compress")}
         out = {}
+        self.forced = selected
         with torch.no_grad():
-            # All three, the sliding one first: the mask reads the first sliding cache layer.
-            for layer in range(len(LAYER_TYPES)):
-                y, _ = self.layers[layer](hidden, ropes, positions, mask, cache=request["cache"])
-                out[layer] = y[0].double().numpy()
+            # The sliding one first: the mask reads the first sliding cache layer.
+            for index in range(len(LAYER_TYPES)) if layer is None else sorted({SLIDING, layer}):
+                y, _ = self.layers[index](hidden, ropes, positions, mask, cache=request["cache"])
+                out[index] = y[0].double().numpy()
         request["position"] += n
         return out

@@ -12,6 +12,10 @@ FlashMLA's MODEL1 FP8 pages (V4KVCache):
     the request's pages in entry order, as a paged KV cache's block table lists a request's
     tokens; the request can hold 64 * max_pages entries.
   - the compressor's unfinished window (and CSA's overlap) in a CompressorState.
+  - CSA only, the lightning indexer's: its keys of the entries, 128 FP8 dims each, in an
+    IndexKeyCache with as many pages as the compressed cache, entry e at the same slot as in
+    `compressed` (one table, compressed_table, names both: the indexer's selections are then
+    slots of the compressed cache as they come), and its own compressor's CompressorState.
 num_tokens counts the tokens each request has fed in, so it is also the position of its next
 token. A pytree: it passes through jit, scan and donation.
 """
@@ -23,11 +27,12 @@ import jax.numpy as jnp
 
 from jax_flashmla.base.validation import PAGE_SIZE
 from jax_flashmla.caches.compressor_state import CompressorState
+from jax_flashmla.caches.index_keys import IndexKeyCache
 from jax_flashmla.caches.paged import token_slots
 from jax_flashmla.caches.v4 import V4KVCache
 
 FIELDS = ["window", "window_table", "num_tokens", "compressed", "compressed_table",
-          "compressor"]
+          "compressor", "index_keys", "index_compressor"]
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=FIELDS, meta_fields=[])
@@ -43,6 +48,9 @@ class V4LayerCache:
       compressed_table: (batch, max_pages) int32, each request's entry pages; None in a
         sliding layer.
       compressor: CompressorState of the layer's compressor; None in a sliding layer.
+      index_keys: IndexKeyCache of the indexer's keys, paged as `compressed` (module doc);
+        None outside a CSA layer.
+      index_compressor: CompressorState of the indexer's compressor; None outside a CSA layer.
     """
 
     window: V4KVCache
@@ -51,6 +59,8 @@ class V4LayerCache:
     compressed: V4KVCache | None = None
     compressed_table: jax.Array | None = None
     compressor: CompressorState | None = None
+    index_keys: IndexKeyCache | None = None
+    index_compressor: CompressorState | None = None
 
     @property
     def ring_size(self):
@@ -69,6 +79,6 @@ class V4LayerCache:
                            jnp.where(positions < 0, -1, positions % self.ring_size))
 
     def entry_slots(self, entry_ids):
-        """int32 slots in `compressed` of entry indices (batch, ...) int32; -1 where an index
-        is < 0 or past the request's table."""
+        """int32 slots in `compressed` (and `index_keys`) of entry indices (batch, ...) int32;
+        -1 where an index is < 0 or past the request's table."""
         return token_slots(self.compressed_table, entry_ids)

@@ -9,7 +9,10 @@ denominator only:
   - its window: the K=V rows at positions p - W + 1 .. p of its request (W = sliding_window);
   - HCA: every compressed entry its request has completed by then, j < (p + 1) // r
     (ops/compressor.py; window tokens are not left out of them);
-  - CSA: the entries among those that its indexer selects (not yet here: the layer raises).
+  - CSA: of those, the top index_topk that its lightning indexer selects
+    (jax_flashmla.ops.v4_indexer: its own compressor's entries of 128 dims, scored against the
+    query in FP8). Every form selects alike: the new tokens' index keys are stored first, then
+    each query scores its request's entries in the index-key cache.
 The output's RoPE dims are rotated back (cos, -sin at p), then the grouped output projection
 (o_a_proj per contiguous group of heads, o_b_proj) gives (..., hidden_size).
 
@@ -19,23 +22,28 @@ reference for CPUs and short prompts). extend does the same for new tokens of ca
 requests, reading their rings and cached entries (FP8) too. decode attends through
 sparse_mla_decode over the FP8 caches: the compressed entries as the main cache, the window as
 the extra one (a sliding layer: the window as the main cache), FlashMLA's MODEL1 kernel on a
-Hopper GPU.
+Hopper GPU; a CSA layer's over the entries its indexer selected, the selections being slots
+of the compressed cache as they come (caches/v4_layer.py).
 Parameter names are HF's (load_v4_attention_weights reads a state dict or safetensors).
 """
 import dataclasses
+import functools
 
 import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 
 from jax_flashmla.base.validation import PAGE_SIZE, fail
+from jax_flashmla.caches.index_keys import INDEX_HEAD_DIM, IndexKeyCache
 from jax_flashmla.caches.sparse import write_sparse_kv
 from jax_flashmla.caches.v4 import V4KVCache, gather_rows
 from jax_flashmla.caches.v4_layer import V4LayerCache
+from jax_flashmla.flax.v4_compressors import V4Compressor, V4Indexer
 from jax_flashmla.flax.v4_config import CSA, SLIDING, V4Config, check_layer_type
-from jax_flashmla.ops.compressor import (CompressorWeights, compress, initial_state,
-                                         visible_entries)
+from jax_flashmla.ops.compressor import compress, initial_state, visible_entries
 from jax_flashmla.ops.sparse import sparse_mla_decode
+from jax_flashmla.ops.v4_indexer import (v4_index_query, v4_indexer_select,
+                                         write_v4_index_keys)
 
 
 class V4RMSNorm(nnx.Module):
@@ -49,37 +57,17 @@ class V4RMSNorm(nnx.Module):
         return _rms_norm(x, self.weight[...], self.eps)
 
 
-class V4Compressor(nnx.Module):
-    """A compressor's parameters, nnx.Params named and laid out as HF's (CompressorWeights'
-    fields): kv_proj and gate_proj (width, hidden_size) in param_dtype, position_bias
-    (ratio, width) and kv_norm (head_dim,) float32; width head_dim (HCA) or 2 * head_dim (CSA).
-    The arithmetic is jax_flashmla.ops.compressor's."""
-
-    def __init__(self, config, ratio, width, *, rngs, param_dtype):
-        init = jax.nn.initializers.lecun_normal(in_axis=-1, out_axis=-2)
-        self.kv_proj = nnx.Param(init(rngs.params(), (width, config.hidden_size), param_dtype))
-        self.gate_proj = nnx.Param(init(rngs.params(), (width, config.hidden_size), param_dtype))
-        self.position_bias = nnx.Param(jnp.zeros((ratio, width), jnp.float32))
-        self.kv_norm = nnx.Param(jnp.ones((config.head_dim,), jnp.float32))
-        self.eps = config.rms_norm_eps
-
-    def weights(self):
-        """The parameters' current values as CompressorWeights."""
-        return CompressorWeights(kv_proj=self.kv_proj[...], gate_proj=self.gate_proj[...],
-                                 position_bias=self.position_bias[...],
-                                 kv_norm=self.kv_norm[...], eps=self.eps)
-
-
 class V4Attention(nnx.Module):
     """One DeepSeek-V4 attention layer of a layer type (module doc), HF's module tree:
     q_a_proj, q_a_norm, q_b_proj, kv_proj, kv_norm, o_b_proj (nnx.Linear, kernels (in, out)),
     o_a_proj (an nnx.Param in HF's (o_groups * o_lora_rank, num_heads * 512 / o_groups)
-    layout), sinks ((num_heads,) float32), and compressor (V4Compressor) in CSA and HCA layers.
+    layout), sinks ((num_heads,) float32), compressor (V4Compressor) in CSA and HCA layers,
+    and indexer (V4Indexer, HF's compressor.indexer) in CSA layers.
 
     Args:
-      config: V4Config.
-      layer_type: "sliding_attention" or "heavily_compressed_attention";
-        "compressed_sparse_attention" needs the CSA indexer (NotImplementedError).
+      config: V4Config (a CSA layer's index_head_dim must be 128, the index-key cache's).
+      layer_type: "sliding_attention", "compressed_sparse_attention" or
+        "heavily_compressed_attention".
       rngs: nnx.Rngs for the initial weights.
       dtype: compute dtype of the projections (HF's model dtype).
       param_dtype: dtype of the projections' parameters (the norms, sinks and position bias
@@ -90,11 +78,10 @@ class V4Attention(nnx.Module):
         if not isinstance(config, V4Config):
             raise TypeError(f"config must be a V4Config; got {type(config).__name__}")
         check_layer_type(layer_type)
-        if layer_type == CSA:
-            raise NotImplementedError(
-                "V4Attention: compressed_sparse_attention layers need V4's lightning indexer "
-                "(each query's top index_topk compressed entries, its own compressor and index-key "
-                "cache), not yet wired into this layer")
+        if layer_type == CSA and config.index_head_dim != INDEX_HEAD_DIM:
+            raise ValueError(f"V4Attention: a {CSA} layer needs config.index_head_dim "
+                             f"{INDEX_HEAD_DIM} (the index-key cache's width); got "
+                             f"{config.index_head_dim}")
         self.config, self.layer_type, self.dtype = config, layer_type, dtype
         c, h = config, config.num_heads
         linear = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype,  # noqa: E731
@@ -112,8 +99,10 @@ class V4Attention(nnx.Module):
         self.sinks = nnx.Param(jnp.zeros((h,), jnp.float32))
         self.ratio = c.ratio(layer_type)
         self.compressor = (None if layer_type == SLIDING else
-                           V4Compressor(c, self.ratio, c.head_dim, rngs=rngs,
-                                        param_dtype=param_dtype))
+                           V4Compressor(c, self.ratio, c.head_dim, overlap=layer_type == CSA,
+                                        rngs=rngs, param_dtype=param_dtype))
+        self.indexer = (V4Indexer(c, rngs=rngs, param_dtype=param_dtype) if layer_type == CSA
+                        else None)
         inv_freq, factor = c.rope(layer_type)
         self.inv_freq = tuple(float(f) for f in inv_freq)  # static, hashable
         self.attention_factor = float(factor)
@@ -121,8 +110,8 @@ class V4Attention(nnx.Module):
     # -- cache ---------------------------------------------------------------------------------
     def init_cache(self, batch_size, max_tokens):
         """A V4LayerCache of batch_size new requests, each given its own pages in order: a ring
-        of ceil(sliding_window / 64) pages and, in an HCA layer, pages for the entries of
-        max_tokens tokens."""
+        of ceil(sliding_window / 64) pages and, in an HCA or CSA layer, pages for the entries of
+        max_tokens tokens (in a CSA layer, as many index-key pages, the same table)."""
         ring_pages = -(-self.config.sliding_window // PAGE_SIZE)
         window_table = jnp.arange(batch_size * ring_pages, dtype=jnp.int32).reshape(
             batch_size, ring_pages)
@@ -134,7 +123,12 @@ class V4Attention(nnx.Module):
                 compressed=V4KVCache.create(batch_size * entry_pages),
                 compressed_table=jnp.arange(batch_size * entry_pages, dtype=jnp.int32).reshape(
                     batch_size, entry_pages),
-                compressor=initial_state(self.compressor.weights(), batch_size, self.dtype))
+                compressor=initial_state(self.compressor.compressor_weights(), batch_size,
+                                         self.dtype))
+        if self.indexer is not None:
+            cache.update(index_keys=IndexKeyCache.create(batch_size * entry_pages),
+                         index_compressor=initial_state(self.indexer.compressor_weights(),
+                                                        batch_size, self.dtype))
         return V4LayerCache(**cache)
 
     # -- projections ---------------------------------------------------------------------------
@@ -153,7 +147,7 @@ class V4Attention(nnx.Module):
                              f"got {tuple(hidden_states.shape)}")
         b, s, _ = hidden_states.shape
         x = hidden_states.astype(self.dtype)
-        q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x))).reshape(b, s, c.num_heads, c.head_dim)
+        q = self.q_b_proj(self._q_residual(x)).reshape(b, s, c.num_heads, c.head_dim)
         scale = jax.lax.rsqrt(jnp.mean(jnp.square(q.astype(jnp.float32)), -1, keepdims=True)
                               + c.rms_norm_eps)
         q = q * scale.astype(q.dtype)
@@ -161,6 +155,10 @@ class V4Attention(nnx.Module):
         q = _rope(q, cos[:, :, None], sin[:, :, None])
         kv = _rope(self.kv_norm(self.kv_proj(x)), cos, sin)
         return q, kv
+
+    def _q_residual(self, x):
+        """HF's q_residual: the normed q-latent, which the indexer reads too."""
+        return self.q_a_norm(self.q_a_proj(x))
 
     def _output(self, attn, positions):
         """attn (b, s, num_heads, 512) -> (b, s, hidden_size): RoPE dims rotated back at the
@@ -174,21 +172,63 @@ class V4Attention(nnx.Module):
         mixed = jnp.einsum("bsgi,goi->bsgo", grouped, w)
         return self.o_b_proj(mixed.reshape(b, s, -1))
 
-    def _compress(self, cache, hidden_states, lengths):
-        """The compressor on new tokens: (CompressedEntries, the new CompressorState)."""
-        # A compressing layer's rope is its compressor's (the compress rope).
-        return compress(self.compressor.weights(), cache.compressor,
-                        hidden_states.astype(self.dtype), lengths,
+    def _compress(self, weights, state, hidden_states, lengths):
+        """A compressor (the layer's or its indexer's) on new tokens: (CompressedEntries, the
+        new CompressorState)."""
+        # A compressing layer's rope is its compressors' and its indexer's (the compress rope).
+        return compress(weights, state, hidden_states.astype(self.dtype), lengths,
                         jnp.asarray(self.inv_freq, jnp.float32), self.attention_factor)
+
+    # -- the indexer (CSA) ---------------------------------------------------------------------
+    def select_entries(self, hidden_states, cache, *, lengths=None):
+        """A CSA layer's selections for new tokens, as prefill, extend and decode make them:
+        the tokens are fed to the indexer's compressor and its completed entries' keys stored,
+        then each token's top index_topk visible entries are selected.
+
+        Args:
+          hidden_states, cache, lengths: as extend's (a decode step: s 1, lengths 1 for an
+            active request, 0 for an idle one).
+
+        Returns:
+          (V4Selection (b, s, index_topk): entries, ascending, -1 after them, and their slots
+          in cache.compressed; the cache with the indexer's keys and state updated, the rest
+          as it was).
+        """
+        if self.indexer is None:
+            raise ValueError(f"V4Attention.select_entries: layer_type must be {CSA!r} (only it "
+                             f"has an indexer); got {self.layer_type!r}")
+        b, s = _check_tokens("V4Attention.select_entries", hidden_states, cache)
+        lengths = _checked_lengths(lengths, b, s)
+        return self._select(hidden_states, cache, lengths, None)
+
+    def _select(self, hidden_states, cache, lengths, implementation):
+        """select_entries' work, lengths already in [0, s]; implementation: index_scores'."""
+        weights = self.indexer.indexer_weights()
+        entries, state = self._compress(weights.compressor, cache.index_compressor,
+                                        hidden_states, lengths)
+        # Each entry's key at its slot in the compressed cache (one table for both).
+        index_keys = write_v4_index_keys(cache.index_keys, cache.compressed_table, entries)
+        start = cache.num_tokens
+        x = hidden_states.astype(self.dtype)
+        positions = start[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)
+        query = v4_index_query(weights, x, self._q_residual(x), positions,
+                               jnp.asarray(self.inv_freq, jnp.float32), self.attention_factor)
+        selection = v4_indexer_select(query, index_keys, cache.compressed_table, start, lengths,
+                                      ratio=self.ratio, topk=self.config.index_topk,
+                                      implementation=implementation)
+        return selection, dataclasses.replace(cache, index_keys=index_keys,
+                                              index_compressor=state)
 
     # -- prefill and extend --------------------------------------------------------------------
     def prefill(self, hidden_states, cache, *, lengths=None):
         """Causal attention over new prompts (module doc); stores their windows' rows, their
-        entries and their compressor state in the cache. Reads nothing from the cache.
+        entries and their compressors' states in the cache (a CSA layer: its indexer's keys
+        too). Reads from the cache only what it has just stored (a CSA layer's indexer scores
+        the prompts' index keys there).
 
         Args:
           hidden_states: (b, s, hidden_size), prompts right-padded to s.
-          cache: V4LayerCache of b new requests (num_tokens 0, compressor at initial_state),
+          cache: V4LayerCache of b new requests (num_tokens 0, compressors at initial_state),
             e.g. init_cache's.
           lengths: optional (b,) int32 prompt lengths (default s); tokens past them are padding
             (their attention 0 before the output projection, never stored or read). A length
@@ -203,8 +243,9 @@ class V4Attention(nnx.Module):
         """New tokens of requests whose first cache.num_tokens tokens went through this layer
         before (a prompt's next chunk, a conversation's next turn): they attend to their
         windows, reaching back into the ring (FP8 rows), and to their requests' compressed
-        entries, the cached ones (FP8) and those they complete (as computed); then they are
-        stored as prefill stores them. Pure JAX, like prefill.
+        entries, the cached ones (FP8) and those they complete (as computed), in a CSA layer
+        those its indexer selects; then they are stored as prefill stores them. Pure JAX, like
+        prefill.
 
         Args:
           hidden_states: (b, s, hidden_size) new tokens, right-padded to s; a request's are
@@ -220,9 +261,7 @@ class V4Attention(nnx.Module):
     def _chunk(self, where, hidden_states, cache, lengths, read_cache):
         """prefill (read_cache False: the requests are new) and extend (True)."""
         b, s = _check_tokens(where, hidden_states, cache)
-        if lengths is None:
-            lengths = jnp.full((b,), s, jnp.int32)
-        lengths = jnp.where((lengths < 0) | (lengths > s), 0, lengths).astype(jnp.int32)
+        lengths = _checked_lengths(lengths, b, s)
         start = cache.num_tokens
         offsets = jnp.arange(s, dtype=jnp.int32)
         positions = start[:, None] + offsets
@@ -243,17 +282,23 @@ class V4Attention(nnx.Module):
                            & (positions[:, :, None] - held[:, None, :] < window))
         replaced = {}
         if self.compressor is not None:
-            entries, replaced["compressor"] = self._compress(cache, hidden_states, lengths)
-            seen = visible_entries(positions, self.ratio)[:, :, None]
-            ids = entries.entry_ids[:, None, :]
+            entries, replaced["compressor"] = self._compress(
+                self.compressor.compressor_weights(), cache.compressor, hidden_states, lengths)
+            if self.indexer is None:  # HCA: every entry the query has seen
+                seen = visible_entries(positions, self.ratio)[:, :, None]
+                readable = lambda ids: (ids[:, None] >= 0) & (ids[:, None] < seen)  # noqa: E731
+            else:  # CSA: the entries its indexer selected (all seen)
+                selection, cache = self._select(hidden_states, cache, lengths, None)
+                readable = functools.partial(_selected, selection.entries,
+                                             cache.entry_capacity)
             keys.append(entries.entries.astype(jnp.float32))
-            visible.append((ids >= 0) & (ids < seen))
+            visible.append(readable(entries.entry_ids))
             if read_cache:
                 cached = jnp.broadcast_to(jnp.arange(cache.entry_capacity, dtype=jnp.int32),
                                           (b, cache.entry_capacity))
                 keys.append(_gather(cache.compressed, cache.entry_slots(cached)))
-                visible.append((cached[:, None, :] < cache.compressor.entry_count[:, None, None])
-                               & (cached[:, None, :] < seen))
+                visible.append(readable(cached) & (cached[:, None, :]
+                                                   < cache.compressor.entry_count[:, None, None]))
             replaced["compressed"] = write_sparse_kv(
                 cache.compressed, cache.entry_slots(entries.entry_ids), entries.entries)
         attn = _attend(q, jnp.concatenate(keys, 1), jnp.concatenate(visible, -1),
@@ -270,15 +315,17 @@ class V4Attention(nnx.Module):
     # -- decode --------------------------------------------------------------------------------
     def decode(self, hidden_states, cache, *, active=None, implementation=None):
         """One new token a request, at position cache.num_tokens: stored in the window (and fed
-        to the compressor, its completed entry stored), then attended through
-        sparse_mla_decode over the FP8 caches.
+        to the compressor, its completed entry stored; in a CSA layer to the indexer too, which
+        then selects the token's entries), then attended through sparse_mla_decode over the FP8
+        caches.
 
         Args:
           hidden_states: (b, 1, hidden_size), each request's new token.
           cache: V4LayerCache of the b requests.
           active: optional (b,) bool (default all True): an idle row (False) stores nothing,
             feeds nothing to its compressor, keeps its num_tokens and gets out 0.
-          implementation: as in jax_flashmla.sparse.sparse_mla_decode.
+          implementation: as in jax_flashmla.sparse.sparse_mla_decode; a CSA layer's indexer
+            scores with the same (jax_flashmla.ops.indexer.index_scores').
 
         Returns:
           (out (b, 1, hidden_size) in the compute dtype, the updated V4LayerCache); under
@@ -308,14 +355,21 @@ class V4Attention(nnx.Module):
             attn, _ = sparse_mla_decode(q, window, window_indices, topk_length=window_length,
                                         **common)
         else:
-            entries, replaced["compressor"] = self._compress(cache, hidden_states, fed)
+            entries, replaced["compressor"] = self._compress(
+                self.compressor.compressor_weights(), cache.compressor, hidden_states, fed)
             compressed = write_sparse_kv(cache.compressed, cache.entry_slots(entries.entry_ids),
                                          entries.entries)
-            entry_ids = jnp.broadcast_to(jnp.arange(cache.entry_capacity, dtype=jnp.int32),
-                                         (b, cache.entry_capacity))
+            if self.indexer is None:  # HCA: every entry seen
+                entry_ids = jnp.broadcast_to(jnp.arange(cache.entry_capacity, dtype=jnp.int32),
+                                             (b, cache.entry_capacity))
+                indices = cache.entry_slots(entry_ids)[:, None]
+                length = visible_entries(position, self.ratio) * fed
+            else:  # CSA: the selected entries, first in their rows
+                selection, cache = self._select(hidden_states, cache, fed, implementation)
+                indices = selection.slots
+                length = jnp.sum(selection.entries[:, 0] >= 0, axis=-1, dtype=jnp.int32)
             attn, _ = sparse_mla_decode(
-                q, compressed, cache.entry_slots(entry_ids)[:, None],
-                topk_length=visible_entries(position, self.ratio) * fed, extra_kv_cache=window,
+                q, compressed, indices, topk_length=length, extra_kv_cache=window,
                 extra_indices=window_indices, extra_topk_length=window_length, **common)
             replaced["compressed"] = compressed
         cache = dataclasses.replace(cache, window=window, num_tokens=position + fed, **replaced)
@@ -358,6 +412,26 @@ def _gather(kv_cache, slots):
     a slot is -1."""
     rows = gather_rows(kv_cache.data, jnp.maximum(slots, 0))
     return jnp.where((slots >= 0)[..., None], rows, 0)
+
+
+def _selected(entries, capacity, ids):
+    """(b, s, n) bool: whether each query's selected entries (b, s, k) (-1: none) hold the
+    entry indices ids (b, n) (those outside [0, capacity) are never selected)."""
+    b, s, _ = entries.shape
+    # A query's selections as a row of capacity + 1 flags, the last for -1 (left False).
+    rows, tokens = jnp.arange(b)[:, None, None], jnp.arange(s)[None, :, None]
+    flags = jnp.zeros((b, s, capacity + 1), jnp.bool_).at[
+        rows, tokens, jnp.where(entries >= 0, entries, capacity)].set(True)
+    flags = flags.at[..., capacity].set(False)
+    at = jnp.where((ids >= 0) & (ids < capacity), ids, capacity)
+    return jnp.take_along_axis(flags, jnp.broadcast_to(at[:, None], (b, s, ids.shape[1])), -1)
+
+
+def _checked_lengths(lengths, b, s):
+    """(b,) int32 lengths (default s), each outside [0, s] made 0."""
+    if lengths is None:
+        return jnp.full((b,), s, jnp.int32)
+    return jnp.where((lengths < 0) | (lengths > s), 0, lengths).astype(jnp.int32)
 
 
 def _check_tokens(where, hidden_states, cache):
