@@ -442,7 +442,7 @@ def serve(args, report=None):
     """Serves the requests of make_requests(args); returns each request's generated tokens,
     {request: [tokens of every turn]}. A dict given as report gets what the run did:
     prefilled (tokens), chunks, chunk_shapes, prefixes ({request: [cached tokens each turn
-    started over]}) and page_allocations. Raises AssertionError if a page is leaked."""
+    started over]}), page_allocations and num_pages (the pool's). Raises AssertionError if a page is leaked."""
     cfg = model_config(args)
     turns = make_requests(args, cfg.vocab_size)
     # A request's cache holds every turn's user tokens and every generated token but the last.
@@ -607,7 +607,7 @@ def serve(args, report=None):
     if report is not None:
         report.update(prefilled=progress.prefilled, chunks=num_chunks, chunk_shapes=len(shapes),
                       prefixes={r: list(prefixes[r]) for r in range(args.requests)},
-                      page_allocations=allocations)
+                      page_allocations=allocations, num_pages=num_pages)
     cache_kind = {"v32": "v32 (FP8 rows + index keys)",
                   "v4": "v4 (FP8 window rings + compressed entries + index keys)"}.get(
         args.attention, args.kv_cache_dtype)

@@ -128,6 +128,14 @@ class TinyDeepSeekV4(nnx.Module):
         return tuple(layer.self_attn.init_cache(batch_size, max_tokens) for layer in self.layers)
 
 
+@functools.cache
+def build(cfg, seed=0):
+    """(graphdef, state) of the seeded TinyDeepSeekV4 of cfg, built once per process for a
+    config and seed (the state is never donated), so that serve() called again builds nothing
+    twice."""
+    return nnx.split(TinyDeepSeekV4(cfg, rngs=nnx.Rngs(seed)))
+
+
 def _with_tables(model, caches, tables):
     """The caches with the pages' tables (window_table, {ratio: compressed_table}) written in,
     each layer's entry table its ratio's."""
@@ -175,8 +183,8 @@ class V4Server:
     def __init__(self, cfg, batch_size, num_pages, max_tokens, seed=0, implementation=None,
                  token_queue=None):
         self.cfg, self.batch_size = cfg, batch_size
-        model = TinyDeepSeekV4(cfg, rngs=nnx.Rngs(seed))
-        self.graphdef, self.state = nnx.split(model)
+        self.graphdef, self.state = build(cfg, seed)
+        model = nnx.merge(self.graphdef, self.state)
         self.allocator = PageAllocator(num_pages)
         self.tables = V4PageTables(self.allocator, batch_size, cfg.attention.sliding_window,
                                    cfg.ratios, max_tokens)
