@@ -249,8 +249,10 @@ class V4Server:
         return tokens, added
 
     def _tables(self):
-        return (jnp.asarray(self.tables.window_table),
-                {r: jnp.asarray(t) for r, t in self.tables.compressed_tables.items()})
+        """The tables as a step's arguments: copies, since on a CPU JAX may read a NumPy
+        array in place, after the host has changed it for a later step."""
+        return (jnp.asarray(self.tables.window_table.copy()),
+                {r: jnp.asarray(t.copy()) for r, t in self.tables.compressed_tables.items()})
 
 
 def _pool_sized(cache, num_pages):
