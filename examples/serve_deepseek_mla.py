@@ -6,6 +6,7 @@
     python examples/serve_deepseek_mla.py --max-prompt 600 --prefill-chunk 256  # chunked
     python examples/serve_deepseek_mla.py --turns 2             # a second turn over the cache
     python examples/serve_deepseek_mla.py --attention v32 --index-topk 64  # V3.2's sparse MLA
+    python examples/serve_deepseek_mla.py --attention v4 --prefill-chunk 50 --turns 2  # V4's
     # On a Hopper GPU (the defaults there: FlashMLA's kernels, cuDNN's prefill):
     python examples/serve_deepseek_mla.py --min-prompt 16384 --max-prompt 32768 --turns 2
     python examples/serve_deepseek_mla.py --attention v32 --implementation custom_call
@@ -44,6 +45,13 @@ indexer's keys, whose pages the one allocator and block table cover; every new t
 chunk (the layer's extend) or a decode step, attends to the --index-topk tokens the indexer
 selects among those before it, through FlashMLA's sparse decode (the pure-JAX reference off
 the GPU), one schedule per decode step.
+
+With --attention v4 the layers are DeepSeek-V4's (examples/v4_model.py: sliding window, HCA
+and CSA layers in turn, jax_flashmla.flax.v4_mla.V4Attention): each request holds a window
+ring and the pages of its compressed entries (a CSA layer's index keys at the same pages),
+from the one allocator as it joins and as its tokens complete entries; a chunk runs on its
+request's row alone through the layers' pure-JAX extend, a decode step through FlashMLA's
+sparse decode (MODEL1 pages; the reference off the GPU) over every row.
 """
 import argparse
 import collections
@@ -586,7 +594,8 @@ def serve(args, report=None):
             else:
                 read_tokens()  # the steps before this one: this one runs on meanwhile
                 unread.append((None, active))
-            # Timed: the steps after the first with no prefill chunk just before them.
+            # Timed: the steps after the first with no prefill chunk just before them (the
+            # host's page bookkeeping for the step included).
             if steps > 0 and not chunk_now and not chunk_before:
                 decode_time += time.perf_counter() - t0
                 decode_tokens += len(active)

@@ -183,7 +183,7 @@ class V4Server:
 
     def __init__(self, cfg, batch_size, num_pages, max_tokens, seed=0, implementation=None,
                  token_queue=None):
-        self.cfg, self.batch_size = cfg, batch_size
+        self.batch_size = batch_size
         self.graphdef, self.state = build(cfg, seed)
         model = nnx.merge(self.graphdef, self.state)
         self.allocator = PageAllocator(num_pages)
@@ -250,8 +250,9 @@ class V4Server:
         return tokens, added
 
     def _tables(self):
-        """The tables as a step's arguments: copies, since on a CPU JAX may read a NumPy
-        array in place, after the host has changed it for a later step."""
+        """The tables as a step's arguments: copies, which the host never changes (on a CPU,
+        JAX may read a NumPy array's memory after the call has returned, by when the host may
+        have changed it for a later step: the tokens varied from run to run)."""
         return (jnp.asarray(self.tables.window_table.copy()),
                 {r: jnp.asarray(t.copy()) for r, t in self.tables.compressed_tables.items()})
 
