@@ -450,7 +450,8 @@ def serve(args, report=None):
     """Serves the requests of make_requests(args); returns each request's generated tokens,
     {request: [tokens of every turn]}. A dict given as report gets what the run did:
     prefilled (tokens), chunks, chunk_shapes, prefixes ({request: [cached tokens each turn
-    started over]}), page_allocations and num_pages (the pool's). Raises AssertionError if a page is leaked."""
+    started over]}), page_allocations and num_pages (the pool's). Raises AssertionError if
+    a page is leaked."""
     cfg = model_config(args)
     turns = make_requests(args, cfg.vocab_size)
     # A request's cache holds every turn's user tokens and every generated token but the last.
