@@ -6,7 +6,7 @@
     python examples/serve_deepseek_mla.py --max-prompt 600 --prefill-chunk 256  # chunked
     python examples/serve_deepseek_mla.py --turns 2             # a second turn over the cache
     python examples/serve_deepseek_mla.py --attention v32 --index-topk 64  # V3.2's sparse MLA
-    python examples/serve_deepseek_mla.py --attention v4 --prefill-chunk 50 --turns 2  # V4's
+    python examples/serve_deepseek_mla.py --attention v4 --prefill-chunk 50 --turns 2  # V4's layers
     # On a Hopper GPU (the defaults there: FlashMLA's kernels, cuDNN's prefill):
     python examples/serve_deepseek_mla.py --min-prompt 16384 --max-prompt 32768 --turns 2
     python examples/serve_deepseek_mla.py --attention v32 --implementation custom_call
