@@ -6,6 +6,7 @@
     python examples/serve_deepseek_mla.py --max-prompt 600 --prefill-chunk 256  # chunked
     python examples/serve_deepseek_mla.py --turns 2             # a second turn over the cache
     python examples/serve_deepseek_mla.py --attention v32 --index-topk 64  # V3.2's sparse MLA
+    python examples/serve_deepseek_mla.py --attention v4 --prefill-chunk 50 --turns 2  # V4's layers
     # On a Hopper GPU (the defaults there: FlashMLA's kernels, cuDNN's prefill):
     python examples/serve_deepseek_mla.py --min-prompt 16384 --max-prompt 32768 --turns 2
     python examples/serve_deepseek_mla.py --attention v32 --implementation custom_call
@@ -44,6 +45,13 @@ indexer's keys, whose pages the one allocator and block table cover; every new t
 chunk (the layer's extend) or a decode step, attends to the --index-topk tokens the indexer
 selects among those before it, through FlashMLA's sparse decode (the pure-JAX reference off
 the GPU), one schedule per decode step.
+
+With --attention v4 the layers are DeepSeek-V4's (examples/v4_model.py: sliding window, HCA
+and CSA layers in turn, jax_flashmla.flax.v4_mla.V4Attention): each request holds a window
+ring and the pages of its compressed entries (a CSA layer's index keys at the same pages),
+from the one allocator as it joins and as its tokens complete entries; a chunk runs on its
+request's row alone through the layers' pure-JAX extend, a decode step through FlashMLA's
+sparse decode (MODEL1 pages; the reference off the GPU) over every row.
 """
 import argparse
 import collections
@@ -52,6 +60,7 @@ import functools
 import importlib.util
 import sys
 import time
+from pathlib import Path
 
 import flax.nnx as nnx
 import jax
@@ -64,6 +73,12 @@ from jax_flashmla.serving import HostQueue, PageAllocator, plan_chunks
 from jax_flashmla.flax import (MLAConfig, MultiHeadLatentAttention, SparseMLAConfig,
                                SparseMultiHeadLatentAttention)
 from jax_flashmla.sparse import IndexKeyCache, SparseKVCache
+
+# The V4 model sits beside this file (examples/v4_model.py), which runs as a script or is
+# loaded from its path: either way its folder is where the import looks.
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.append(str(Path(__file__).resolve().parent))
+import v4_model  # noqa: E402
 
 # A chunk's prefix (the static max_prefix_tokens of extend) is bucketed to a power of two up to
 # this many tokens, then to a multiple of it: a few compiled shapes, less than this much padding.
@@ -250,6 +265,97 @@ def pages_for(tokens):
     return -(-tokens // 64)
 
 
+def model_config(args):
+    """The served model's config: ModelConfig's of args.layers layers, V3.2's attention with
+    --attention v32, V4's layers with --attention v4 (v4_model.model_config)."""
+    if args.attention == "v4":
+        return v4_model.model_config(args.layers, args.index_topk)
+    cfg = dataclasses.replace(ModelConfig(), num_layers=args.layers)
+    return sparse_config(cfg, args.index_topk) if args.attention == "v32" else cfg
+
+
+def request_pages(args, tokens):
+    """The pages a request of `tokens` tokens holds: its tokens' (MLA, V3.2), or its window
+    ring's and compressed entries' (V4)."""
+    if args.attention == "v4":
+        return v4_model.pages_for(model_config(args), tokens)
+    return pages_for(tokens)
+
+
+class PagedServer:
+    """The MLA (or V3.2) model, its paged caches and steps over one page pool, as serve()'s
+    loop drives them (v4_model.V4Server has the same methods): a request holds the pages of
+    its tokens, 64 a page, in token order, and one block-table row names them for every
+    layer."""
+
+    def __init__(self, cfg, args, num_pages, max_pages, token_queue):
+        self.graphdef, self.state, self.caches, self.k_scales = build(
+            cfg, num_pages, args.seed, kv_cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype])
+        self.prefill_step, self.decode_step = make_steps(
+            self.graphdef, args.implementation, token_queue, args.prefill_implementation)
+        self.allocator = PageAllocator(num_pages)
+        self.batch_size, self.max_pages = args.batch, max_pages
+
+    def compile_decode(self):
+        # The decode step has one shape, called over and over: through AlternatingStep, as
+        # jax_flashmla documents for a decode step (XLA then replays it without recording
+        # again).
+        rows = jnp.zeros((self.batch_size,), jnp.int32)
+        self.decode_step = jf.serving.AlternatingStep(self.decode_step.lower(
+            self.state, rows, rows - 1, jnp.full((self.batch_size, self.max_pages), -1,
+                                                 jnp.int32),
+            rows, self.caches, self.k_scales).compile())
+
+    def pages_for(self, tokens):
+        return pages_for(tokens)
+
+    def held(self, request):
+        return len(self.allocator.pages(request))
+
+    def admit(self, request, row):
+        self.allocator.admit(request, 0)
+
+    def finish(self, request):
+        self.allocator.finish(request)
+
+    @staticmethod
+    def chunk_shape(chunk):
+        """The compiled shape of a plan_chunks chunk, and in words."""
+        return ((chunk.padded_length, chunk.max_prefix_tokens),
+                f"{chunk.padded_length} tokens over max_prefix_tokens {chunk.max_prefix_tokens}")
+
+    def prefill(self, request, row, tokens, chunk):
+        """One chunk (plan_chunks') of the request, tokens (1, padded) on the device -> (its
+        greedy next token (1,), pages added)."""
+        position, n, s, max_prefix_tokens = chunk
+        added = len(self.allocator.grow(request, position + n))
+        # The pages of the prefix bucket and the padded chunk: the shape's own width.
+        table = self.allocator.block_table([request], pages_for(max_prefix_tokens + s))
+        positions = np.arange(position, position + s, dtype=np.int32)[None]
+        out, self.caches = self.prefill_step(
+            self.state, tokens, jnp.asarray(positions), jnp.asarray(table),
+            jnp.asarray([position], np.int32), jnp.asarray([n], np.int32), self.caches,
+            self.k_scales, max_prefix_tokens=max_prefix_tokens)
+        return out, added
+
+    def decode(self, row_tokens, active, length):
+        """One decode step of the rows active, [(row, request)] (length: request -> its tokens
+        in the cache), over every row (idle rows: seq_len 0, their writes dropped) -> (each
+        row's next token (batch,), pages added)."""
+        positions = np.full(self.batch_size, -1, np.int32)
+        seq_lens = np.zeros(self.batch_size, np.int32)
+        table = np.full((self.batch_size, self.max_pages), -1, np.int32)
+        added = 0
+        for i, r in active:
+            added += len(self.allocator.grow(r, length[r] + 1))
+            positions[i], seq_lens[i] = length[r], length[r] + 1
+            table[i] = self.allocator.block_table([r], self.max_pages)[0]
+        tokens, _, self.caches = self.decode_step(
+            self.state, row_tokens, jnp.asarray(positions), jnp.asarray(table),
+            jnp.asarray(seq_lens), self.caches, self.k_scales)
+        return tokens, added
+
+
 class Progress:
     """A status line on stderr from the start of serving, never reset: the seconds since the
     start, prefilled and decoded tokens of all, their rates over the last RATE_WINDOW_S
@@ -344,15 +450,14 @@ def serve(args, report=None):
     """Serves the requests of make_requests(args); returns each request's generated tokens,
     {request: [tokens of every turn]}. A dict given as report gets what the run did:
     prefilled (tokens), chunks, chunk_shapes, prefixes ({request: [cached tokens each turn
-    started over]}) and page_allocations. Raises AssertionError if a page is leaked."""
-    cfg = dataclasses.replace(ModelConfig(), num_layers=args.layers)
-    if args.attention == "v32":
-        cfg = sparse_config(cfg, args.index_topk)
+    started over]}), page_allocations and num_pages (the pool's). Raises AssertionError if
+    a page is leaked."""
+    cfg = model_config(args)
     turns = make_requests(args, cfg.vocab_size)
     # A request's cache holds every turn's user tokens and every generated token but the last.
     total = [sum(len(u) + n for u, n in t) for t in turns]
-    max_pages = pages_for(max(total))
-    num_pages = args.num_pages or max(max_pages, max_pages * args.batch * 3 // 4)  # tight: reuse
+    longest = request_pages(args, max(total))
+    num_pages = args.num_pages or max(longest, longest * args.batch * 3 // 4)  # tight: reuse
     chunk = args.prefill_chunk
     impl, impl_words = implementation_in_use(args.implementation)
     # Each turn but the first also prefills the last generated token of the turn before.
@@ -364,22 +469,18 @@ def serve(args, report=None):
               "(seconds each)", file=sys.stderr, flush=True)
     progress = Progress(prefill_total, sum(n - 1 for t in turns for _, n in t),
                         info="building the model", enabled=not args.quiet)
-    graphdef, state, caches, k_scales = build(cfg, num_pages, args.seed,
-                                              kv_cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype])
     # The decode step's tokens reach the host through a HostQueue: popped as soon as the GPU
     # wrote them, without waiting for JAX to mark the step's outputs ready and copying them
     # (about 0.2 ms a step on an H200 host). It holds two steps: the one read, the one running.
     token_queue = HostQueue((args.batch,), jnp.int32, depth=2)
-    prefill, decode = make_steps(graphdef, args.implementation, token_queue,
-                                 args.prefill_implementation)
-    # The decode step has one shape, called over and over: through AlternatingStep, as
-    # jax_flashmla documents for a decode step (XLA then replays it without recording again).
+    if args.attention == "v4":
+        server = v4_model.V4Server(cfg, args.batch, num_pages, max(total), args.seed,
+                                   args.implementation, token_queue)
+    else:
+        server = PagedServer(cfg, args, num_pages, pages_for(max(total)), token_queue)
     progress.update(info="compiling the decode step", force=True)
-    rows = jnp.zeros((args.batch,), jnp.int32)
-    decode = jf.serving.AlternatingStep(decode.lower(
-        state, rows, rows - 1, jnp.full((args.batch, max_pages), -1, jnp.int32), rows, caches,
-        k_scales).compile())
-    allocator = PageAllocator(num_pages)
+    server.compile_decode()
+    allocator = server.allocator
 
     waiting = list(range(args.requests))
     slots = [None] * args.batch  # request id per decode row
@@ -429,7 +530,7 @@ def serve(args, report=None):
                           f"{len(turn_tokens[r])} new tokens over a cached prefix of {length[r]} "
                           "tokens (the turns before, not prefilled again)")
         else:
-            allocator.finish(r)
+            server.finish(r)
             slots[i] = None
 
     def status():
@@ -438,18 +539,18 @@ def serve(args, report=None):
                 f"pages {allocator.num_used}/{num_pages}")
 
     def reserved():  # pages active requests may still grow into
-        return sum(pages_for(total[r]) - len(allocator.pages(r))
-                   for r in slots if r is not None)
+        return sum(server.pages_for(total[r]) - server.held(r) for r in slots if r is not None)
 
     while waiting or any(r is not None for r in slots):
         # Admit while a row is free and the pool can hold the whole request, all its turns.
         while waiting and None in slots:
             r = waiting[0]
-            if allocator.num_free - reserved() < pages_for(total[r]):
+            if allocator.num_free - reserved() < server.pages_for(total[r]):
                 break
             waiting.pop(0)
-            allocator.admit(r, 0)
-            slots[slots.index(None)] = r
+            row = slots.index(None)
+            server.admit(r, row)
+            slots[row] = r
             length[r] = 0
             start_turn(r, 0)
         # One chunk of the oldest request with new tokens to prefill.
@@ -457,25 +558,20 @@ def serve(args, report=None):
         if prefilling:
             r = prefilling[0]
             i = slots.index(r)
-            position, n, s, max_prefix_tokens = chunks[r].popleft()
-            allocations += len(allocator.grow(r, position + n))
-            # The pages of the prefix bucket and the padded chunk: the shape's own width.
-            width = pages_for(max_prefix_tokens + s)
+            planned = chunks[r].popleft()
+            position, n, s, _ = planned
             first = position - prefixes[r][-1]
             tokens = np.zeros((1, s), np.int32)
             tokens[0, :n] = turn_tokens[r][first:first + n]
             tokens = jnp.asarray(tokens)
             if first == 0 and r in carried:  # the turn before's last token, on the device
                 tokens = tokens.at[0, :1].set(carried.pop(r))
-            if (s, max_prefix_tokens) not in shapes:
-                shapes.add((s, max_prefix_tokens))
-                progress.update(info=f"a new chunk shape, compiled once: {s} tokens over "
-                                f"max_prefix_tokens {max_prefix_tokens}", force=True)
-            positions = np.arange(position, position + s, dtype=np.int32)[None]
-            out, caches = prefill(state, tokens, jnp.asarray(positions),
-                                  jnp.asarray(allocator.block_table([r], width)),
-                                  jnp.asarray([position], np.int32), jnp.asarray([n], np.int32),
-                                  caches, k_scales, max_prefix_tokens=max_prefix_tokens)
+            shape, words = server.chunk_shape(planned)
+            if shape not in shapes:
+                shapes.add(shape)
+                progress.update(info=f"a new chunk shape, compiled once: {words}", force=True)
+            out, added = server.prefill(r, i, tokens, planned)
+            allocations += added
             num_chunks += 1
             length[r] = position + n
             if not chunks[r]:  # the turn's last chunk: its first generated token
@@ -489,25 +585,18 @@ def serve(args, report=None):
             progress.update(prefilled=n, info=status())
         active = [(i, r) for i, r in enumerate(slots) if r is not None and chunks[r] is None]
         if active:
-            # One decode step over every row (idle rows: seq_len 0, their writes dropped).
-            positions = np.full(args.batch, -1, np.int32)
-            seq_lens = np.zeros(args.batch, np.int32)
-            table = np.full((args.batch, max_pages), -1, np.int32)
-            for i, r in active:
-                allocations += len(allocator.grow(r, length[r] + 1))
-                positions[i], seq_lens[i] = length[r], length[r] + 1
-                table[i] = allocator.block_table([r], max_pages)[0]
+            # One decode step over every row (idle rows write nothing).
             t0 = time.perf_counter()
-            row_tokens, _, caches = decode(state, row_tokens, jnp.asarray(positions),
-                                           jnp.asarray(table), jnp.asarray(seq_lens), caches,
-                                           k_scales)
+            row_tokens, added = server.decode(row_tokens, active, length)
+            allocations += added
             if args.sync_each_step:
                 unread.append((None, active))
                 read_tokens()
             else:
                 read_tokens()  # the steps before this one: this one runs on meanwhile
                 unread.append((None, active))
-            # Timed: the steps after the first with no prefill chunk just before them.
+            # Timed: the steps after the first with no prefill chunk just before them (the
+            # host's page bookkeeping for the step included).
             if steps > 0 and not chunk_now and not chunk_before:
                 decode_time += time.perf_counter() - t0
                 decode_tokens += len(active)
@@ -528,8 +617,10 @@ def serve(args, report=None):
     if report is not None:
         report.update(prefilled=progress.prefilled, chunks=num_chunks, chunk_shapes=len(shapes),
                       prefixes={r: list(prefixes[r]) for r in range(args.requests)},
-                      page_allocations=allocations)
-    cache_kind = "v32 (FP8 rows + index keys)" if is_sparse(cfg) else args.kv_cache_dtype
+                      page_allocations=allocations, num_pages=num_pages)
+    cache_kind = {"v32": "v32 (FP8 rows + index keys)",
+                  "v4": "v4 (FP8 window rings + compressed entries + index keys)"}.get(
+        args.attention, args.kv_cache_dtype)
     print(f"implementation={impl} attention={args.attention} kv_cache={cache_kind} "
           f"layers={cfg.num_layers} "
           f"requests={args.requests} "
@@ -597,10 +688,10 @@ def refuse_gpu_only_options(p, args):
         p.error(f"--prefill-implementation custom_call runs cuDNN's flash attention, which "
                 f"needs a Hopper GPU, and {here}: pass --prefill-implementation reference or "
                 "leave it unset")
-    if args.implementation == "custom_call" and args.attention == "v32":
-        p.error(f"--implementation custom_call with --attention v32 runs FlashMLA's sparse "
-                f"kernels and the indexer's CUDA kernels, which need a Hopper GPU, and {here}: "
-                "pass --implementation reference or leave it unset")
+    if args.implementation == "custom_call" and args.attention in ("v32", "v4"):
+        p.error(f"--implementation custom_call with --attention {args.attention} runs "
+                f"FlashMLA's sparse kernels and the indexer's CUDA kernels, which need a Hopper "
+                f"GPU, and {here}: pass --implementation reference or leave it unset")
     if args.implementation == "custom_call" and jax.default_backend() != "cpu":
         p.error(f"--implementation custom_call runs FlashMLA's kernels, which need a Hopper "
                 f"GPU, and {here}: pass --implementation reference or leave it unset")
@@ -615,12 +706,15 @@ def parse_args(argv=None):
                    help="mla_prefill's path; unset: cuDNN on a Hopper GPU, else pure JAX")
     p.add_argument("--kv-cache-dtype", choices=sorted(KV_CACHE_DTYPES), default="bfloat16",
                    help="the paged cache's dtype (fp8: e4m3 with a per-layer scale)")
-    p.add_argument("--attention", choices=["mla", "v32"], default="mla",
-                   help="the layers' attention: DeepSeek-V3's dense MLA, or V3.2's indexer + "
-                        "sparse MLA over its own FP8 cache")
-    p.add_argument("--index-topk", type=int, default=2048,
-                   help="with --attention v32: the tokens each query attends to")
-    p.add_argument("--layers", type=int, default=2, help="decoder layers")
+    p.add_argument("--attention", choices=["mla", "v32", "v4"], default="mla",
+                   help="the layers' attention: DeepSeek-V3's dense MLA, V3.2's indexer + "
+                        "sparse MLA over its own FP8 cache, or V4's sliding, HCA and CSA "
+                        "layers in turn over their window rings and compressed entries")
+    p.add_argument("--index-topk", type=int, default=None,
+                   help="the tokens (v32) or compressed entries (v4's CSA layers) each query "
+                        "attends to; unset: 2048 (v32), v4_model's 8 (v4)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="decoder layers; unset: 2, or 3 with --attention v4 (one of each type)")
     p.add_argument("--requests", type=int, default=8, help="requests to serve")
     p.add_argument("--batch", type=int, default=4, help="decode rows (max concurrent requests)")
     p.add_argument("--min-prompt", type=int, default=8, help="shortest prompt, in tokens")
@@ -644,11 +738,19 @@ def parse_args(argv=None):
                         "launch the next step first)")
     args = p.parse_args(argv)
     refuse_gpu_only_options(p, args)
-    if args.attention == "v32" and args.kv_cache_dtype != "bfloat16":
-        p.error("--kv-cache-dtype is the dense MLA's: --attention v32 has its own FP8 cache")
+    if args.attention != "mla" and args.kv_cache_dtype != "bfloat16":
+        p.error(f"--kv-cache-dtype is the dense MLA's: --attention {args.attention} has its own "
+                "FP8 caches")
+    if args.attention == "v4" and args.prefill_implementation is not None:
+        p.error("--prefill-implementation is mla_prefill's: --attention v4 prefills through "
+                "its layers' pure-JAX extend")
+    if args.layers is None:
+        args.layers = 3 if args.attention == "v4" else 2
+    if args.index_topk is None and args.attention == "v32":
+        args.index_topk = 2048
     for name in ("layers", "requests", "batch", "min_prompt", "max_new", "prefill_chunk", "turns",
                  "turn_tokens", "index_topk"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.max_prompt < args.min_prompt:
         p.error("--max-prompt must be >= --min-prompt")
@@ -657,11 +759,11 @@ def parse_args(argv=None):
     if args.turns > 1:
         tokens += (args.turns - 1) * (args.turn_tokens + args.max_new)
         what += f" over {args.turns} turns of up to --turn-tokens"
-    positions = ModelConfig().attention.max_position_embeddings
+    positions = model_config(args).attention.max_position_embeddings
     if tokens > positions:
         p.error(f"a request of {what} = {tokens} tokens exceeds the model's "
                 f"{positions} positions")
-    longest = pages_for(tokens)
+    longest = request_pages(args, tokens)
     if args.num_pages < 0 or 0 < args.num_pages < longest:
         p.error(f"--num-pages {args.num_pages} cannot hold a request of {what} = {tokens} "
                 f"tokens ({longest} pages of 64)")

@@ -18,6 +18,12 @@ FlashMLA's MODEL1 FP8 pages (V4KVCache):
     slots of the compressed cache as they come), and its own compressor's CompressorState.
 num_tokens counts the tokens each request has fed in, so it is also the position of its next
 token. A pytree: it passes through jit, scan and donation.
+
+A server batching requests of different lengths keeps one V4LayerCache of its decode rows a
+layer: a request joining a row starts it afresh (with_new_request), a chunk of one request's
+prompt runs on its row alone (batch_row, then with_batch_row puts the row and the pages it
+wrote back), and the tables list the pages its allocator gave each request
+(jax_flashmla.serving.v4_pages).
 """
 import dataclasses
 import functools
@@ -33,6 +39,10 @@ from jax_flashmla.caches.v4 import V4KVCache
 
 FIELDS = ["window", "window_table", "num_tokens", "compressed", "compressed_table",
           "compressor", "index_keys", "index_compressor"]
+# The fields a batch row of which is one request's; the others are pages, shared by the rows.
+ROW_FIELDS = ["window_table", "num_tokens", "compressed_table", "compressor", "index_compressor"]
+# The row fields that a request that has fed in nothing holds zeros in (initial_state's).
+STATE_FIELDS = ["num_tokens", "compressor", "index_compressor"]
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=FIELDS, meta_fields=[])
@@ -82,3 +92,27 @@ class V4LayerCache:
         """int32 slots in `compressed` (and `index_keys`) of entry indices (batch, ...) int32;
         -1 where an index is < 0 or past the request's table."""
         return token_slots(self.compressed_table, entry_ids)
+
+    def batch_row(self, row):
+        """The cache of batch row `row` (an int, or a traced int32 scalar) alone: a batch of
+        one over the same pages."""
+        return dataclasses.replace(self, **{
+            name: jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, row, 1, 0),
+                               getattr(self, name)) for name in ROW_FIELDS})
+
+    def with_batch_row(self, row, one):
+        """This cache with batch row `row` replaced by `one`, a batch of one of batch_row's
+        shapes, whose pages (window, compressed, index_keys) it takes: one request's call on
+        its row alone, put back."""
+        rows = {name: jax.tree.map(lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, row, 0),
+                                   getattr(self, name), getattr(one, name))
+                for name in ROW_FIELDS}
+        return dataclasses.replace(one, **rows)
+
+    def with_new_request(self, row):
+        """This cache with batch row `row` (an int, or a traced int32 scalar) as a new
+        request's: nothing fed in (num_tokens 0, the compressors' states zero). Its pages keep
+        what they hold: a request reads only the rows and entries it wrote."""
+        fresh = {name: jax.tree.map(lambda a: a.at[row].set(0), getattr(self, name))
+                 for name in STATE_FIELDS}
+        return dataclasses.replace(self, **fresh)
