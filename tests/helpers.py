@@ -3,6 +3,7 @@ own accuracy criteria (tests/flash_mla's check_is_allclose: per element abs or r
 cosine-difference bound); FlashMLA's torch ops called directly on JAX's buffers, arguments
 filled by name from each op's schema as the bridge fills them; and the FP8, cache and
 sharding problems and HLO readers that several test files use; the benchmarks run tiny."""
+import functools
 import json
 import re
 import subprocess
@@ -249,6 +250,7 @@ def scan_over_fp8_layers():
 NAN_LENGTHS = (40, 2000, 300, 0)
 
 
+@functools.cache  # its arrays are immutable: made once per shape, shared by the tests
 def nan_problem(s_q, fp8_cache, h_q=16):
     """bf16 q, a bf16 cache (or FP8, quantized with K_SCALE) whose rows past each request's
     length hold NaN, the block table and the lengths NAN_LENGTHS: a clean problem to put one

@@ -25,19 +25,26 @@ else:
     GRID = list(itertools.product([3], [150], [16, 32, 64, 128], [1, 2, 4], [False, True]))
 
 
+@functools.cache  # one jitted decode per implementation and options; a shape seen before
+def _jitted_decode(implementation, **kwargs):  # reuses its compiled decode
+    return jax.jit(functools.partial(jf.mla_decode, implementation=implementation, **kwargs))
+
+
 def _decode(inputs, implementation, **kwargs):
-    fn = jax.jit(lambda *a: jf.mla_decode(*a, implementation=implementation, **kwargs))
-    return fn(*inputs)
+    return _jitted_decode(implementation, **kwargs)(*inputs)
+
+
+# The float32 reference, jitted once: the bf16 and float16 cases of a shape share its compile.
+_reference = jax.jit(functools.partial(mla_decode_reference, softmax_scale=SCALE, causal=True,
+                                       head_dim_v=512))
 
 
 def _fp32_reference_in_chunks(q, kv, block_table, seq_lens, chunk=16):
     """The reference on float32 copies of the same values (so its output is not rounded to
     dtype), a few requests at a time to bound its memory at FlashMLA's grid sizes."""
-    reference = jax.jit(lambda *a: mla_decode_reference(
-        *a, softmax_scale=SCALE, causal=True, head_dim_v=512))
     kv32 = kv.astype(jnp.float32)
-    parts = [reference(q[i:i + chunk].astype(jnp.float32), kv32, block_table[i:i + chunk],
-                       seq_lens[i:i + chunk]) for i in range(0, q.shape[0], chunk)]
+    parts = [_reference(q[i:i + chunk].astype(jnp.float32), kv32, block_table[i:i + chunk],
+                        seq_lens[i:i + chunk]) for i in range(0, q.shape[0], chunk)]
     return (np.concatenate([np.asarray(p[0]) for p in parts]),
             np.concatenate([np.asarray(p[1]) for p in parts]))
 

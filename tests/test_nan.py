@@ -10,6 +10,8 @@ run it where "custom_call" is FlashMLA, on the GPU machine; on CPU that is the C
   In a hidden key's rope columns it changes nothing for that query.
 - NaN in rows past a request's length changes nothing (every problem here has them).
 - Every other request's out and lse are bit for bit those of the run without the NaN."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,6 +24,7 @@ H_Q = 16
 LATENT, ROPE = 7, 540  # a V column and a rope column of a key or query row
 
 
+@functools.cache  # one jitted decode per implementation and cache dtype, shared by the tests
 def _decode(implementation, fp8_cache):
     k_scale = jnp.float32(K_SCALE) if fp8_cache else None
 

@@ -42,8 +42,16 @@ for _name, _capsule in CPU_TARGETS.items():
     jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
 
 
+@functools.lru_cache(maxsize=4096)
+def _jitted_bind(primitive, params):
+    """The primitive bound with these params (sorted (name, value) pairs), jitted: one jitted
+    function per primitive and params, so that an eager call traces and compiles once per
+    shapes rather than on every call (as JAX's own primitives)."""
+    return jax.jit(functools.partial(primitive.bind, **dict(params)))
+
+
 def _impl(primitive, *args, **params):
-    return jax.jit(functools.partial(primitive.bind, **params))(*args)
+    return _jitted_bind(primitive, tuple(sorted(params.items())))(*args)
 
 
 def batch_sequentially(primitive, args, dims, **params):
