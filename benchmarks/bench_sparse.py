@@ -102,7 +102,7 @@ from jax_flashmla.kernels.sparse_forms import (KERNEL_HEADS, KERNEL_TOPK_BLOCK, 
 
 import sparse_report  # noqa: E402
 from device_time import device_time_in_turns, spin_blockers  # noqa: E402
-from timing import compiler_option, time_in_turns, turn_order  # noqa: E402
+from timing import compiler_option, time_in_turns  # noqa: E402
 from torch_side import TorchSide, captured  # noqa: E402
 from workload import D_QK, D_V, PAGE, Workload  # noqa: E402
 
@@ -485,13 +485,7 @@ def run_step_point(inp, steps, torch_sparse, shared_schedule=True,
         launches.update(torch_launches)
     runs = {name: (lambda launch=launch, sync=sync: (launch(), sync()))
             for name, (launch, sync) in launches.items()}
-    times = {name: [] for name in runs}
-    # The order reversed every other round: no variant always follows the same one (torch's
-    # heavier graph, say).
-    for round_ in range(STEP_ROUNDS):
-        for name in turn_order(runs, round_):
-            times[name] += bench_step.time_steps(runs[name], -(-steps // STEP_ROUNDS),
-                                                 warmup=3 if round_ == 0 else 1)
+    times = bench_step.steps_in_rounds(runs, steps, STEP_ROUNDS)
     for name, samples in times.items():
         record[f"{name}_us"] = round(statistics.median(samples) / inp.layers, 2)
     if unguarded:  # in turns, a step of each per turn: steps timed one variant after the

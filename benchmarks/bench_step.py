@@ -63,6 +63,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from device_time import profile_options, traced  # noqa: E402
 import step_report  # noqa: E402
 from step_report import SAFETY_PAIRS, write_report  # noqa: E402
+from timing import turn_order  # noqa: E402
 
 PAGE, D_QK, D_V = 64, 576, 512
 FP8 = "float8_e4m3fn"
@@ -302,6 +303,18 @@ def time_steps(run, steps, warmup=3):
         start = time.perf_counter()
         run()
         times.append((time.perf_counter() - start) * 1e6)
+    return times
+
+
+def steps_in_rounds(runs, steps, rounds):
+    """{name: wall clock (µs) of each of about `steps` synced steps of runs[name]}, the runs
+    taking turns over `rounds` rounds, the order reversed every other round: no variant always
+    follows the same one (torch's heavier graph, say), and a drift hits all alike."""
+    times = {name: [] for name in runs}
+    for round_ in range(rounds):
+        for name in turn_order(runs, round_):
+            times[name] += time_steps(runs[name], -(-steps // rounds),
+                                      warmup=3 if round_ == 0 else 1)
     return times
 
 

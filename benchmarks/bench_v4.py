@@ -64,7 +64,7 @@ from jax_flashmla.sparse import sparse_mla_decode, sparse_mla_prefill, write_spa
 
 import v4_report  # noqa: E402
 from results_io import write_json  # noqa: E402
-from timing import paired_ratios, time_in_turns, turn_order  # noqa: E402
+from timing import paired_ratios, time_in_turns  # noqa: E402
 from torch_side import TorchSide, captured  # noqa: E402
 
 SCALE = ROW_DIM ** -0.5
@@ -302,11 +302,7 @@ def run_step_point(inp, steps, torch_v4, variants=STEP_VARIANTS):
         outs.update(torch_outs)
     runs = {name: (lambda launch=launch, sync=sync: (launch(), sync()))
             for name, (launch, sync) in launches.items()}
-    times = {name: [] for name in runs}
-    for round_ in range(ROUNDS):
-        for name in turn_order(runs, round_):
-            times[name] += bench_step.time_steps(runs[name], -(-steps // ROUNDS),
-                                                 warmup=3 if round_ == 0 else 1)
+    times = bench_step.steps_in_rounds(runs, steps, ROUNDS)
     for name, samples in times.items():
         record[f"{name}_us"] = round(statistics.median(samples) / inp.layers, 2)
         record[f"{name}_queued_us"] = round(

@@ -14,13 +14,12 @@ from transformers.cache_utils import DynamicCache  # noqa: E402
 from transformers.masking_utils import create_sliding_window_causal_mask  # noqa: E402
 from transformers.models.deepseek_v4.configuration_deepseek_v4 import (  # noqa: E402
     DeepseekV4Config)
+from v4_compressor_hf import seed_weights  # noqa: E402
 
 SLIDING, HCA, CSA = 0, 1, 2  # the layers' indices
 LAYER_TYPES = ["sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention"]
 HIDDEN = 32
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# The parameters HF keeps in float32 whatever the model's dtype (_keep_in_fp32_modules_strict).
-FLOAT32_PARAMETERS = ("position_bias", "kv_norm", "q_a_norm", "sinks")
 
 
 def config(hca_ratio=16):
@@ -51,21 +50,8 @@ class HFLayers:
         self.dtype = TORCH_DTYPES[dtype]
         self.layers = [modeling.DeepseekV4Attention(cfg, i) for i in range(len(LAYER_TYPES))]
         self.rotary = modeling.DeepseekV4RotaryEmbedding(cfg)
-        for layer in self.layers:
-            with torch.no_grad():
-                for name, p in layer.named_parameters():
-                    if name.endswith("norm.weight"):
-                        p.normal_(1.0, 0.2)
-                    elif name.endswith("position_bias"):
-                        p.normal_(0.0, 1.0)  # HF initialises it to zeros: too easy
-                    elif name.endswith("sinks"):
-                        p.normal_(0.0, 1.0)
-                    else:
-                        p.normal_(0.0, p.shape[-1] ** -0.5)
-            layer.to(self.dtype)
-            for name, p in layer.named_parameters():
-                if name.removesuffix(".weight").split(".")[-1] in FLOAT32_PARAMETERS:
-                    p.data = p.data.float()
+        seed_weights(self.layers, self.dtype, lambda p: p.shape[-1] ** -0.5,
+                     unit_normal=("position_bias", "sinks"))
         indexer = self.layers[CSA].compressor.indexer
         indexer.scorer.register_forward_hook(self._keep_scores)
         indexer.register_forward_hook(self._select)

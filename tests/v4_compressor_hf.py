@@ -21,6 +21,25 @@ TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": 
 FLOAT32_PARAMETERS = ("position_bias", "kv_norm", "q_a_norm", "sinks")
 
 
+def seed_weights(layers, dtype, std, unit_normal=("position_bias",)):
+    """HF's attention layers given seeded weights, then cast to dtype (FLOAT32_PARAMETERS kept
+    float32): norms ~N(1, 0.2), parameters named in unit_normal ~N(0, 1) (HF initialises
+    position_bias to zeros: too easy), every other ~N(0, std(p))."""
+    for layer in layers:
+        with torch.no_grad():
+            for name, p in layer.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.normal_(1.0, 0.2)
+                elif name.endswith(unit_normal):
+                    p.normal_(0.0, 1.0)
+                else:
+                    p.normal_(0.0, std(p))
+        layer.to(dtype)
+        for name, p in layer.named_parameters():
+            if name.removesuffix(".weight").split(".")[-1] in FLOAT32_PARAMETERS:
+                p.data = p.data.float()
+
+
 def config(hca_ratio=16):
     """A small V4 config: layer 0 HCA, layer 1 CSA (ratio 4); head_dim 64 with a 16-d rope,
     the indexer's 32 wide; the compress rope V4-Flash's (theta 160000, YaRN factor 16)."""
@@ -47,19 +66,7 @@ class HFLayers:
         self.dtype = TORCH_DTYPES[dtype]
         self.layers = [modeling.DeepseekV4Attention(cfg, i) for i in (HCA, CSA)]
         self.rotary = modeling.DeepseekV4RotaryEmbedding(cfg)
-        for layer in self.layers:
-            with torch.no_grad():
-                for name, p in layer.named_parameters():
-                    if name.endswith("norm.weight"):
-                        p.normal_(1.0, 0.2)
-                    elif name.endswith("position_bias"):
-                        p.normal_(0.0, 1.0)  # HF initialises it to zeros: too easy
-                    else:
-                        p.normal_(0.0, HIDDEN ** -0.5)
-            layer.to(self.dtype)
-            for name, p in layer.named_parameters():
-                if name.removesuffix(".weight").split(".")[-1] in FLOAT32_PARAMETERS:
-                    p.data = p.data.float()
+        seed_weights(self.layers, self.dtype, lambda p: HIDDEN ** -0.5)
         self.inv_freq = self.layers[HCA].compressor.rotary_emb.compress_inv_freq.float().numpy()
 
     def weights(self, layer, indexer=False):
