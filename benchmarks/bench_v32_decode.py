@@ -79,6 +79,7 @@ from jax_flashmla.ops.indexer import INDEX_TOPK  # noqa: E402
 import bench_sparse  # noqa: E402
 import v32_report  # noqa: E402
 from bench_sparse import BASE_PAGES, SOFTMAX_SCALE, random_rows  # noqa: E402
+from results_io import run_points  # noqa: E402
 from timing import in_turns  # noqa: E402
 from workload import D_QK, D_V, PAGE  # noqa: E402
 
@@ -285,24 +286,14 @@ def main(argv=None):
         index_heads=grid["index_heads"], layers=grid["layers"], softmax_scale=SOFTMAX_SCALE,
         cache_gb=args.cache_gb, steps=grid["steps"], scan_unroll=bench_step.SCAN_UNROLL),
         step=[], not_run=[], failed={})
-    start = time.perf_counter()
-    for context in grid["contexts"]:
-        for b in grid["batches"]:
-            label = bench_sparse.step_label(b, context, grid["h_q"], grid["s_q"])
-            if not bench_sparse.matches(label, args.points):
-                continue
-            if args.deadline_s is not None and time.perf_counter() - start > args.deadline_s:
-                result["not_run"].append(label)
-                continue
-            try:
-                result["step"].append(run_point(Inputs(b, context, grid, args.cache_gb),
-                                                grid["steps"]))
-                print(v32_report.point_line(result["step"][-1]), flush=True)
-            except Exception as e:  # e.g. memory at the largest points: the others still run
-                result["failed"][label] = f"{type(e).__name__}: {str(e)[:400]}"
-                print(f"{label}: failed: {result['failed'][label]}", flush=True)
-            if args.out:  # after every point, so that a run cut short keeps what it measured
-                v32_report.write_report(result, args.out)
+    labels = [(bench_sparse.step_label(b, context, grid["h_q"], grid["s_q"]), b, context)
+              for context in grid["contexts"] for b in grid["batches"]]
+    points = [(label, lambda b=b, context=context: run_point(
+        Inputs(b, context, grid, args.cache_gb), grid["steps"]))
+        for label, b, context in labels if bench_sparse.matches(label, args.points)]
+    run_points(points, result, result["step"], deadline_s=args.deadline_s,
+               line=v32_report.point_line,
+               save=lambda: args.out and v32_report.write_report(result, args.out))
     if args.out:
         v32_report.write_report(result, args.out)
     print("\n".join(v32_report.summary_lines(result)))

@@ -12,11 +12,14 @@ merge of trimmed JSONs, or a report without samples) leaves an OUT.raw.json alre
 it was.
 
 save_png draws a figure at 80 dpi, then keeps 64 colours (PIL's median cut over RGB, which
-matplotlib's own dependency provides)."""
+matplotlib's own dependency provides).
+
+run_points runs a benchmark's points in turn and saves the result after each."""
 import io
 import json
 import os
 import re
+import time
 
 DPI = 80
 COLOURS = 64
@@ -79,3 +82,23 @@ def save_png(fig, path, **savefig_kwargs):
     buffer.seek(0)
     with Image.open(buffer) as image:
         image.convert("RGB").quantize(COLOURS).save(path, format="PNG", optimize=True)
+
+
+def run_points(points, result, records, *, deadline_s, line, save):
+    """points: (label, run) in order, run() a point's record. Each record joins `records` and
+    is printed by line(record); a point that raises (memory at the largest, say) is recorded
+    in result["failed"] and the others still run; none starts after deadline_s seconds (None:
+    no deadline), its label joining result["not_run"]. save() after every point, so that a
+    run cut short keeps what it measured."""
+    start = time.perf_counter()
+    for label, run in points:
+        if deadline_s is not None and time.perf_counter() - start > deadline_s:
+            result["not_run"].append(label)
+            continue
+        try:
+            records.append(run())
+            print(line(records[-1]), flush=True)
+        except Exception as e:
+            result["failed"][label] = f"{type(e).__name__}: {str(e)[:400]}"
+            print(f"{label}: failed: {result['failed'][label]}", flush=True)
+        save()

@@ -36,6 +36,9 @@
 #              -cJf .device/transformers.tar.xz -C <site-packages> transformers`)
 #     v4-bench  bench_v4.py (DeepSeek-V4's step, decode by heads, prefill); V4_ARGS, V4_NAME
 #              (v4_h200), V4_DEADLINE_S (default 300)
+#     context-bench  bench_context.py (one layer's decode time and cache bytes per token at 8k,
+#              128k and 1M tokens: dense, V3.2, V4's three layer types); CONTEXT_ARGS,
+#              CONTEXT_NAME (context_h200), CONTEXT_DEADLINE_S (default 300)
 #     soak     benchmarks/soak_serving.py at its GPU sizes; SOAK_ARGS (default --steps 10000),
 #              SOAK_NAME (soak_h200)
 #     model1-probe  dev/probe_model1.py: FlashMLA's DeepSeek-V4 sparse decode and prefill from
@@ -119,6 +122,11 @@ for mode in "${modes[@]}"; do
     timeout $((${V4_DEADLINE_S:-300} + 120)) python3 benchmarks/bench_v4.py \
       --deadline-s "${V4_DEADLINE_S:-300}" --out "$out/${V4_NAME:-v4_h200}" ${V4_ARGS:-} 2>&1 \
       | tee "$out/v4.txt" | grep -v "^[IW][0-9]" | cut -c1-600 | tail -40 ;;
+  context-bench)
+    timeout $((${CONTEXT_DEADLINE_S:-300} + 120)) python3 benchmarks/bench_context.py \
+      --deadline-s "${CONTEXT_DEADLINE_S:-300}" --out "$out/${CONTEXT_NAME:-context_h200}" \
+      ${CONTEXT_ARGS:-} 2>&1 | tee "$out/context.txt" | grep -v "^[IW][0-9]" | cut -c1-600 \
+      | tail -60 ;;
   fp8)
     timeout 240 python3 benchmarks/bench_fp8.py --out "$out/fp8_h200.json" 2>&1 \
       | tee "$out/fp8.txt" | tail -20 ;;
