@@ -283,26 +283,23 @@ def free_bytes():
 
 
 def timed(compiled, args, family, grid, blocker):
-    """compile_s, us (µs a call by wall clock, the median batch's), out_finite and, given a
-    blocker, device_us (the GPU's µs a call) of compiled(*args[k]), k the next copy each call."""
+    """us (µs a call by wall clock, the median batch's), out_finite and, given a blocker,
+    device_us (the GPU's µs a call) of compiled(*args[k]), k the next copy each call."""
     turn = itertools.count()  # every call the next copy, across batches and repeats
     call = lambda _=None: compiled(*args[next(turn) % len(args)])
-    start = time.perf_counter()
-    jax.block_until_ready(call())
-    record = dict(compile_s=round(time.perf_counter() - start, 1))
     results, failed = time_in_turns({family: (call, jax.block_until_ready)},
                                     target_ms=grid["target_ms"], repeats=grid["repeats"],
                                     max_calls=4000, fitted=())
     if family in failed:
         raise failed[family]
-    record["us"] = statistics.median(results[family]["samples"]) * 1e6
     first = np.asarray(results[family]["first"], np.float32)
-    record["out_finite"] = bool(np.isfinite(first).all())
+    record = dict(us=round(statistics.median(results[family]["samples"]) * 1e6, 2),
+                  out_finite=bool(np.isfinite(first).all()))
     if blocker is not None:
         try:
             per_call = device_time_in_turns({family: (call, jax.block_until_ready, blocker)},
                                             grid["device_repeats"])[family]["per_call"]
-            record["device_us"] = statistics.median(per_call) * 1e6
+            record["device_us"] = round(statistics.median(per_call) * 1e6, 2)
         except Exception as e:  # the wall clock stands without it
             record["device_time_failed"] = f"{type(e).__name__}: {str(e)[:300]}"
     return record
@@ -312,11 +309,10 @@ def run_point(family, context, b, grid, blocker, seed=0):
     started = time.perf_counter()
     shape = layout(family, context)
     copies = min(grid["max_copies"], max(1, -(-grid["evict_bytes"] // (b * shape["cache"]))))
-    record = dict(label=context_report.label(family, b, context), family=family, b=b,
-                  context=context, copies=copies,
+    record = dict(family=family, b=b, context=context, copies=copies,
                   heads=grid["v4_heads"] if family.startswith("v4") else grid["heads"],
-                  bytes_per_token=(shape["cache"] + shape["state"]) / context,
-                  pages_bytes_per_token=shape["cache"] / context,
+                  bytes_per_token=round((shape["cache"] + shape["state"]) / context, 4),
+                  pages_bytes_per_token=round(shape["cache"] / context, 4),
                   window_bytes=shape["window"], state_bytes=shape["state"])
     need, free = needed_bytes(family, context, b, copies), free_bytes()
     if free is not None and need > free:
@@ -325,7 +321,7 @@ def run_point(family, context, b, grid, blocker, seed=0):
     layer, args, arrays = inputs(family, context, b, copies, grid, seed)
     try:
         built = sum(a.nbytes for a in arrays)
-        record["measured_bytes_per_token"] = built / (copies * b * context)
+        record["measured_bytes_per_token"] = round(built / (copies * b * context), 4)
         record.update(timed(jax.jit(layer), args, family, grid, blocker))
     finally:  # freed before the next point builds its caches, whatever this one met
         for a in arrays:

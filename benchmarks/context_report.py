@@ -20,6 +20,10 @@ def label(family, b, context):
     return f"{family}/b{b}/ctx{context}"
 
 
+def _label(r):
+    return label(r["family"], r["b"], r["context"])
+
+
 def _time(record):
     """The point's time per call: the device's where measured, else the wall clock's."""
     return record.get("device_us", record.get("us"))
@@ -60,7 +64,8 @@ def growth(result):
             slope = _slope(first, last, key)
             rows.append(dict(family=family, b=b, what=key, contexts=[first["context"],
                                                                      last["context"]],
-                             values=[first[key], last[key]], slope=slope, trend=trend(slope)))
+                             values=[first[key], last[key]], slope=round(slope, 3),
+                             trend=trend(slope)))
     return rows
 
 
@@ -92,8 +97,8 @@ def growth_lines(result):
 
 def point_line(r):
     if "skipped" in r:
-        return f"{r['label']}: skipped: {r['skipped']}"
-    return (f"{r['label']}: {r['us']:.1f} µs/call (device {_fmt(r.get('device_us'))}), "
+        return f"{_label(r)}: skipped: {r['skipped']}"
+    return (f"{_label(r)}: {r['us']:.1f} µs/call (device {_fmt(r.get('device_us'))}), "
             f"{r['bytes_per_token']:.1f} B/token (arrays {r['measured_bytes_per_token']:.1f}), "
             f"{r['copies']} copies, {r['point_s']} s")
 
@@ -119,16 +124,19 @@ def markdown(result):
              "layer's attention ops for one new token a request, over caches holding the "
              f"context; decodes {meta['implementation']}, indexers "
              f"{meta['indexer_implementation']}; {meta['date']}.", "",
-             "## How each grows", "", *growth_lines(result), ""]
+             "## How each grows", "", *growth_lines(result)]
     for r in result["points"]:
         if "skipped" in r:
-            lines.append(f"- Skipped {r['label']}: {r['skipped']}.")
+            lines.append(f"- Skipped {_label(r)}: {r['skipped']}.")
         elif "device_time_failed" in r:
-            lines.append(f"- {r['label']}: no device time ({r['device_time_failed']}).")
+            lines.append(f"- {_label(r)}: no device time ({r['device_time_failed']}).")
     lines += [f"- Failed at {name}: {why}" for name, why in result["failed"].items()]
     if result["not_run"]:
         lines.append(f"- Not run (deadline): {', '.join(result['not_run'])}.")
-    return "\n".join(lines + ["", "## The points", "", *table(result["points"]), ""])
+    families = list(dict.fromkeys(r["family"] for r in result["points"]))
+    points = sorted(result["points"],
+                    key=lambda r: (families.index(r["family"]), r["b"], r["context"]))
+    return "\n".join(lines + ["", "## The points", "", *table(points), ""])
 
 
 def plot(result, path):
@@ -138,7 +146,7 @@ def plot(result, path):
     points = [r for r in result["points"] if "us" in r]
     families = list(dict.fromkeys(r["family"] for r in points))
     batches = sorted({r["b"] for r in points})
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(8.5, 3.4))
     for i, family in enumerate(families):
         colour = f"C{i}"
         for b, style in zip(batches, ("-", "--", ":")):
@@ -156,7 +164,7 @@ def plot(result, path):
         ax.set_yscale("log")
         ax.set_xlabel("context (tokens)")
         ax.set_ylabel(ylabel)
-        ax.legend(fontsize=6)
+        ax.legend(fontsize=6, ncol=2, loc="upper left")
     fig.suptitle(f"One layer's decode against the context, {result['meta']['device']}")
     fig.tight_layout()
     save_png(fig, path)
