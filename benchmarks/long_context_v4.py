@@ -14,9 +14,10 @@ and selections), not a model. Every chunk's and step's outputs are checked finit
 
 The prompt, one request, goes in chunks of one shape (--chunk tokens; the last padded, its
 length given): one jitted extend of the stack, compiled once, the caches donated (written in
-place), each chunk synced (its finiteness read). Then --decode-steps steps of one jitted decode of the stack, the caches donated, each
-step synced and timed. Prints progress; writes OUT.json and OUT.md (--out): the prefill's
-seconds and tokens/s, the decode's µs a step, the device's peak memory where it reports one.
+place), each chunk synced (its finiteness read). Then --decode-steps steps of one jitted
+decode of the stack, the caches donated, each step synced and timed. Prints progress; writes
+OUT.json and OUT.md (--out): the prefill's seconds and tokens/s, the decode's µs a step (the
+median), the device's peak memory where it reports one.
 With --deadline-s, no chunk starts past that many seconds from the start: the result then
 holds the tokens prefilled, and the decode runs over them.
 --tiny: a small configuration (1024 tokens in chunks of 256, then 2 steps; 4 heads, hidden 64,
@@ -24,7 +25,6 @@ an indexer keeping 16 entries) on the default device through the ops' pure-JAX r
 """
 import argparse
 import datetime
-import json
 import os
 import platform
 import sys
