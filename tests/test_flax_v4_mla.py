@@ -460,6 +460,14 @@ def test_csa_needs_a_128_wide_indexer(hf):
         layer.select_entries(jnp.zeros((1, 1, HIDDEN)), layer.init_cache(1, 64))
 
 
+@pytest.mark.parametrize("form", ["prefill", "extend"])
+def test_the_implementation_must_be_known(hf, form):
+    layer = _layer(hf, SLIDING)
+    with pytest.raises(ValueError, match="implementation must be None or one of .*'cuda'"):
+        getattr(layer, form)(jnp.zeros((1, 2, HIDDEN)), layer.init_cache(1, 64),
+                             implementation="cuda")
+
+
 def test_weights_must_fit(hf):
     layer = V4Attention(V4Config.from_hf(hf.cfg), LAYER_TYPES[HCA], rngs=nnx.Rngs(0))
     weights = hf.state_dict(HCA)
