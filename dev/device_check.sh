@@ -43,6 +43,10 @@
 #              SOAK_NAME (soak_h200)
 #     model1-probe  dev/probe_model1.py: FlashMLA's DeepSeek-V4 sparse decode and prefill from
 #              torch against a float64 reference (model1_probe.json)
+#     long-v4  benchmarks/long_context_v4.py: a 1M-token prompt through V4-Flash-shaped layers
+#              (HCA, CSA, sliding) prefilled in chunks, then decoded; LONG_ARGS, LONG_NAME
+#              (long_context_v4_h200), LONG_DEADLINE_S (default 420: no chunk starts later;
+#              the mode stops at 550 s)
 #     xla-flags  the command-buffer flags the installed XLA plugin knows
 #     set:NAME=VALUE  exports NAME=VALUE for the modes after it
 set -uo pipefail
@@ -162,6 +166,11 @@ PY
     timeout 200 python3 dev/probe_model1.py "$JAX_FLASHMLA_KERNEL_LIBRARY" \
       "$out/model1_probe.json" > "$out/model1_probe.txt" 2>&1
     echo "exit $?"; cut -c1-300 "$out/model1_probe.txt" | tail -12 ;;
+  long-v4)
+    timeout 550 python3 benchmarks/long_context_v4.py \
+      --deadline-s "${LONG_DEADLINE_S:-420}" --out "$out/${LONG_NAME:-long_context_v4_h200}" \
+      ${LONG_ARGS:-} > "$out/long_v4.txt" 2>&1
+    echo "exit $?"; grep -v "^[IW][0-9]" "$out/long_v4.txt" | cut -c1-400 | tail -30 ;;
   set:*) export "${mode#set:}" ;;
   *) echo "unknown mode $mode"; exit 2 ;;
   esac

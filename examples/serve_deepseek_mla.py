@@ -50,8 +50,8 @@ With --attention v4 the layers are DeepSeek-V4's (examples/v4_model.py: sliding 
 and CSA layers in turn, jax_flashmla.flax.v4_mla.V4Attention): each request holds a window
 ring and the pages of its compressed entries (a CSA layer's index keys at the same pages),
 from the one allocator as it joins and as its tokens complete entries; a chunk runs on its
-request's row alone through the layers' pure-JAX extend, a decode step through FlashMLA's
-sparse decode (MODEL1 pages; the reference off the GPU) over every row.
+request's row alone through the layers' extend (FlashMLA's sparse prefill), a decode step
+through FlashMLA's sparse decode (MODEL1 pages; the references off the GPU) over every row.
 """
 import argparse
 import collections
@@ -743,7 +743,7 @@ def parse_args(argv=None):
                 "FP8 caches")
     if args.attention == "v4" and args.prefill_implementation is not None:
         p.error("--prefill-implementation is mla_prefill's: --attention v4 prefills through "
-                "its layers' pure-JAX extend")
+                "its layers' extend (sparse_mla_prefill)")
     if args.layers is None:
         args.layers = 3 if args.attention == "v4" else 2
     if args.index_topk is None and args.attention == "v32":

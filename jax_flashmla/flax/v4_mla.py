@@ -16,18 +16,21 @@ denominator only:
 The output's RoPE dims are rotated back (cos, -sin at p), then the grouped output projection
 (o_a_proj per contiguous group of heads, o_b_proj) gives (..., hidden_size).
 
-prefill attends over the prompts' rows as computed (no FP8 rounding), in pure JAX: the dense
-scores of every query against its prompt's rows and entries, masked (O(s^2) memory: a
-reference for CPUs and short prompts). extend does the same for new tokens of cached
-requests, reading their rings and cached entries (FP8) too. decode attends through
-sparse_mla_decode over the FP8 caches: the compressed entries as the main cache, the window as
-the extra one (a sliding layer: the window as the main cache), FlashMLA's MODEL1 kernel on a
-Hopper GPU; a CSA layer's over the entries its indexer selected, the selections being slots
-of the compressed cache as they come (caches/v4_layer.py).
+Every call attends through FlashMLA's sparse kernels (on a Hopper GPU; elsewhere, or with
+implementation="reference", their pure-JAX references), q and the rows in bf16, the sinks in
+the softmax, out in bf16. prefill and extend (new tokens of cached requests) go through
+sparse_mla_prefill: one flat bf16 array of the rows a call may read (the new tokens' rows and
+completed entries as computed, rounded to bf16; in extend also the rings' rows and the cached
+entries, dequantized from FP8) and, for each new token, a row of indices into it, its window
+then its entries (flax/v4_chunk.py): memory grows with the tokens times the keys each reads,
+not times all keys. decode goes through sparse_mla_decode over the FP8 caches: the compressed
+entries as the main cache, the window as the extra one (a sliding layer: the window as the
+main cache); a CSA layer's over the entries its indexer selected, the selections being slots
+of the compressed cache as they come (caches/v4_layer.py). The cache a call leaves depends on
+neither the implementation nor the chunks a request's tokens came in.
 Parameter names are HF's (load_v4_attention_weights reads a state dict or safetensors).
 """
 import dataclasses
-import functools
 
 import flax.nnx as nnx
 import jax
@@ -36,12 +39,13 @@ import jax.numpy as jnp
 from jax_flashmla.base.validation import PAGE_SIZE, fail
 from jax_flashmla.caches.index_keys import INDEX_HEAD_DIM, IndexKeyCache
 from jax_flashmla.caches.sparse import write_sparse_kv
-from jax_flashmla.caches.v4 import V4KVCache, gather_rows
+from jax_flashmla.caches.v4 import V4KVCache
 from jax_flashmla.caches.v4_layer import V4LayerCache
+from jax_flashmla.flax.v4_chunk import chunk_keys
 from jax_flashmla.flax.v4_compressors import V4Compressor, V4Indexer
 from jax_flashmla.flax.v4_config import CSA, SLIDING, V4Config, check_layer_type
 from jax_flashmla.ops.compressor import compress, initial_state, visible_entries
-from jax_flashmla.ops.sparse import sparse_mla_decode
+from jax_flashmla.ops.sparse import sparse_mla_decode, sparse_mla_prefill
 from jax_flashmla.ops.v4_indexer import (v4_index_query, v4_indexer_select,
                                          write_v4_index_keys)
 
@@ -180,7 +184,7 @@ class V4Attention(nnx.Module):
                         jnp.asarray(self.inv_freq, jnp.float32), self.attention_factor)
 
     # -- the indexer (CSA) ---------------------------------------------------------------------
-    def select_entries(self, hidden_states, cache, *, lengths=None):
+    def select_entries(self, hidden_states, cache, *, lengths=None, implementation=None):
         """A CSA layer's selections for new tokens, as prefill, extend and decode make them:
         the tokens are fed to the indexer's compressor and its completed entries' keys stored,
         then each token's top index_topk visible entries are selected.
@@ -188,6 +192,7 @@ class V4Attention(nnx.Module):
         Args:
           hidden_states, cache, lengths: as extend's (a decode step: s 1, lengths 1 for an
             active request, 0 for an idle one).
+          implementation: the indexer's scores', as in jax_flashmla.ops.indexer.index_scores.
 
         Returns:
           (V4Selection (b, s, index_topk): entries, ascending, -1 after them, and their slots
@@ -199,7 +204,7 @@ class V4Attention(nnx.Module):
                              f"has an indexer); got {self.layer_type!r}")
         b, s = _check_tokens("V4Attention.select_entries", hidden_states, cache)
         lengths = _checked_lengths(lengths, b, s)
-        return self._select(hidden_states, cache, lengths, None)
+        return self._select(hidden_states, cache, lengths, implementation)
 
     def _select(self, hidden_states, cache, lengths, implementation):
         """select_entries' work, lengths already in [0, s]; implementation: index_scores'."""
@@ -220,11 +225,12 @@ class V4Attention(nnx.Module):
                                               index_compressor=state)
 
     # -- prefill and extend --------------------------------------------------------------------
-    def prefill(self, hidden_states, cache, *, lengths=None):
-        """Causal attention over new prompts (module doc); stores their windows' rows, their
-        entries and their compressors' states in the cache (a CSA layer: its indexer's keys
-        too). Reads from the cache only what it has just stored (a CSA layer's indexer scores
-        the prompts' index keys there).
+    def prefill(self, hidden_states, cache, *, lengths=None, implementation=None):
+        """Causal attention over new prompts (module doc) through sparse_mla_prefill, over the
+        prompts' rows and entries as computed, rounded to bf16; stores their windows' rows,
+        their entries and their compressors' states in the cache (a CSA layer: its indexer's
+        keys too). Reads from the cache only what it has just stored (a CSA layer's indexer
+        scores the prompts' index keys there).
 
         Args:
           hidden_states: (b, s, hidden_size), prompts right-padded to s.
@@ -233,32 +239,45 @@ class V4Attention(nnx.Module):
           lengths: optional (b,) int32 prompt lengths (default s); tokens past them are padding
             (their attention 0 before the output projection, never stored or read). A length
             outside [0, s] makes its row empty.
+          implementation: as in jax_flashmla.sparse.sparse_mla_prefill (None: FlashMLA's
+            kernel on a Hopper GPU, else the pure-JAX reference); a CSA layer's indexer scores
+            with the same (jax_flashmla.ops.indexer.index_scores').
 
         Returns:
-          (out (b, s, hidden_size) in the compute dtype, the updated V4LayerCache).
+          (out (b, s, hidden_size) in the compute dtype, the updated V4LayerCache); under
+          jax.jit donating the cache, written in place. The cache is the same whatever the
+          implementation, and whatever the chunks a request's tokens come in (extend).
+          Memory: the keys' rows and (b * s, W + K) int32 indices (W the window; K the entries
+          a token may read: HCA's a request's table holds (prefill: at most the call's own),
+          CSA's index_topk); the reference also gathers (b * s, W + K, 512) float32 rows.
         """
-        return self._chunk("V4Attention.prefill", hidden_states, cache, lengths, False)
+        return self._chunk("V4Attention.prefill", hidden_states, cache, lengths, False,
+                           implementation)
 
-    def extend(self, hidden_states, cache, *, lengths=None):
+    def extend(self, hidden_states, cache, *, lengths=None, implementation=None):
         """New tokens of requests whose first cache.num_tokens tokens went through this layer
-        before (a prompt's next chunk, a conversation's next turn): they attend to their
-        windows, reaching back into the ring (FP8 rows), and to their requests' compressed
-        entries, the cached ones (FP8) and those they complete (as computed), in a CSA layer
-        those its indexer selects; then they are stored as prefill stores them. Pure JAX, like
-        prefill.
+        before (a prompt's next chunk, a conversation's next turn): they attend through
+        sparse_mla_prefill to their windows, reaching back into the ring (FP8 rows, dequantized),
+        and to their requests' compressed entries, the cached ones (FP8, dequantized) and those
+        they complete (as computed), in a CSA layer those its indexer selects; the rows they
+        compute are rounded to bf16. Then they are stored as prefill stores them.
 
         Args:
           hidden_states: (b, s, hidden_size) new tokens, right-padded to s; a request's are
             at positions num_tokens, num_tokens + 1, ...
           cache: V4LayerCache of the b requests (a new request: num_tokens 0).
           lengths: optional (b,) int32 new tokens a request (default s), as prefill's.
+          implementation: as prefill's.
 
         Returns:
-          (out (b, s, hidden_size) in the compute dtype, the updated V4LayerCache).
+          (out (b, s, hidden_size) in the compute dtype, the updated V4LayerCache), as
+          prefill's. Beside its rows, each call dequantizes every entry its requests' tables
+          hold (jax_flashmla/flax/v4_chunk.py).
         """
-        return self._chunk("V4Attention.extend", hidden_states, cache, lengths, True)
+        return self._chunk("V4Attention.extend", hidden_states, cache, lengths, True,
+                           implementation)
 
-    def _chunk(self, where, hidden_states, cache, lengths, read_cache):
+    def _chunk(self, where, hidden_states, cache, lengths, read_cache, implementation):
         """prefill (read_cache False: the requests are new) and extend (True)."""
         b, s = _check_tokens(where, hidden_states, cache)
         lengths = _checked_lengths(lengths, b, s)
@@ -267,43 +286,30 @@ class V4Attention(nnx.Module):
         positions = start[:, None] + offsets
         real = offsets < lengths[:, None]
         q, kv = self.project(hidden_states, positions)
-        window = self.config.sliding_window
-        # Key j (this call's token) is visible to query i in its window; padding to no one.
-        keys = [kv.astype(jnp.float32)]
-        visible = [(offsets[None, :, None] >= offsets[None, None, :])
-                   & (offsets[None, :, None] - offsets[None, None, :] < window)
-                   & real[:, None, :]]
-        if read_cache:
-            # Ring slot k holds the latest position below start congruent to k mod R.
-            ring = jnp.arange(cache.ring_size, dtype=jnp.int32)
-            held = start[:, None] - 1 - (start[:, None] - 1 - ring) % cache.ring_size
-            keys.append(_gather(cache.window, cache.window_slots(held)))
-            visible.append((held[:, None, :] >= 0)
-                           & (positions[:, :, None] - held[:, None, :] < window))
-        replaced = {}
+        replaced, entries, picked = {}, None, None
         if self.compressor is not None:
             entries, replaced["compressor"] = self._compress(
                 self.compressor.compressor_weights(), cache.compressor, hidden_states, lengths)
-            if self.indexer is None:  # HCA: every entry the query has seen
-                seen = visible_entries(positions, self.ratio)[:, :, None]
-                readable = lambda ids: (ids[:, None] >= 0) & (ids[:, None] < seen)  # noqa: E731
-            else:  # CSA: the entries its indexer selected (all seen)
-                selection, cache = self._select(hidden_states, cache, lengths, None)
-                readable = functools.partial(_selected, selection.entries,
-                                             cache.entry_capacity)
-            keys.append(entries.entries.astype(jnp.float32))
-            visible.append(readable(entries.entry_ids))
-            if read_cache:
-                cached = jnp.broadcast_to(jnp.arange(cache.entry_capacity, dtype=jnp.int32),
-                                          (b, cache.entry_capacity))
-                keys.append(_gather(cache.compressed, cache.entry_slots(cached)))
-                visible.append(readable(cached) & (cached[:, None, :]
-                                                   < cache.compressor.entry_count[:, None, None]))
+            if self.indexer is None:  # HCA: every entry the query has seen, in the table
+                span = cache.entry_capacity
+                if not read_cache:  # only the call's own entries
+                    span = min(span, entries.entry_ids.shape[1])
+                ids = jnp.arange(span, dtype=jnp.int32)
+                picked = jnp.where(ids < visible_entries(positions, self.ratio)[..., None],
+                                   ids, -1)
+            else:  # CSA: the entries its indexer selected
+                selection, cache = self._select(hidden_states, cache, lengths, implementation)
+                picked = selection.entries
             replaced["compressed"] = write_sparse_kv(
                 cache.compressed, cache.entry_slots(entries.entry_ids), entries.entries)
-        attn = _attend(q, jnp.concatenate(keys, 1), jnp.concatenate(visible, -1),
-                       self.sinks[...], self.config.softmax_scale)
-        attn = jnp.where(real[:, :, None, None], attn, 0)
+        keys = chunk_keys(kv, positions, real, cache, window=self.config.sliding_window,
+                          read_cache=read_cache, entries=entries, picked=picked)
+        # FlashMLA's sparse prefill computes in bf16: q, like the rows, is handed over in it.
+        attn, _ = sparse_mla_prefill(
+            q.reshape(b * s, *q.shape[2:]).astype(jnp.bfloat16), keys.rows, keys.indices,
+            softmax_scale=self.config.softmax_scale, topk_length=keys.topk_length,
+            attn_sink=self.sinks[...], implementation=implementation)
+        attn = jnp.where(real[:, :, None, None], attn.reshape(q.shape), 0)
         # The ring keeps each request's last ring_size tokens, one a slot.
         kept = real & (offsets[None] >= lengths[:, None] - cache.ring_size)
         ring_rows = write_sparse_kv(cache.window,
@@ -393,38 +399,6 @@ def _rope(x, cos, sin):
     turned = jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(rope.shape)
     rotated = rope.astype(jnp.float32) * cos + turned.astype(jnp.float32) * sin
     return jnp.concatenate([x[..., :-rope_dim], rotated.astype(x.dtype)], axis=-1)
-
-
-def _attend(q, keys, visible, sinks, scale):
-    """q (b, s, h, d), K=V rows keys (b, n, d), visible (b, s, n) bool, sinks (h,) float32 ->
-    (b, s, h, d) float32: softmax over the visible keys with the sink in the denominator (a
-    query seeing none gets 0)."""
-    logits = jnp.einsum("bshd,bnd->bhsn", q.astype(jnp.float32), keys.astype(jnp.float32))
-    logits = jnp.where(visible[:, None], logits * scale, -jnp.inf)
-    top = jnp.maximum(logits.max(-1, keepdims=True), sinks[None, :, None, None])
-    weights = jnp.exp(logits - top)
-    total = weights.sum(-1, keepdims=True) + jnp.exp(sinks[None, :, None, None] - top)
-    return jnp.einsum("bhsn,bnd->bshd", weights / total, keys.astype(jnp.float32))
-
-
-def _gather(kv_cache, slots):
-    """(b, n, 512) float32: the dequantized rows of a V4KVCache at slots (b, n); zeros where
-    a slot is -1."""
-    rows = gather_rows(kv_cache.data, jnp.maximum(slots, 0))
-    return jnp.where((slots >= 0)[..., None], rows, 0)
-
-
-def _selected(entries, capacity, ids):
-    """(b, s, n) bool: whether each query's selected entries (b, s, k) (-1: none) hold the
-    entry indices ids (b, n) (those outside [0, capacity) are never selected)."""
-    b, s, _ = entries.shape
-    # A query's selections as a row of capacity + 1 flags, the last for -1 (left False).
-    rows, tokens = jnp.arange(b)[:, None, None], jnp.arange(s)[None, :, None]
-    flags = jnp.zeros((b, s, capacity + 1), jnp.bool_).at[
-        rows, tokens, jnp.where(entries >= 0, entries, capacity)].set(True)
-    flags = flags.at[..., capacity].set(False)
-    at = jnp.where((ids >= 0) & (ids < capacity), ids, capacity)
-    return jnp.take_along_axis(flags, jnp.broadcast_to(at[:, None], (b, s, ids.shape[1])), -1)
 
 
 def _checked_lengths(lengths, b, s):
