@@ -11,8 +11,8 @@ jax_flashmla.serving.v4_pages.V4PageTables: a request's ring when it joins a row
 pages as its tokens complete them, all freed when it finishes; every step writes the tables
 into the caches. A chunk of a request's new tokens (a prompt's, a later turn's) runs on its row
 alone through each layer's extend (FlashMLA's sparse prefill: it attends to the chunk, the
-ring's rows before it and the request's entries); a decode step runs every row through each layer's decode (idle
-rows write nothing). Both donate the caches: the pages are written in place.
+ring's rows before it and the request's entries); a decode step runs every row through each
+layer's decode (idle rows write nothing). Both donate the caches: the pages are written in place.
 """
 import dataclasses
 import functools

@@ -134,10 +134,10 @@ def test_a_prompt_prefilled_in_chunks_decodes_as_the_prompt_prefilled_at_once():
     (prefill's, then the decode steps') are the same: this seeded prompt's decode steps have
     no near tie (their top two logits are 0.14 apart or more)."""
     ex = load_example()
-    cfg = dataclasses.replace(ex.ModelConfig(), num_layers=2)
+    cfg = dataclasses.replace(ex.mla_model.ModelConfig(), num_layers=2)
     num_pages, length, steps = 6, 150, 8
-    graphdef, state, _, _ = ex.build(cfg, num_pages, seed=1)
-    prefill, decode = ex.make_steps(graphdef, "reference")
+    graphdef, state, _, _ = ex.mla_model.build(cfg, num_pages, seed=1)
+    prefill, decode = ex.mla_model.make_steps(graphdef, "reference")
     prompt = np.random.default_rng(7).integers(0, cfg.vocab_size, length).astype(np.int32)
     # Pages out of order, as a pool hands them out: 4 pages, room for max_prefix_tokens 256.
     table = jnp.asarray(block_table_from_pages([[4, 1, 3, 0]], 4))
@@ -189,7 +189,8 @@ def test_example_second_turn_extends_the_cached_conversation():
     argv = SMALL + ["--prefill-chunk", "64", "--turn-tokens", "20", "--quiet"]
     report = {}
     two = ex.serve(ex.parse_args(argv + ["--turns", "2"]), report)
-    turns = ex.make_requests(ex.parse_args(argv + ["--turns", "2"]), ex.ModelConfig().vocab_size)
+    turns = ex.make_requests(ex.parse_args(argv + ["--turns", "2"]),
+                             ex.mla_model.ModelConfig().vocab_size)
     one = ex.serve(ex.parse_args(argv))
     for r, ((prompt, first), (user, second)) in enumerate(turns):
         assert len(two[r]) == first + second
@@ -219,7 +220,8 @@ def test_v32_example_second_turn_extends_the_cached_conversation():
     report = {}
     two = ex.serve(ex.parse_args(argv + ["--turns", "2"]), report)
     one = ex.serve(ex.parse_args(argv))
-    turns = ex.make_requests(ex.parse_args(argv + ["--turns", "2"]), ex.ModelConfig().vocab_size)
+    turns = ex.make_requests(ex.parse_args(argv + ["--turns", "2"]),
+                             ex.mla_model.ModelConfig().vocab_size)
     for r, ((prompt, first), _) in enumerate(turns):
         assert two[r][:first] == one[r]
         assert report["prefixes"][r] == [0, len(prompt) + first - 1]

@@ -302,8 +302,8 @@ def test_example_reads_the_same_tokens_after_launching_the_next_step():
 
 def decode_inputs(ex, num_pages=6, batch=3, seed=0):
     """A seeded example model, random bf16 caches and a decode step's operands (row 2 idle)."""
-    cfg = ex.dataclasses.replace(ex.ModelConfig(), num_layers=2)
-    graphdef, state, _, _ = ex.build(cfg, num_pages, seed)
+    cfg = ex.dataclasses.replace(ex.mla_model.ModelConfig(), num_layers=2)
+    graphdef, state, _, _ = ex.mla_model.build(cfg, num_pages, seed)
     keys = jax.random.split(jax.random.key(seed), cfg.num_layers)
     make_caches = lambda: tuple(  # noqa: E731
         cache.PagedKVCache(jax.random.normal(k, (num_pages, 64, 1, 576), jnp.bfloat16))
@@ -316,7 +316,7 @@ def decode_inputs(ex, num_pages=6, batch=3, seed=0):
 
 def decode_hlo_and_logits(ex, implementation):
     graphdef, state, make_caches, operands = decode_inputs(ex)
-    _, decode = ex.make_steps(graphdef, implementation)
+    _, decode = ex.mla_model.make_steps(graphdef, implementation)
     hlo = decode.lower(state, *operands, make_caches(), None).compile().as_text()
     _, logits, _ = decode(state, *operands, make_caches(), None)
     return hlo, np.asarray(logits)
