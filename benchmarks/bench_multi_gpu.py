@@ -189,7 +189,7 @@ def main():
     args = parser.parse_args()
     if args.tiny:
         devices, implementation = jax.devices("cpu"), "custom_call"
-        grid, h_q, layers = [(2, 1024)], 64, 2
+        grid, h_q, layers = [(2, 1024)], 16, 2
     else:
         devices, implementation = jax.devices("gpu"), None
         grid, h_q, layers = list(itertools.product(GRID_B, GRID_S_K)), H_Q, args.layers

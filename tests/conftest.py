@@ -49,13 +49,14 @@ def _gpu_unavailable_reason(count):
 
 # The files with the longest tests, longest first (CPU, 2 cores): run first, so that pytest -n 2
 # ends on short tests with both workers busy rather than one waiting on the other's long one.
-SLOW_FIRST = ["test_readme.py", "test_soak_serving.py", "test_serve_v4.py",
-              "test_bench_multi_gpu.py", "test_bridge_compile.py", "test_chunked_prefill.py",
-              "test_bench_prefill.py", "test_bench_grid.py", "test_bench_v4.py",
-              "test_bench_context.py", "test_bench_sparse.py", "test_v4_indexer.py",
+SLOW_FIRST = ["test_readme.py", "test_serve_v4.py", "test_chunked_prefill.py",
+              "test_bridge_compile.py", "test_bench_multi_gpu.py", "test_bench_sparse.py",
+              "test_bench_prefill.py", "test_bench_context.py", "test_long_context_v4.py",
+              "test_bench_v4.py", "test_soak_serving.py", "test_bench_grid.py",
               "test_flax_extend.py", "test_flax_v4_mla.py",
               "test_flax_sparse_mla.py", "test_prefill.py", "test_dcp_processes.py",
-              "test_bench_step.py", "test_examples.py", "test_decode.py", "test_flax_mla.py"]
+              "test_v4_indexer.py", "test_bench_step.py", "test_examples.py", "test_decode.py",
+              "test_flax_mla.py"]
 
 
 def pytest_collection_modifyitems(items):

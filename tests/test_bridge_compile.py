@@ -51,11 +51,32 @@ def _bridge_compile_flags():
             *[arg for path in includes for arg in ("-isystem", path)], "-I", str(FFI_DIR)]
 
 
+def _is_gcc():
+    macros = subprocess.run(["c++", "-dM", "-E", "-x", "c++", "/dev/null"],
+                            capture_output=True, text=True).stdout
+    return "__GNUC__" in macros and "__clang__" not in macros
+
+
+@pytest.fixture(scope="module")
+def lending_build(tmp_path_factory):
+    """(the compile's result, its directory) of buffer_lending.cc, compiled once for the two
+    tests that need it, with g++'s class dump where c++ is g++."""
+    flags = _bridge_compile_flags()
+    out_dir = tmp_path_factory.mktemp("lending")
+    dump = ["-fdump-lang-class"] if _is_gcc() else []
+    result = subprocess.run(["c++", *flags, *dump, "-c", str(FFI_DIR / "buffer_lending.cc"),
+                             "-o", "out.o"], capture_output=True, text=True, cwd=out_dir)
+    return result, out_dir
+
+
 @pytest.mark.parametrize("source", CUDA_SOURCES)
-def test_cuda_bridge_compiles(source, tmp_path):
-    command = ["c++", *_bridge_compile_flags(), "-c", str(FFI_DIR / source),
-               "-o", str(tmp_path / "out.o")]
-    result = subprocess.run(command, capture_output=True, text=True)
+def test_cuda_bridge_compiles(source, tmp_path, request):
+    if source == "buffer_lending.cc":
+        result, tmp_path = request.getfixturevalue("lending_build")
+    else:
+        command = ["c++", *_bridge_compile_flags(), "-c", str(FFI_DIR / source),
+                   "-o", str(tmp_path / "out.o")]
+        result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-4000:]
     assert (tmp_path / "out.o").stat().st_size > 0
 
@@ -84,25 +105,20 @@ def _vtable(class_dump, cls):
     return slots
 
 
-def test_lending_allocator_forwards_every_allocator_method(tmp_path):
+def test_lending_allocator_forwards_every_allocator_method(lending_build):
     """Every virtual method of torch's CUDA allocator in the installed torch is the wrapper's
     own (ffi/buffer_lending.cc) but LENDING_INHERITS. A method a torch release adds, or one
     whose signature changes, would otherwise run CUDAPluggableAllocator's code, which raises
     for most (an unforwarded getDeviceStats raised in torch.cuda.memory_stats()), or
     CUDAAllocator's default; a method it removes fails the compile (`override`). g++'s class
     dump names the function in each vtable slot."""
-    flags = _bridge_compile_flags()
-    macros = subprocess.run(["c++", "-dM", "-E", "-x", "c++", "/dev/null"],
-                            capture_output=True, text=True).stdout
-    if "__GNUC__" not in macros or "__clang__" in macros:
+    if not _is_gcc():
         if os.environ.get("CI"):
             pytest.fail("CI must dump the allocator's vtable, which needs c++ to be g++")
         pytest.skip("-fdump-lang-class needs c++ to be g++")
-    result = subprocess.run(["c++", *flags, "-fdump-lang-class", "-c",
-                             str(FFI_DIR / "buffer_lending.cc"), "-o", "lending.o"],
-                            capture_output=True, text=True, cwd=tmp_path)
+    result, out_dir = lending_build
     assert result.returncode == 0, result.stderr[-4000:]
-    (dump,) = tmp_path.glob("*.class")
+    (dump,) = out_dir.glob("*.class")
     slots = _vtable(dump.read_text(), "jax_flashmla::{anonymous}::LendingAllocator")
     own = "jax_flashmla::{anonymous}::LendingAllocator::"
     assert any(slot == own + "getDeviceStats" for slot in slots), slots

@@ -102,6 +102,9 @@ def test_a_long_pop_ends_on_ctrl_c():
         import os, signal, threading, time
         import jax.numpy as jnp
         from jax_flashmla.serving import HostQueue
+        # Ctrl-C's handler, as an interactive shell's process has it: a process started in the
+        # background of a non-interactive shell inherits SIGINT ignored, and waited 60 s.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         queue = HostQueue((2,), jnp.int32)
         threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
         start = time.monotonic()

@@ -15,6 +15,8 @@ HF scores unquantized q and entries; ours are rotated and FP8 (module doc). So:
     here: a score is exactly 0 where every head's relu is.
 Caches start as NaN bytes: a read of an entry never written shows.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,7 +43,30 @@ _compress = jax.jit(compress, donate_argnums=1)
 _write = jax.jit(write_v4_index_keys, donate_argnums=0)
 _query = jax.jit(v4_index_query)
 _select = jax.jit(v4_indexer_select, static_argnames=("ratio", "topk"))
-_scores = jax.jit(index_scores)
+_pow2_scales = jax.jit(power_of_two_scales)
+_read = jax.jit(read_index_keys)
+
+
+@functools.partial(jax.jit, static_argnames="n")
+def _request_scores(query, cache, table, start, b, n):
+    """Request b's first n rows' scores from index_scores over its block-table row: one
+    compiled program per n, where slicing op by op compiled each slice anew."""
+    rows = IndexQuery(jax.lax.dynamic_index_in_dim(query.values, b, keepdims=False)[:n],
+                      jax.lax.dynamic_index_in_dim(query.weights, b, keepdims=False)[:n])
+    start = jax.lax.dynamic_slice_in_dim(start, b, 1)
+    visible = visible_entries(start, jnp.asarray([n], jnp.int32), n, RATIO)[0]
+    table = jnp.repeat(jax.lax.dynamic_slice_in_dim(table, b, 1), n, 0)
+    return index_scores(rows, cache, table, visible)
+
+
+def row_padded(fn, x, fill=0):
+    """fn(x), numpy, for a jitted fn that computes each row of x (its first axis) alone: x's
+    rows padded with fill to a power of two, so that the calls' growing counts of entries and
+    tokens share a few compiled programs."""
+    x = np.asarray(x)
+    padded = np.full((1 << max(0, len(x) - 1).bit_length(), *x.shape[1:]), fill, x.dtype)
+    padded[:len(x)] = x
+    return jax.tree.map(lambda y: np.asarray(y)[:len(x)], fn(padded))
 
 
 def _config():
@@ -143,17 +168,16 @@ class Ours:
 
     def fp8_scores(self, query, b, start, n):
         """Request b's first n rows' scores from index_scores: (n, max_pages * 64)."""
-        rows = IndexQuery(query.values[b, :n], query.weights[b, :n])
-        visible = visible_entries(start[b:b + 1], jnp.asarray([n], jnp.int32), n, RATIO)[0]
-        return np.asarray(_scores(rows, self.cache, jnp.repeat(self.table[b:b + 1], n, 0),
-                                  visible), np.float64)
+        return np.asarray(_request_scores(query, self.cache, self.table, start, b, n=n),
+                          np.float64)
 
     def stored_entries(self, b, count):
         """Request b's first count entries as stored, dequantized: (count, 128) float64."""
         j = np.arange(count)
         slots = np.asarray(self.table)[b, j // 64] * 64 + j % 64
-        values, scales = read_index_keys(self.cache.data, jnp.asarray(slots, jnp.int32))
-        return np.asarray(values, np.float64) * np.asarray(scales, np.float64)[:, None]
+        values, scales = row_padded(functools.partial(_read, self.cache.data),
+                                    slots.astype(np.int32))  # padded with slot 0's entry
+        return values.astype(np.float64) * scales.astype(np.float64)[:, None]
 
 
 def assert_fp8_error_bound(got, want, scale):
@@ -184,14 +208,14 @@ def check_call(ours, hf, selection, query, b=0, start=None):
     # Keys and queries: HF's rotated, to e4m3's rounding.
     want_keys = hf.entries @ ROTATION
     assert want_keys.shape == (count, 128)
-    k_scales = np.asarray(power_of_two_scales(jnp.asarray(want_keys)), np.float64)[:, None]
+    k_scales = row_padded(_pow2_scales, want_keys.astype(np.float32))[:, None].astype(float)
     assert_fp8_error_bound(ours.stored_entries(b, count), want_keys, k_scales)
     q_want = hf.rotated_queries()
-    q_scales = np.asarray(power_of_two_scales(jnp.asarray(q_want)), np.float64)[..., None]
-    got_q = np.asarray(query.values[b, :n], np.float64) * q_scales
+    q_scales = row_padded(_pow2_scales, q_want.astype(np.float32))[..., None].astype(float)
+    got_q = np.asarray(query.values)[b, :n].astype(np.float64) * q_scales
     assert_fp8_error_bound(got_q, q_want, q_scales)
     head_weights = hf.head_weights()
-    np.testing.assert_allclose(np.asarray(query.weights[b, :n]) / q_scales[..., 0],
+    np.testing.assert_allclose(np.asarray(query.weights)[b, :n] / q_scales[..., 0],
                                head_weights, rtol=F32_TOL, atol=F32_TOL)
     # Scores within the FP8 bound, selections up to ties.
     visible = (seen["positions"] + 1) // RATIO
@@ -204,7 +228,7 @@ def check_call(ours, hf, selection, query, b=0, start=None):
     error = np.where(finite, np.abs(fp8 - np.where(finite, exact, 0)), 0)
     assert (error <= bound).all(), (error - bound).max()
     error = error.max(-1, initial=0)
-    entries, slots = (np.asarray(a[b, :n]) for a in selection)
+    entries, slots = (np.asarray(a)[b, :n] for a in selection)
     for t in range(n):
         k = min(TOPK, visible[t])
         assert_top_up_to_ties(entries[t], exact[t], k, 2 * error[t] + 1e-6 * peak)

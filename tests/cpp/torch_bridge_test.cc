@@ -5,7 +5,7 @@
 #include <exception>
 #include <string>
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include "torch_bridge.h"
 
