@@ -53,7 +53,7 @@ SLOW_FIRST = ["test_readme.py", "test_serve_v4.py", "test_chunked_prefill.py",
               "test_bridge_compile.py", "test_bench_multi_gpu.py", "test_bench_sparse.py",
               "test_bench_prefill.py", "test_bench_context.py", "test_long_context_v4.py",
               "test_bench_v4.py", "test_soak_serving.py", "test_bench_grid.py",
-              "test_flax_extend.py", "test_flax_v4_mla.py",
+              "test_flax_extend.py", "test_flax_v4_mla.py", "test_v4_layer_bad_values.py",
               "test_flax_sparse_mla.py", "test_prefill.py", "test_dcp_processes.py",
               "test_v4_indexer.py", "test_bench_step.py", "test_examples.py", "test_decode.py",
               "test_flax_mla.py"]

@@ -19,7 +19,9 @@ The FP8 rows are exact in bf16 (e4m3 values times a power of two; the RoPE dims 
 A token's index row is its window, newest first (positions p, p - 1, ..., p - W + 1: a chunk
 row from num_tokens[r] on, a ring row below it in extend, -1 below 0 and, in prefill, below
 num_tokens[r]), then the entries it reads, as their rows, in the order given (-1 for an entry
-neither completed by the call nor, in extend, cached), then -1. Its topk_length is W plus the
+neither completed by the call nor, in extend, cached), then -1. A ring slot or cached entry
+whose page the table names outside the cache (negative, or past it) is not held: -1 too, so a
+bad table reads nothing, as decode's sparse_mla_decode masks it. Its topk_length is W plus the
 entries it reads; a padding token's is 0, so it reads nothing. Memory: b * s * (W + K) indices,
 K the entries' columns, beside the rows.
 """
@@ -28,6 +30,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jax_flashmla.base.validation import PAGE_SIZE
 from jax_flashmla.caches.v4 import gather_rows
 
 
@@ -69,10 +72,12 @@ def chunk_keys(kv, positions, real, cache, *, window, read_cache, entries=None, 
     if read_cache:
         ring = cache.ring_size
         slots = cache.window_slots(jnp.broadcast_to(jnp.arange(ring, dtype=jnp.int32), (b, ring)))
-        rows.append(_dequantized(cache.window, slots))
+        ring_rows, held = _dequantized(cache.window, slots)
+        rows.append(ring_rows)
         seen = positions[:, :, None] - back
-        columns[0] = jnp.where((offset < 0) & (seen >= 0), base + request * ring + seen % ring,
-                               index)
+        held = jnp.take_along_axis(held, (seen % ring).reshape(b, -1), axis=1).reshape(seen.shape)
+        columns[0] = jnp.where((offset < 0) & (seen >= 0) & held,
+                               base + request * ring + seen % ring, index)
         base += b * ring
     if entries is not None:
         completed = entries.entries.shape[1]
@@ -84,8 +89,11 @@ def chunk_keys(kv, positions, real, cache, *, window, read_cache, entries=None, 
         if read_cache:
             capacity = cache.entry_capacity
             ids = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), (b, capacity))
-            rows.append(_dequantized(cache.compressed, cache.entry_slots(ids)))
-            column = jnp.where((picked >= 0) & (fresh < 0) & (picked < capacity),
+            entry_rows, held = _dequantized(cache.compressed, cache.entry_slots(ids))
+            rows.append(entry_rows)
+            held = jnp.take_along_axis(held, jnp.clip(picked, 0, capacity - 1).reshape(b, -1),
+                                       axis=1).reshape(picked.shape)
+            column = jnp.where((picked >= 0) & (fresh < 0) & (picked < capacity) & held,
                                base + request * capacity + picked, column)
         columns.append(column)
         read = read + jnp.sum(picked >= 0, axis=-1, dtype=jnp.int32)
@@ -95,8 +103,10 @@ def chunk_keys(kv, positions, real, cache, *, window, read_cache, entries=None, 
 
 
 def _dequantized(kv_cache, slots):
-    """(b * n, 512) bfloat16: the rows of a V4KVCache at slots (b, n), zeros where a slot is
-    -1."""
-    got = gather_rows(kv_cache.data, jnp.maximum(slots, 0))
-    return jnp.where((slots >= 0)[..., None], got, 0).astype(jnp.bfloat16).reshape(
-        -1, got.shape[-1])
+    """(rows (b * n, 512) bfloat16 of a V4KVCache at slots (b, n), held (b, n) bool): a slot
+    outside the cache (-1, or a table's page past it) holds no row, its row zeros, and no
+    index names it (gather would read the cache's last page, another request's)."""
+    held = (slots >= 0) & (slots < kv_cache.data.shape[0] * PAGE_SIZE)
+    got = gather_rows(kv_cache.data, jnp.where(held, slots, 0))
+    rows = jnp.where(held[..., None], got, 0).astype(jnp.bfloat16)
+    return rows.reshape(-1, got.shape[-1]), held
