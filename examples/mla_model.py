@@ -136,12 +136,19 @@ def _split(result):
     return result[0], result[1:]
 
 
+@functools.cache
+def _model(cfg, seed, dtype):
+    """(graphdef, state) of the seeded TinyDeepSeek of cfg, built once per process for a
+    config, seed and dtype (the state is never donated), so that serve() called again builds
+    no model twice."""
+    return nnx.split(TinyDeepSeek(cfg, rngs=nnx.Rngs(seed), dtype=dtype))
+
+
 def build(cfg, num_pages, seed=0, dtype=jnp.bfloat16, kv_cache_dtype=jnp.bfloat16):
     """(graphdef, state, caches, k_scales) of a seeded model, its empty per-layer paged caches
     (V3.2's: a SparseKVCache and an IndexKeyCache per layer) and, for FP8 caches, their
     per-layer k scales (else None)."""
-    model = TinyDeepSeek(cfg, rngs=nnx.Rngs(seed), dtype=dtype)
-    graphdef, state = nnx.split(model)
+    graphdef, state = _model(cfg, seed, dtype)
     if is_sparse(cfg):
         return graphdef, state, tuple((SparseKVCache.create(num_pages),
                                        IndexKeyCache.create(num_pages))

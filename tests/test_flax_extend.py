@@ -65,7 +65,7 @@ def test_extend_matches_hf_with_a_dynamic_cache(case):
     pre_x, pre_pos = padded([x[:, :p] for x, p in zip(seqs, prefix_lens)], s_pre, [0] * b)
     real = np.arange(s_pre)[None, :] < np.asarray(prefix_lens)[:, None]
     slots = jnp.where(real, jf.token_slots(table, pre_pos), -1)
-    _, kv = layer.prefill(pre_x, pre_pos, kv, slots)
+    _, kv = jax.jit(layer.prefill)(pre_x, pre_pos, kv, slots)  # eagerly, op by op compiles
     new_x, new_pos = padded([x[:, p:] for x, p in zip(seqs, prefix_lens)], s_new, prefix_lens)
     extend = jax.jit(lambda x, pos, kv, lens: layer.extend(
         x, pos, kv, table, jnp.asarray(prefix_lens, jnp.int32), max_prefix_tokens=320,
@@ -105,13 +105,15 @@ def test_both_forms_match_hf_in_bf16(form, decode_implementation):
         pre_x[i, :p], new_x[i, :n] = x[0, :p], x[0, p:]
     pre_pos = jnp.broadcast_to(jnp.arange(s_pre, dtype=jnp.int32), (b, s_pre))
     real = np.arange(s_pre)[None, :] < np.asarray(prefix_lens)[:, None]
-    _, kv = layer.prefill(jnp.asarray(pre_x), pre_pos, kv,
-                          jnp.where(real, jf.token_slots(table, pre_pos), -1))
+    # Jitted: eagerly, each op would compile alone.
+    _, kv = jax.jit(layer.prefill)(jnp.asarray(pre_x), pre_pos, kv,
+                                   jnp.where(real, jf.token_slots(table, pre_pos), -1))
     new_pos = jnp.asarray(prefix_lens, jnp.int32)[:, None] + jnp.arange(s_new, dtype=jnp.int32)
-    out, _ = layer.extend(jnp.asarray(new_x), new_pos, kv, table,
-                          jnp.asarray(prefix_lens, jnp.int32), max_prefix_tokens=320,
-                          lengths=jnp.asarray(new_lens, jnp.int32), form=form,
-                          decode_implementation=decode_implementation)
+    out, _ = jax.jit(lambda *args, lengths: layer.extend(
+        *args, max_prefix_tokens=320, lengths=lengths, form=form,
+        decode_implementation=decode_implementation))(
+        jnp.asarray(new_x), new_pos, kv, table, jnp.asarray(prefix_lens, jnp.int32),
+        lengths=jnp.asarray(new_lens, jnp.int32))
     for i, (x, p, n) in enumerate(zip(seqs, prefix_lens, new_lens)):
         assert rel_err(out[i, :n], hf_extend(config, attn, x[:, :p], x[:, p:])) < 3e-2
         assert np.all(np.isfinite(np.asarray(out[i])))

@@ -115,7 +115,8 @@ def test_prefill_matches_hf_float32(case):
     for i, (n, xi) in enumerate(zip(lengths, xs)):
         x[i, :n] = xi[0]
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (len(lengths), s))
-    out, kv = layer.prefill(jnp.asarray(x), positions, lengths=jnp.asarray(lengths, jnp.int32))
+    out, kv = jax.jit(layer.prefill)(  # jitted: eagerly, each op would compile alone
+        jnp.asarray(x), positions, lengths=jnp.asarray(lengths, jnp.int32))
     assert kv is None and out.dtype == jnp.float32
     for i, (n, xi) in enumerate(zip(lengths, xs)):
         want = hf_forward(config, attn, xi)[0]

@@ -53,6 +53,11 @@ BF16_ROUNDING = 2.0 ** -8
 FP8_ENTRY_TOL = 0.07
 KINDS = {"sliding": SLIDING, "hca": HCA}
 STEPS = 24
+# The sliding and HCA tests share one cache capacity, and their calls one width (the chunks
+# padded to the prompts'), so that each kind compiles one prefill, one extend and one decode:
+# those compiles are most of the tests' time, and neither size is what they test.
+MAX_TOKENS = 256
+SEQ_LEN = 150
 ROTATION = HADAMARD.astype(np.float64) / np.sqrt(128)  # the indexer's keys are stored rotated
 
 
@@ -267,7 +272,7 @@ def test_ropes_are_hfs(hf):
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_prefill_of_a_batch_equals_hf(hf, kind):
     # Past the window (150 > 128), between, and one token; HCA's ratio is 16.
-    run = Run(hf, KINDS[kind], [150, 37, 1], max_tokens=160)
+    run = Run(hf, KINDS[kind], [150, 37, 1], max_tokens=MAX_TOKENS)
     ours, want = run.prefill()
     _assert_within(np.concatenate([_relative_errors(o, w) for o, w in zip(ours, want)]),
                    "bfloat16")
@@ -278,7 +283,7 @@ def test_prefill_of_a_batch_equals_hf(hf, kind):
 def test_decode_steps_equal_hf(hf, kind):
     # 120 + 24 wraps the 128-token ring during decode; 150 has wrapped it already; 5 stays
     # short of one HCA window until step 11.
-    run = Run(hf, KINDS[kind], [120, 150, 5], max_tokens=200, seed=1)
+    run = Run(hf, KINDS[kind], [120, 150, 5], max_tokens=MAX_TOKENS, seed=1)
     run.prefill()
     errors = []
     for _ in range(STEPS):
@@ -290,7 +295,7 @@ def test_decode_steps_equal_hf(hf, kind):
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_extend_from_nothing_is_prefill(hf, kind):
-    runs = [Run(hf, KINDS[kind], [150, 37, 1], max_tokens=160) for _ in range(2)]
+    runs = [Run(hf, KINDS[kind], [150, 37, 1], max_tokens=MAX_TOKENS) for _ in range(2)]
     (prefilled, _), (extended, _) = runs[0].prefill(), runs[1].prefill(form=_extend)
     errors = np.concatenate([_relative_errors(a, b) for a, b in zip(prefilled, extended)])
     assert errors.max() < BF16_ROUNDING, errors.max()
@@ -302,10 +307,10 @@ def test_extend_from_nothing_is_prefill(hf, kind):
 def test_chunks_then_decode_equal_hf(hf, kind):
     """Prompts fed in chunks of different sizes a request (a request idle in a chunk: length
     0), each chunk over the cache the earlier ones left, then decode steps."""
-    run = Run(hf, KINDS[kind], [37, 5, 0], max_tokens=400, seed=3)
+    run = Run(hf, KINDS[kind], [37, 5, 0], max_tokens=MAX_TOKENS, seed=3)
     errors = []
     for lengths in ([37, 5, 0], [100, 0, 130], [1, 140, 17], [64, 3, 0]):
-        ours, want = run.prefill(lengths, form=_extend)
+        ours, want = run.prefill(lengths, form=_extend, seq_len=SEQ_LEN)
         errors += [_relative_errors(o, w) for o, w in zip(ours, want) if len(w)]
     for step in range(8):  # the last request idle every other step
         errors.append(_relative_errors(*run.step([True, True, step % 2 == 0])))

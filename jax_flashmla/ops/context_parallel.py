@@ -7,6 +7,8 @@ of a request, for n devices along the axis:
   - "contiguous": device p // tokens_per_device, at local position p % tokens_per_device;
   - "round_robin": device p % n, at local position p // n.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -67,8 +69,16 @@ def dcp_write_kv(kv_cache, block_tables, positions, *, mesh, axis, layout,
     Returns:
       The cache, each token written on the one device that holds its position.
     """
+    write = _sharded_write(mesh, axis, layout, tokens_per_device)
+    return write(kv_cache, block_tables, positions, dict(latent=latent, rope=rope, kv=kv), scale)
+
+
+@functools.lru_cache(maxsize=256)
+def _sharded_write(mesh, axis, layout, tokens_per_device):
+    """dcp_write_kv's shard_map, jitted once per mesh, axis and layout: called eagerly, a
+    shard_map runs (and compiles) its body op by op on every call; jitted, it compiles once
+    per shapes. Under an outer jit the inner one is inlined."""
     n = mesh.shape[axis]
-    rows = dict(latent=latent, rope=rope, kv=kv)
 
     def write(local_cache, table, positions, rows, scale):
         rank = jax.lax.axis_index(axis)
@@ -77,9 +87,13 @@ def dcp_write_kv(kv_cache, block_tables, positions, *, mesh, axis, layout,
         slots = paged.token_slots(table[0], local)
         return paged.write_kv(local_cache, slots, **rows, scale=scale)
 
-    replicated = jax.tree.map(lambda _: P(), (rows, scale))
-    return jax.shard_map(write, mesh=mesh, in_specs=(P(axis), P(axis), P(), *replicated),
-                         out_specs=P(axis))(kv_cache, block_tables, positions, rows, scale)
+    @jax.jit
+    def sharded(kv_cache, block_tables, positions, rows, scale):
+        replicated = jax.tree.map(lambda _: P(), (rows, scale))
+        return jax.shard_map(write, mesh=mesh, in_specs=(P(axis), P(axis), P(), *replicated),
+                             out_specs=P(axis))(kv_cache, block_tables, positions, rows, scale)
+
+    return sharded
 
 
 def dcp_mla_decode(q, kv_cache, block_tables, seq_lens, *, mesh, axis, head_axis=None,
