@@ -62,6 +62,20 @@ def _hidden(seed, s):
                        jnp.float32)
 
 
+@functools.lru_cache(maxsize=None)
+def _prefilled(layer_type):
+    """The cache after _run's prefill of _hidden(0, PROMPT)."""
+    _, state, call = _layer(layer_type)
+    return call(state, _hidden(0, PROMPT), _cache(layer_type),
+                jnp.asarray([PROMPT, 100], jnp.int32), form="prefill")[1]
+
+
+@functools.lru_cache(maxsize=None)
+def _clean(layer_type):
+    """_run on _hidden(0, PROMPT) with nothing bad: each call's out."""
+    return _run(layer_type, _hidden(0, PROMPT))[0]
+
+
 def _run(layer_type, prompts, after_prefill=lambda cache: cache, prompt_lengths=(PROMPT, 100),
          chunk_lengths=(CHUNK, 7)):
     """Prefill, extend by a chunk, two decode steps: each call's out (2, s, hidden) and the
@@ -97,7 +111,7 @@ def test_a_table_past_the_cache_reads_no_other_requests_rows(layer_type):
     prompts = _hidden(0, PROMPT)
     other = prompts.at[0].set(_hidden(1, PROMPT)[0])  # request 0's rows, all different
     runs = [_run(layer_type, p, _past_the_cache)[0] for p in (prompts, other)]
-    clean, _ = _run(layer_type, prompts)
+    clean = _clean(layer_type)
     for form, got, want, unharmed in zip(("extend", "decode", "decode"), runs[0][1:],
                                          runs[1][1:], clean[1:]):
         assert np.isfinite(got[1]).all(), form
@@ -142,11 +156,9 @@ def test_a_chunk_names_no_row_of_a_page_past_the_cache():
 @pytest.mark.parametrize("layer_type", [SLIDING, HCA, CSA])
 @pytest.mark.parametrize("bad", [-3, CHUNK + 1, np.iinfo(np.int32).max, np.iinfo(np.int32).min])
 def test_a_length_outside_the_chunk_makes_its_row_empty(layer_type, bad):
-    prompts = _hidden(0, PROMPT)
-    clean, _ = _run(layer_type, prompts)
+    clean = _clean(layer_type)
     _, state, call = _layer(layer_type)
-    out, cache = call(state, prompts, _cache(layer_type), jnp.asarray([PROMPT, 100], jnp.int32),
-                      form="prefill")
+    cache = _prefilled(layer_type)
     got, after = call(state, _hidden(2, CHUNK), cache, jnp.asarray([CHUNK, bad], jnp.int32),
                       form="extend")
     assert not np.asarray(got[1]).any()
@@ -161,9 +173,8 @@ def test_a_length_outside_the_chunk_makes_its_row_empty(layer_type, bad):
 
 @pytest.mark.parametrize("layer_type", [SLIDING, HCA, CSA])
 def test_a_nan_token_stays_in_its_request(layer_type):
-    prompts = _hidden(0, PROMPT)
-    clean, _ = _run(layer_type, prompts)
-    poisoned, _ = _run(layer_type, prompts.at[1, 40].set(jnp.nan))
+    clean = _clean(layer_type)
+    poisoned, _ = _run(layer_type, _hidden(0, PROMPT).at[1, 40].set(jnp.nan))
     for form, got, want in zip(("prefill", "extend", "decode", "decode"), poisoned, clean):
         np.testing.assert_array_equal(got[0], want[0], err_msg=form)
     assert np.isnan(poisoned[0][1]).any()
