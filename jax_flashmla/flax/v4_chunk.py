@@ -75,9 +75,9 @@ def chunk_keys(kv, positions, real, cache, *, window, read_cache, entries=None, 
         ring_rows, held = _dequantized(cache.window, slots)
         rows.append(ring_rows)
         seen = positions[:, :, None] - back
-        held = jnp.take_along_axis(held, (seen % ring).reshape(b, -1), axis=1).reshape(seen.shape)
-        columns[0] = jnp.where((offset < 0) & (seen >= 0) & held,
-                               base + request * ring + seen % ring, index)
+        slot = seen % ring
+        columns[0] = jnp.where((offset < 0) & (seen >= 0) & _at(held, slot),
+                               base + request * ring + slot, index)
         base += b * ring
     if entries is not None:
         completed = entries.entries.shape[1]
@@ -91,15 +91,19 @@ def chunk_keys(kv, positions, real, cache, *, window, read_cache, entries=None, 
             ids = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), (b, capacity))
             entry_rows, held = _dequantized(cache.compressed, cache.entry_slots(ids))
             rows.append(entry_rows)
-            held = jnp.take_along_axis(held, jnp.clip(picked, 0, capacity - 1).reshape(b, -1),
-                                       axis=1).reshape(picked.shape)
-            column = jnp.where((picked >= 0) & (fresh < 0) & (picked < capacity) & held,
+            column = jnp.where((picked >= 0) & (fresh < 0) & (picked < capacity)
+                               & _at(held, jnp.clip(picked, 0, capacity - 1)),
                                base + request * capacity + picked, column)
         columns.append(column)
         read = read + jnp.sum(picked >= 0, axis=-1, dtype=jnp.int32)
     indices = jnp.concatenate(columns, axis=-1)
     return ChunkKeys(jnp.concatenate(rows), indices.reshape(b * s, -1),
                      jnp.where(real, read, 0).reshape(-1))
+
+
+def _at(held, at):
+    """held (b, n) bool looked up at `at` (b, ...) int32 in [0, n), at's shape."""
+    return jnp.take_along_axis(held, at.reshape(at.shape[0], -1), axis=1).reshape(at.shape)
 
 
 def _dequantized(kv_cache, slots):
