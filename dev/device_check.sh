@@ -11,7 +11,7 @@
 #              ops, the indexer, mla_prefill on cuDNN with bf16 and FP8 caches, the Flax layers'
 #              extend) a process each, then all in one process followed by valid sparse and
 #              dense decodes against torch; BAD_VALUES_ARGS (pytest's, e.g. "-k one_process")
-#     gpu      every test marked gpu but the two-GPU ones (~6 min), or those in GPU_TESTS
+#     gpu      every test marked gpu but the two-GPU ones, or those in GPU_TESTS
 #     prefill  mla_prefill's tests on the GPU: tests/test_gpu_prefill.py, and the CPU suite's
 #              prefill tests, which run on cuDNN there
 #     readme   tests/test_readme.py: the README's code with FlashMLA and cuDNN beneath it
@@ -97,7 +97,9 @@ for mode in "${modes[@]}"; do
     timeout 240 python3 examples/serve_deepseek_mla.py ${SERVE_ARGS:---requests 6 --batch 4 \
       --min-prompt 32768 --max-prompt 32768 --max-new 48 --turns 2} > "$out/serve.txt" 2>&1
     echo "exit $?"; tr '\r' '\n' < "$out/serve.txt" | grep -v "^[IW][0-9]" | tail -25 ;;
-  gpu) pytest_logged pytest_gpu.txt 540 -m gpu ${GPU_TESTS:-tests --ignore=tests/test_gpu_multi.py} ;;
+  gpu)  # four workers share the GPU, each allocating as it goes (~5.5 min on an H100)
+    XLA_PYTHON_CLIENT_PREALLOCATE=false pytest_logged pytest_gpu.txt 540 -m gpu -n 4 \
+      ${GPU_TESTS:-tests --ignore=tests/test_gpu_multi.py} ;;
   package)
     site=/tmp/flash_mla_site
     python3 -m pip install -q --no-index --no-deps --upgrade --target "$site" \

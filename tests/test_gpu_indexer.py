@@ -16,6 +16,7 @@ from jax_flashmla.sparse import indexer_decode, indexer_prefill, IndexKeyCache, 
 from jax_flashmla.caches.index_keys import quantize_index_keys
 from jax_flashmla.ops.indexer import IndexQuery, index_scores
 from jax_flashmla.ops import indexer
+from jax_flashmla.ops.v4_indexer import v4_indexer_select
 from jax_flashmla.caches.index_keys import PAGE_BYTES
 
 pytestmark = pytest.mark.gpu
@@ -144,3 +145,31 @@ def test_int32_min_lengths_select_nothing_and_change_no_other_row():
     alone = prefill(IndexQuery(*(x[np.r_[0:2, 4:6]] for x in rows)), cache, table[others],
                     seq_lens[others], jnp.asarray([0, 2, 4], jnp.int32))
     np.testing.assert_array_equal(got[np.r_[0:2, 4:6]], np.asarray(alone))
+
+
+
+@pytest.mark.parametrize("entries,topk", [([70000] * 16, 512), ([5000, 300, 0, 513], 512),
+                                          ([900, 77], 100)])
+def test_v4_selection_is_lax_top_k_of_the_kernels_scores(entries, topk):
+    """DeepSeek-V4's selection on the kernels (index_topk: positions, here entries) over entry
+    counts, with the second page of the first request missing from the cache: its entries are
+    never picked, and the picks stay ascending with -1 after them."""
+    query, cache, table, counts = _problem(len(entries) + 7, entries)
+    table = table.at[0, 1].set(cache.data.shape[0] + 5)
+    rows, row_table, visible = _rows(query, table, counts)
+    scores = jax.jit(functools.partial(index_scores, implementation="custom_call"))(
+        rows, cache, row_table, visible)
+    scores = jnp.pad(scores, ((0, 0), (0, max(0, topk - scores.shape[1]))),
+                     constant_values=-jnp.inf)
+    top, picked = (np.asarray(a) for a in jax.lax.top_k(scores, topk))
+    last = np.iinfo(np.int32).max
+    want = np.sort(np.where(np.isneginf(top), last, picked), axis=-1)
+    want = np.where(want == last, -1, want)
+    select = jax.jit(functools.partial(v4_indexer_select, ratio=4, topk=topk,
+                                       implementation="custom_call"))
+    # Start 4 * count, one new token: each query sees all of its request's entries.
+    selection = select(query, cache, table, 4 * counts, jnp.ones(len(entries), jnp.int32))
+    np.testing.assert_array_equal(np.asarray(selection.entries)[:, 0], want)
+    assert not np.isin(np.arange(64, 128), want[0]).any()
+    np.testing.assert_array_equal(np.asarray(selection.slots)[:, 0],
+                                  np.asarray(token_slots(row_table, jnp.asarray(want))))

@@ -192,7 +192,7 @@ class V4Attention(nnx.Module):
         Args:
           hidden_states, cache, lengths: as extend's (a decode step: s 1, lengths 1 for an
             active request, 0 for an idle one).
-          implementation: the indexer's scores', as in jax_flashmla.ops.indexer.index_scores.
+          implementation: the indexer's, as in jax_flashmla.ops.indexer.index_topk.
 
         Returns:
           (V4Selection (b, s, index_topk): entries, ascending, -1 after them, and their slots
@@ -207,7 +207,7 @@ class V4Attention(nnx.Module):
         return self._select(hidden_states, cache, lengths, implementation)
 
     def _select(self, hidden_states, cache, lengths, implementation):
-        """select_entries' work, lengths already in [0, s]; implementation: index_scores'."""
+        """select_entries' work, lengths already in [0, s]; implementation: index_topk's."""
         weights = self.indexer.indexer_weights()
         entries, state = self._compress(weights.compressor, cache.index_compressor,
                                         hidden_states, lengths)
@@ -240,8 +240,8 @@ class V4Attention(nnx.Module):
             (their attention 0 before the output projection, never stored or read). A length
             outside [0, s] makes its row empty.
           implementation: as in jax_flashmla.sparse.sparse_mla_prefill (None: FlashMLA's
-            kernel on a Hopper GPU, else the pure-JAX reference); a CSA layer's indexer scores
-            with the same (jax_flashmla.ops.indexer.index_scores').
+            kernel on a Hopper GPU, else the pure-JAX reference); a CSA layer's indexer selects
+            with the same (jax_flashmla.ops.indexer.index_topk's).
 
         Returns:
           (out (b, s, hidden_size) in the compute dtype, the updated V4LayerCache); under
@@ -331,7 +331,7 @@ class V4Attention(nnx.Module):
           active: optional (b,) bool (default all True): an idle row (False) stores nothing,
             feeds nothing to its compressor, keeps its num_tokens and gets out 0.
           implementation: as in jax_flashmla.sparse.sparse_mla_decode; a CSA layer's indexer
-            scores with the same (jax_flashmla.ops.indexer.index_scores').
+            selects with the same (jax_flashmla.ops.indexer.index_topk's).
 
         Returns:
           (out (b, 1, hidden_size) in the compute dtype, the updated V4LayerCache); under

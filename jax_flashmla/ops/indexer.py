@@ -337,6 +337,37 @@ def index_scores(query, cache, block_table, visible, *, implementation=None):
     return scores[:, :block_table.shape[1] * PAGE_SIZE]
 
 
+def index_topk(query, cache, block_table, visible, *, topk, implementation=None):
+    """Each query row's top positions among its request's tokens in the cache.
+
+    Args:
+      query, cache, block_table, visible, implementation: as index_scores'.
+      topk: a Python int.
+
+    Returns:
+      (n, topk) int32: the positions of row i's min(topk, readable) highest scores in
+      ascending order, -1 after them, where readable counts its positions p < visible[i]
+      whose page is in the cache; of equal scores the lower position is taken (as lax.top_k
+      takes them). Unlike indexer_decode's, these are positions, not slots.
+    """
+    where = "index_topk"
+    data = _check_rows(where, query, cache, block_table, ("n",))
+    visible = _check_lengths(where, "visible", visible, tuple(query.values.shape[:1]))
+    _check_topk(where, topk)
+    block_table = jnp.asarray(block_table)
+    if visible.shape[0] == 0:  # token_slots cannot reshape no rows
+        return jnp.zeros((0, topk), jnp.int32)
+    positions, _ = _positions_and_scores(query, data, block_table, visible, topk,
+                                         _implementation(where, implementation, query))
+    slots = token_slots(block_table, positions)
+    readable = ((positions >= 0) & (positions < visible[:, None]) & (slots >= 0)
+                & (slots < data.shape[0] * PAGE_SIZE))
+    # A page missing from the cache can put an unreadable position before readable ones.
+    last = jnp.iinfo(jnp.int32).max
+    positions = jnp.sort(jnp.where(readable, positions, last), axis=-1)
+    return jnp.where(positions < last, positions, -1)
+
+
 def indexer_decode(query, cache, block_table, seq_lens, *, topk=INDEX_TOPK,
                    implementation=None):
     """The tokens each decoding request's new tokens attend to.

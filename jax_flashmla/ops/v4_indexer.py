@@ -13,17 +13,17 @@ HF keeps q and the entries unquantized. Here, as V3.2's indexer stores its keys,
 turned by the Hadamard matrix / sqrt(128) (orthonormal: every q . k stays, outliers spread) and
 quantized to e4m3 with a power-of-two scale per head of q and per entry (caches/index_keys.py),
 so the entries live in an IndexKeyCache (132 bytes an entry, not a bf16 row's 256) and are
-scored by V3.2's index_scores (its CUDA kernel on a Hopper GPU). The scores are HF's but for
-that rounding (e4m3 has 3 mantissa bits: a few percent of the largest score), so the
-selections are HF's but for entries whose exact scores lie that close.
+scored and selected by V3.2's index_topk (its CUDA kernels on a Hopper GPU). The scores are
+HF's but for that rounding (e4m3 has 3 mantissa bits: a few percent of the largest score), so
+the selections are HF's but for entries whose exact scores lie that close.
 Entry j of a request lives at token_slots(block_table, j): a request's index-key pages hold
 its entries, 64 a page, as the main CSA cache holds the compressor's.
 
 Why not indexer_decode / indexer_prefill: a V3.2 token sees its prefix and itself, one more
 than the token before it (seq_lens - s_q + j + 1), a V4 query (p + 1) // r entries, and they
 return slots only, from which the entry indices cannot be had without inverting the block
-table. So the selection here is lax.top_k over index_scores' rows, with the entry counts as
-their visible lengths; equal scores keep the earlier entry, as V3.2's reference does.
+table. index_topk takes each row's visible count as given and returns positions, here entry
+indices; equal scores keep the earlier entry.
 """
 import dataclasses
 import functools
@@ -38,7 +38,7 @@ from jax_flashmla.caches.index_keys import (INDEX_HEAD_DIM, index_cache_array,
                                             quantize_index_keys, write_index_keys)
 from jax_flashmla.caches.paged import token_slots
 from jax_flashmla.ops import compressor
-from jax_flashmla.ops.indexer import HADAMARD, HIGHEST, IndexQuery, index_scores
+from jax_flashmla.ops.indexer import HADAMARD, HIGHEST, IndexQuery, index_topk
 
 # The query's weights -> their names under HF's "model.layers.<i>.self_attn.compressor.indexer."
 # (the compressor's own under the same prefix: compressor.HF_NAMES).
@@ -187,7 +187,7 @@ def v4_indexer_select(query, cache, block_table, start, lengths, *, ratio, topk,
       start: (batch,) int32, the tokens each request had before these (its compressor state's
         num_tokens before this call); lengths: (batch,) int32, its new tokens.
       ratio: the compressor's ratio (4); topk: a Python int, HF's config.index_topk.
-      implementation: index_scores' (None: its CUDA kernel on a Hopper GPU, else pure JAX).
+      implementation: index_topk's (None: its CUDA kernels on a Hopper GPU, else pure JAX).
 
     Returns:
       V4Selection of (batch, seq_len, topk): each token's top min(topk, visible) entries
@@ -217,16 +217,9 @@ def v4_indexer_select(query, cache, block_table, start, lengths, *, ratio, topk,
     visible = jnp.where(visible <= block_table.shape[1] * PAGE_SIZE, visible, 0)
     rows = IndexQuery(*(a.reshape(batch * seq_len, *a.shape[2:]) for a in query))
     tables = jnp.repeat(jnp.asarray(block_table), seq_len, axis=0)
-    scores = index_scores(rows, data, tables, visible.reshape(-1),
-                          implementation=implementation)
-    if scores.shape[1] < topk:  # entries past the table are never visible
-        scores = jnp.pad(scores, ((0, 0), (0, topk - scores.shape[1])),
-                         constant_values=-jnp.inf)
-    # -inf: not visible, or its page is not in the cache; top_k keeps the earlier of equals.
-    picked_scores, picked = jax.lax.top_k(scores, topk)
-    picked = jnp.sort(jnp.where(picked_scores > -jnp.inf, picked, jnp.iinfo(jnp.int32).max))
-    entries = jnp.where(picked < jnp.iinfo(jnp.int32).max, picked, -1).astype(jnp.int32)
-    # An entry whose page is not in the cache scored -inf: every selected slot is in it.
+    entries = index_topk(rows, data, tables, visible.reshape(-1), topk=topk,
+                         implementation=implementation)
+    # index_topk selects only entries whose pages are in the cache: every slot is in it.
     slots = token_slots(tables, entries)
     shape = (batch, seq_len, topk)
     return V4Selection(entries.reshape(shape), slots.reshape(shape))
