@@ -45,7 +45,19 @@ The report (context_report.py) says how each grows: the slope of log time (the d
 measured) and of log bytes a token over log context between the two longest contexts (128k and
 1M), in words (flat, sublinear, ~linear; bytes falling ~1/context where a fixed cost dominates).
 
+Indexer points: the indexer call alone, 64 index heads, one new token a request, over `entries`
+index keys a request (65,536 to 1,048,576; b = 16 and 64), against its HBM floor (the b *
+entries * 132 bytes of index keys it must read, over the device's peak bandwidth; the report
+holds the table and the bar):
+  v32_indexer  indexer_decode, the top 2048 over an IndexKeyCache of `entries` tokens a request;
+  v4_indexer   v4_indexer_select, the top 512 of `entries` compressed entries (ratio 4: start =
+               4 * entries sees them all, seq_len 1).
+Each is timed as a layer is, and on a GPU its device time is split by a trace of its own into
+the custom call's two kernels (ffi/index_topk.cu): the scoring (IndexScoresKernel) and the
+top-k (TopkPositionsKernel); the rest is XLA's own kernels and the gaps between them.
+
   python benchmarks/bench_context.py --out benchmarks/results/context_h200
+  python benchmarks/bench_context.py --families v32_indexer v4_indexer --out ...  # indexers
   python benchmarks/bench_context.py --tiny       # CPU: the references, small
 """
 import argparse
@@ -83,23 +95,30 @@ import bench_v32_decode  # noqa: E402
 import bench_v4  # noqa: E402
 import context_report  # noqa: E402
 from bench_sparse import SOFTMAX_SCALE, random_rows  # noqa: E402
-from device_time import device_time_in_turns, spin_blockers  # noqa: E402
+from device_time import (QUEUED_CALLS, device_time_in_turns, profile_options,  # noqa: E402
+                         spin_blockers, traced)
 from results_io import run_points  # noqa: E402
 from timing import time_in_turns  # noqa: E402
 from workload import D_QK, PAGE  # noqa: E402
 
 FAMILIES = ("dense_bf16", "dense_fp8", "v32", "v4_hca", "v4_csa", "v4_sliding")
+INDEXERS = tuple(context_report.INDEXER_CALLS)  # v32_indexer, v4_indexer
+# The indexer's custom call launches a scoring kernel then a top-k kernel (ffi/index_topk.cu):
+# a record's key -> a part of the kernel's name as the profiler gives it.
+INDEXER_KERNELS = dict(scoring_us="IndexScoresKernel", topk_us="TopkPositionsKernel")
 V4_PAGE_BYTES = PAGE_ROWS * ROW_BYTES  # 37,440: 64 tokens and their scale row
 WINDOW = bench_v4.WINDOW
 RATIO = dict(v4_hca=128, v4_csa=4)
 GPU = dict(contexts=(8192, 131072, 1048576), batches=(1, 16), heads=128, v4_heads=64,
            index_heads=64, v32_topk=2048, csa_topk=bench_v4.CSA_TOPK, target_ms=20.0,
            repeats=5, device_repeats=3, evict_bytes=128 * 2**20, max_copies=2048,
-           base_pages=bench_sparse.BASE_PAGES)
+           base_pages=bench_sparse.BASE_PAGES, indexer_entries=(65536, 131072, 262144, 1048576),
+           indexer_batches=(16, 64))
 # Small enough for CPU's references: a run is mostly its points' compiles.
 TINY = dict(contexts=(256, 1024), batches=(1, 2), heads=16, v4_heads=16, index_heads=16,
             v32_topk=64, csa_topk=32, target_ms=2.0, repeats=2, device_repeats=0,
-            evict_bytes=2**20, max_copies=4, base_pages=4)
+            evict_bytes=2**20, max_copies=4, base_pages=4, indexer_entries=(256, 1024),
+            indexer_batches=(2,))
 
 
 def _pages(tokens):
@@ -282,9 +301,45 @@ def free_bytes():
     return None if not stats else stats["bytes_limit"] - stats["bytes_in_use"]
 
 
-def timed(compiled, args, family, grid, blocker):
-    """us (µs a call by wall clock, the median batch's), out_finite and, given a blocker,
-    device_us (the GPU's µs a call) of compiled(*args[k]), k the next copy each call."""
+def too_big(need):
+    """Why a point needing `need` bytes of device memory is skipped, or None where it fits."""
+    free = free_bytes()
+    if free is not None and need > free:
+        return f"needs ~{need / 1e9:.1f} GB of device memory, {free / 1e9:.1f} free"
+    return None
+
+
+def out_finite(out):
+    return dict(out_finite=bool(np.isfinite(np.asarray(out, np.float32)).all()))
+
+
+def kernel_us(gpu, calls, kernels):
+    """{key: µs a call} of each kernel in kernels (key -> a part of its name) among a trace's
+    GPU activities over `calls` calls: the sum of its activities' durations over calls."""
+    split = {}
+    for key, name in kernels.items():
+        durations = [e.end - e.start for e in gpu if name in e.name]
+        if not durations:
+            raise RuntimeError(f"no kernel named like {name} in the trace")
+        split[key] = round(sum(durations) / calls / 1e3, 2)
+    return split
+
+
+def traced_kernel_us(call, kernels, calls=QUEUED_CALLS):
+    """kernel_us of `calls` calls back to back, under a trace of their own (device_time's
+    hands back the batches' spans, not their kernels)."""
+    def run():
+        for i in range(calls):
+            result = call(i)
+        jax.block_until_ready(result)
+    gpu, _, _ = traced(run, profile_options())
+    return kernel_us(gpu, calls, kernels)
+
+
+def timed(compiled, args, family, grid, blocker, check=out_finite, kernels=None):
+    """us (µs a call by wall clock, the median batch's), check(the first call's out) and, given
+    a blocker, device_us (the GPU's µs a call) and, given kernels, kernel_us of those kernels,
+    of compiled(*args[k]), k the next copy each call."""
     turn = itertools.count()  # every call the next copy, across batches and repeats
     call = lambda _=None: compiled(*args[next(turn) % len(args)])
     results, failed = time_in_turns({family: (call, jax.block_until_ready)},
@@ -292,16 +347,21 @@ def timed(compiled, args, family, grid, blocker):
                                     max_calls=4000, fitted=())
     if family in failed:
         raise failed[family]
-    first = np.asarray(results[family]["first"], np.float32)
     record = dict(us=round(statistics.median(results[family]["samples"]) * 1e6, 2),
-                  out_finite=bool(np.isfinite(first).all()))
-    if blocker is not None:
+                  **check(results[family]["first"]))
+    if blocker is None:
+        return record
+    try:
+        per_call = device_time_in_turns({family: (call, jax.block_until_ready, blocker)},
+                                        grid["device_repeats"])[family]["per_call"]
+        record["device_us"] = round(statistics.median(per_call) * 1e6, 2)
+    except Exception as e:  # the wall clock stands without it
+        record["device_time_failed"] = f"{type(e).__name__}: {str(e)[:300]}"
+    if kernels:
         try:
-            per_call = device_time_in_turns({family: (call, jax.block_until_ready, blocker)},
-                                            grid["device_repeats"])[family]["per_call"]
-            record["device_us"] = round(statistics.median(per_call) * 1e6, 2)
-        except Exception as e:  # the wall clock stands without it
-            record["device_time_failed"] = f"{type(e).__name__}: {str(e)[:300]}"
+            record.update(traced_kernel_us(call, kernels))
+        except Exception as e:  # the call's time stands without its split
+            record["kernel_split_failed"] = f"{type(e).__name__}: {str(e)[:300]}"
     return record
 
 
@@ -314,10 +374,9 @@ def run_point(family, context, b, grid, blocker, seed=0):
                   bytes_per_token=round((shape["cache"] + shape["state"]) / context, 4),
                   pages_bytes_per_token=round(shape["cache"] / context, 4),
                   window_bytes=shape["window"], state_bytes=shape["state"])
-    need, free = needed_bytes(family, context, b, copies), free_bytes()
-    if free is not None and need > free:
-        record["skipped"] = f"needs ~{need / 1e9:.1f} GB of device memory, {free / 1e9:.1f} free"
-        return record
+    skipped = too_big(needed_bytes(family, context, b, copies))
+    if skipped:
+        return dict(record, skipped=skipped)
     layer, args, arrays = inputs(family, context, b, copies, grid, seed)
     try:
         built = sum(a.nbytes for a in arrays)
@@ -330,14 +389,59 @@ def run_point(family, context, b, grid, blocker, seed=0):
     return record
 
 
+def indexer_call(family, entries, b, grid):
+    """(call(query, index keys, table, n) -> (b, 1, topk) slots, n (b,) int32, topk): V3.2's
+    indexer_decode over `entries` tokens a request (n their count), or V4's v4_indexer_select
+    over `entries` compressed entries (n = ratio * entries tokens before the new one)."""
+    if family == "v32_indexer":
+        topk = grid["v32_topk"]
+        return (lambda query, index, table, n: indexer_decode(query, index, table, n, topk=topk),
+                jnp.full((b,), entries, jnp.int32), topk)
+    topk, ratio = grid["csa_topk"], RATIO["v4_csa"]
+    select = lambda query, index, table, start: v4_indexer_select(
+        query, index, table, start, jnp.ones_like(start), ratio=ratio, topk=topk).slots
+    return select, jnp.full((b,), ratio * entries, jnp.int32), topk
+
+
+def run_indexer_point(family, entries, b, grid, blocker, seed=0):
+    """The indexer call alone over `entries` index keys a request: timed as a layer's call,
+    its device time split into its kernels (INDEXER_KERNELS); index_bytes the keys it reads."""
+    started = time.perf_counter()
+    pages, index_bytes = _pages(entries), b * entries * INDEX_PAGE_BYTES // PAGE
+    copies = min(grid["max_copies"], max(1, -(-grid["evict_bytes"] // index_bytes)))
+    call, n, topk = indexer_call(family, entries, b, grid)
+    record = dict(family=family, b=b, entries=entries, copies=copies, index_bytes=index_bytes)
+    # The keys, the float32 scores four times over (top-k's temporaries) and 1 GiB of slack.
+    skipped = too_big(copies * index_bytes + 4 * b * pages * PAGE * 4 + 2**30)
+    if skipped:
+        return dict(record, skipped=skipped)
+    index = IndexKeyCache(filled("index", copies * b * pages, grid))
+    query = _index_query(jax.random.key(seed), b, grid["index_heads"])
+    args = [(query, index, t, n) for t in _tables(np.random.default_rng(seed), b, pages, copies)]
+    # Every key is valid and none scores NaN: each row selects min(topk, entries) of them.
+    check = lambda slots: dict(selected_all=bool(
+        (np.sum(np.asarray(slots) >= 0, axis=-1) == min(topk, entries)).all()))
+    try:
+        record.update(timed(jax.jit(call), args, family, grid, blocker, check,
+                            kernels=INDEXER_KERNELS))
+    finally:
+        index.data.delete()
+    record["point_s"] = round(time.perf_counter() - started, 1)
+    return record
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--families", nargs="+", default=FAMILIES, choices=FAMILIES,
-                        help="the layers measured (default all)")
+    parser.add_argument("--families", nargs="+", default=FAMILIES + INDEXERS,
+                        choices=FAMILIES + INDEXERS,
+                        help="the layers and indexer calls measured (default all)")
     parser.add_argument("--contexts", type=int, nargs="+", default=None,
-                        help="tokens a request (default 8192 131072 1048576)")
+                        help="the layers' tokens a request (default 8192 131072 1048576)")
+    parser.add_argument("--entries", type=int, nargs="+", default=None,
+                        help="the indexers' keys a request (default 65536 131072 262144 "
+                             "1048576)")
     parser.add_argument("--batches", type=int, nargs="+", default=None,
-                        help="requests (default 1 16)")
+                        help="requests (default 1 16 for the layers, 16 64 for the indexers)")
     parser.add_argument("--deadline-s", type=float, default=None,
                         help="start no point after this many seconds; the report is still "
                              "written")
@@ -348,6 +452,8 @@ def main(argv=None):
     grid = dict(TINY if args.tiny else GPU)
     grid["contexts"] = tuple(args.contexts or grid["contexts"])
     grid["batches"] = tuple(args.batches or grid["batches"])
+    grid["indexer_entries"] = tuple(args.entries or grid["indexer_entries"])
+    grid["indexer_batches"] = tuple(args.batches or grid["indexer_batches"])
     result = dict(meta=dict(
         device=jax.devices()[0].device_kind, jax=jax.__version__, host=platform.node(),
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -359,17 +465,25 @@ def main(argv=None):
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     # The longest contexts first, while the device's memory is all free; a deadline then leaves
-    # out the shortest, of every family alike (growth's slope is the longest two's).
+    # out the shortest, of every family alike (growth's slope is the longest two's). The
+    # indexers' points after the layers', the most entries first likewise.
+    layers = [f for f in args.families if f in FAMILIES]
+    indexers = [f for f in args.families if f in INDEXERS]
     points = [(context_report.label(family, b, context),
                functools.partial(run_point, family, context, b, grid, blocker))
               for context, b, family in itertools.product(
-                  sorted(grid["contexts"], reverse=True), grid["batches"], args.families)]
+                  sorted(grid["contexts"], reverse=True), grid["batches"], layers)]
+    points += [(context_report.indexer_label(family, b, entries),
+                functools.partial(run_indexer_point, family, entries, b, grid, blocker))
+               for entries, b, family in itertools.product(
+                   sorted(grid["indexer_entries"], reverse=True), grid["indexer_batches"],
+                   indexers)]
     run_points(points, result, result["points"], deadline_s=args.deadline_s,
                line=context_report.point_line,
                save=lambda: args.out and context_report.write_report(result, args.out, png=False))
     if args.out:
         context_report.write_report(result, args.out)
-    print("\n".join(context_report.growth_lines(result)))
+    print("\n".join(context_report.growth_lines(result) + context_report.bar_lines(result)))
     return result
 
 

@@ -1,6 +1,7 @@
 """bench_context.py's results as JSON, a markdown report and a plot: per family and b the layer's
 decode time and its cache bytes per token against the context, and how each grows between the
-two longest contexts measured (the slope of log time, or log bytes, over log context)."""
+two longest contexts measured (the slope of log time, or log bytes, over log context); and the
+indexer calls' device time against their HBM floor, with the bar they are held to."""
 import math
 
 from results_io import save_png, write_json
@@ -14,14 +15,36 @@ READS = dict(
     v4_hca="reads all n / 128 entries and the 128-token window",
     v4_csa="scores n / 4 entries' index keys, then reads its top {csa_topk} and the window",
     v4_sliding="reads the 128-token window alone, whatever n")
+# The indexer points: the call each times.
+INDEXER_CALLS = dict(v32_indexer="indexer_decode (V3.2)", v4_indexer="v4_indexer_select (V4)")
+# Peak HBM bandwidth in bytes/s by the device's name (jax's device_kind): an indexer point's
+# floor is its index keys' bytes over it.
+HBM_BYTES_PER_S = {"NVIDIA H100 80GB HBM3": 3.35e12, "NVIDIA H200": 4.8e12}
+# The product's bar: an indexer call at >= BAR_ENTRIES keys a request and b >= BAR_BATCH takes
+# at most BAR times its floor in device time.
+BAR, BAR_ENTRIES, BAR_BATCH = 1.6, 65536, 16
 
 
 def label(family, b, context):
     return f"{family}/b{b}/ctx{context}"
 
 
+def indexer_label(family, b, entries):
+    return f"{family}/b{b}/entries{entries}"
+
+
 def _label(r):
+    if r["family"] in INDEXER_CALLS:
+        return indexer_label(r["family"], r["b"], r["entries"])
     return label(r["family"], r["b"], r["context"])
+
+
+def _layers(points):
+    return [r for r in points if r["family"] in READS]
+
+
+def _indexers(points):
+    return [r for r in points if r["family"] in INDEXER_CALLS]
 
 
 def _time(record):
@@ -46,12 +69,12 @@ def growth(result):
     """Per family and b (and per family for the bytes, which b does not change), between the
     two longest contexts measured: dict(family, b (None for bytes), what, contexts, values,
     slope, trend)."""
-    rows = []
-    families = list(dict.fromkeys(r["family"] for r in result["points"]))
-    batches = sorted({r["b"] for r in result["points"]})
+    rows, points = [], _layers(result["points"])
+    families = list(dict.fromkeys(r["family"] for r in points))
+    batches = sorted({r["b"] for r in points})
     for family in families:
         for b in batches + [None]:
-            here = sorted((r for r in result["points"] if r["family"] == family
+            here = sorted((r for r in points if r["family"] == family
                            and (b is None or r["b"] == b) and "us" in r),
                           key=lambda r: r["context"])
             if b is None:  # the bytes: one point a context
@@ -82,7 +105,7 @@ def _bytes_why(r):
 
 def growth_lines(result):
     meta, lines = result["meta"], []
-    last = {r["family"]: r for r in sorted(result["points"], key=lambda r: r["context"])}
+    last = {r["family"]: r for r in sorted(_layers(result["points"]), key=lambda r: r["context"])}
     for g in growth(result):
         (c0, c1), (v0, v1) = g["contexts"], g["values"]
         if g["b"] is None:
@@ -95,9 +118,56 @@ def growth_lines(result):
     return lines
 
 
+def floors(result):
+    """label -> dict(family, b, entries, floor_us, ratio, bar) of each indexer point measured:
+    floor_us its index keys' bytes over the device's peak bandwidth (None on a device
+    HBM_BYTES_PER_S does not name), ratio its device time over that (None without either), bar
+    whether ratio <= BAR where the point is held to the bar (None where not, or no ratio)."""
+    bandwidth = HBM_BYTES_PER_S.get(result["meta"]["device"])
+    rows = {}
+    for r in _indexers(result["points"]):
+        if "us" not in r:
+            continue
+        floor = r["index_bytes"] / bandwidth * 1e6 if bandwidth else None
+        ratio = r["device_us"] / floor if floor and "device_us" in r else None
+        held = r["entries"] >= BAR_ENTRIES and r["b"] >= BAR_BATCH and ratio is not None
+        rows[_label(r)] = dict(family=r["family"], b=r["b"], entries=r["entries"],
+                               floor_us=floor, ratio=ratio, bar=ratio <= BAR if held else None)
+    return rows
+
+
+def bar_lines(result):
+    """The summary's bar lines: per indexer call, whether its points held to the bar meet it."""
+    device, floor = result["meta"]["device"], floors(result)
+    if not floor:
+        return []
+    if device not in HBM_BYTES_PER_S:
+        return [f"- No HBM floor: {device} is not in context_report.HBM_BYTES_PER_S (peak "
+                f"bandwidth by device name), so no ratio to it and no bar judged."]
+    lines = []
+    for family, call in INDEXER_CALLS.items():
+        judged = sorted((row for row in floor.values()
+                         if row["family"] == family and row["bar"] is not None),
+                        key=lambda row: row["ratio"])
+        if not judged:
+            continue
+        met = sum(row["bar"] for row in judged)
+        best, worst = judged[0], judged[-1]
+        lines.append(f"- {call}: bar {BAR}× its floor (device time, >= {BAR_ENTRIES} keys a "
+                     f"request, b >= {BAR_BATCH}) {'met' if met == len(judged) else 'NOT met'}: "
+                     f"within it at {met} of {len(judged)} points, ×{best['ratio']:.2f} (b="
+                     f"{best['b']}, {best['entries']} keys) to ×{worst['ratio']:.2f} (b="
+                     f"{worst['b']}, {worst['entries']} keys).")
+    return lines
+
+
 def point_line(r):
     if "skipped" in r:
         return f"{_label(r)}: skipped: {r['skipped']}"
+    if r["family"] in INDEXER_CALLS:
+        return (f"{_label(r)}: {r['us']:.1f} µs/call (device {_fmt(r.get('device_us'))}; "
+                f"scoring {_fmt(r.get('scoring_us'))}, top-k {_fmt(r.get('topk_us'))}), "
+                f"{r['copies']} copies, {r['point_s']} s")
     return (f"{_label(r)}: {r['us']:.1f} µs/call (device {_fmt(r.get('device_us'))}), "
             f"{r['bytes_per_token']:.1f} B/token (arrays {r['measured_bytes_per_token']:.1f}), "
             f"{r['copies']} copies, {r['point_s']} s")
@@ -117,33 +187,76 @@ def table(points):
     return rows
 
 
-def markdown(result):
-    meta = result["meta"]
-    lines = [f"# Per-layer decode against the context ({meta['device']}, jax {meta['jax']})", "",
-             "From benchmarks/bench_context.py (its docstring says what each figure is): one "
-             "layer's attention ops for one new token a request, over caches holding the "
-             f"context; decodes {meta['implementation']}, indexers "
-             f"{meta['indexer_implementation']}; {meta['date']}.", "",
-             "## How each grows", "", *growth_lines(result)]
+def indexer_table(result):
+    rows = ["| call | b | entries | µs (wall) | µs (device) | scoring µs | top-k µs | rest µs | "
+            f"floor µs | × floor | bar {BAR} | selected all |", "| --- " * 12 + "|"]
+    floor = floors(result)
+    measured = sorted((r for r in _indexers(result["points"]) if "us" in r),
+                      key=lambda r: (r["family"], r["b"], r["entries"]))
+    for r in measured:
+        f = floor[_label(r)]
+        parts = [r.get(k) for k in ("device_us", "scoring_us", "topk_us")]
+        rest = parts[0] - parts[1] - parts[2] if None not in parts else None
+        rows.append(f"| {r['family']} | {r['b']} | {r['entries']} | {_fmt(r['us'])} | "
+                    f"{' | '.join(_fmt(p) for p in parts)} | {_fmt(rest)} | "
+                    f"{_fmt(f['floor_us'])} | {_fmt(f['ratio'], '.2f')} | {_yes(f['bar'])} | "
+                    f"{_yes(r.get('selected_all'))} |")
+    return rows
+
+
+def gaps(result):
+    """Lines on what a run left out: points skipped or failed, times not measured, not run."""
+    lines = []
     for r in result["points"]:
         if "skipped" in r:
             lines.append(f"- Skipped {_label(r)}: {r['skipped']}.")
         elif "device_time_failed" in r:
             lines.append(f"- {_label(r)}: no device time ({r['device_time_failed']}).")
+        elif "kernel_split_failed" in r:
+            lines.append(f"- {_label(r)}: no kernel split ({r['kernel_split_failed']}).")
     lines += [f"- Failed at {name}: {why}" for name, why in result["failed"].items()]
     if result["not_run"]:
         lines.append(f"- Not run (deadline): {', '.join(result['not_run'])}.")
-    families = list(dict.fromkeys(r["family"] for r in result["points"]))
-    points = sorted(result["points"],
-                    key=lambda r: (families.index(r["family"]), r["b"], r["context"]))
-    return "\n".join(lines + ["", "## The points", "", *table(points), ""])
+    return lines
+
+
+def markdown(result):
+    meta = result["meta"]
+    layers, indexers = _layers(result["points"]), _indexers(result["points"])
+    title = ("Per-layer decode against the context" if layers
+             else "The indexer calls against their HBM floor")
+    what = ("one layer's attention ops for one new token a request, over caches holding the "
+            "context; " if layers else "")
+    lines = [f"# {title} ({meta['device']}, jax {meta['jax']})", "",
+             "From benchmarks/bench_context.py (its docstring says what each figure is): "
+             f"{what}decodes {meta['implementation']}, indexers "
+             f"{meta['indexer_implementation']}; {meta['date']}."]
+    if layers:
+        lines += ["", "## How each grows", "", *growth_lines(result)]
+    if indexers:
+        calls = "; ".join(f"{family} {call}" for family, call in INDEXER_CALLS.items())
+        lines += ["", "## The indexer against its HBM floor", "",
+                  f"The call alone ({calls}), {meta['index_heads']} index heads, top "
+                  f"{meta['v32_topk']} (V3.2) and {meta['csa_topk']} (V4), one new token a "
+                  "request. The floor: the index keys' bytes (132 an entry) over the device's "
+                  "peak HBM bandwidth. Scoring and top-k: the custom call's two kernels; the "
+                  "rest: XLA's own kernels and the gaps between them.", "", *bar_lines(result)]
+    if gaps(result):
+        lines += ["", "## Left out", "", *gaps(result)]
+    if layers:
+        families = list(dict.fromkeys(r["family"] for r in layers))
+        layers.sort(key=lambda r: (families.index(r["family"]), r["b"], r["context"]))
+        lines += ["", "## The points", "", *table(layers)]
+    if indexers:
+        lines += ["", "## The indexer points", "", *indexer_table(result)]
+    return "\n".join(lines + [""])
 
 
 def plot(result, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    points = [r for r in result["points"] if "us" in r]
+    points = [r for r in _layers(result["points"]) if "us" in r]
     families = list(dict.fromkeys(r["family"] for r in points))
     batches = sorted({r["b"] for r in points})
     fig, (left, right) = plt.subplots(1, 2, figsize=(8.5, 3.4))
@@ -153,7 +266,7 @@ def plot(result, path):
             here = sorted((r["context"], _time(r)) for r in points
                           if r["family"] == family and r["b"] == b)
             if here:
-                    left.plot(*zip(*here), style, marker="o", color=colour,
+                left.plot(*zip(*here), style, marker="o", color=colour,
                           label=f"{family} b={b}")
         here = sorted({r["context"]: r["bytes_per_token"] for r in points
                        if r["family"] == family}.items())
@@ -172,9 +285,10 @@ def plot(result, path):
 
 
 def write_report(result, out, png=True):
-    """OUT.json (with the growth figures), OUT.md and (with png) OUT.png."""
+    """OUT.json (with the growth figures), OUT.md (with the indexers' floors) and (with png
+    and a layer measured) OUT.png."""
     write_json(dict(result, growth=growth(result)), out + ".json")
     with open(out + ".md", "w") as f:
         f.write(markdown(result))
-    if png and any("us" in r for r in result["points"]):
+    if png and any("us" in r for r in _layers(result["points"])):
         plot(result, out + ".png")
