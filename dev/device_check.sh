@@ -37,7 +37,8 @@
 #     v4-bench  bench_v4.py (DeepSeek-V4's step, decode by heads, prefill); V4_ARGS, V4_NAME
 #              (v4_h200), V4_DEADLINE_S (default 300)
 #     context-bench  bench_context.py (one layer's decode time and cache bytes per token at 8k,
-#              128k and 1M tokens: dense, V3.2, V4's three layer types); CONTEXT_ARGS,
+#              128k and 1M tokens: dense, V3.2, V4's three layer types; the indexer calls
+#              against their HBM floor: CONTEXT_ARGS="--families v32_indexer v4_indexer"); CONTEXT_ARGS,
 #              CONTEXT_NAME (context_h200), CONTEXT_DEADLINE_S (default 300)
 #     soak     benchmarks/soak_serving.py at its GPU sizes; SOAK_ARGS (default --steps 10000),
 #              SOAK_NAME (soak_h200)
