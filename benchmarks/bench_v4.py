@@ -22,9 +22,22 @@ every other round); reported: µs per layer (the median step / 43), with all ste
 before one sync (queued: the GPU's time), the ratio to the faster torch graph (bar 1.05 at
 b >= 16, 1.15 at b = 1), and whether the last out and the windows' bytes equal torch's.
 
-The decodes alone: the same step with no layer writing its window, on both sides (torch's
-writes are torch ops, a dozen kernels a layer where XLA fuses the quantization into two
-scatters; without them the step compares the decode calls alone).
+The step with the indexer ("indexer" rows): the same step but each CSA layer picks its 512
+entries as V4's indexer does (V4-Flash's 64 index heads of 128 dims, index_topk 512): a query
+of its own (random e4m3 values and float32 weights, made once) scored against the layer's
+index-key cache (an IndexKeyCache holding random keys of its context / 4 entries at the main
+cache's slots: one block table names both), its top 512 the decode's main-cache indices. jax:
+v4_indexer_select (jax_flashmla's CUDA scoring and top-k), its selection's slots into the
+decode. torch: the same kernels called from torch (torch_indexer.py: neither DeepGEMM's
+fp8_paged_mqa_logits nor SGLang's top-k runs here), the positions turned into slots by torch
+ops (each entry's slot through the table made once a step, a gather a layer), then
+sparse_decode_fwd, all in the graph. Reported beside the out: whether the last CSA layer's
+selection equals torch's. This is the step the product's bars are for; the plain step
+("step" rows) reads 512 entries picked at random.
+
+The decodes alone ("decode" rows): the plain step with no layer writing its window, on both
+sides (torch's writes are torch ops, a dozen kernels a layer where XLA fuses the quantization
+into two scatters; without them the step compares the decode calls alone).
 
 Per call, heads: the decode of a CSA layer (512 entries and a 128-token window) at b in {16,
 128} for h_q 16, 32, 64 and 128; 16 and 32 run padded to 64 heads (their cost against 64 is the
@@ -37,6 +50,7 @@ range and of the kernel's width, so the op's own masking is all it adds), h_q 64
 torch's speed. Per-call times are batches of calls timed in turns (benchmarks/timing.py).
 
   python benchmarks/bench_v4.py --out benchmarks/results/v4_h200
+  python benchmarks/bench_v4.py --parts indexer --out ...   # the step with the indexer alone
   python benchmarks/bench_v4.py --tiny      # CPU: the reference, small, without torch
 """
 import argparse
@@ -55,26 +69,33 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jax_flashmla import serving  # noqa: E402
+from jax_flashmla.caches.index_keys import INDEX_HEAD_DIM, IndexKeyCache, write_index_keys  # noqa
 from jax_flashmla.caches.v4 import PAGE_ROWS, ROW_BYTES, ROW_DIM, V4KVCache  # noqa: E402
 from jax_flashmla.base import validation  # noqa: E402
 from jax_flashmla.kernels import custom_calls  # noqa: E402
 from jax_flashmla.kernels import library as kernels  # noqa: E402
 from jax_flashmla.ops import decode, sparse_v4  # noqa: E402
+from jax_flashmla.ops.indexer import IndexQuery  # noqa: E402
+from jax_flashmla.ops.v4_indexer import v4_indexer_select  # noqa: E402
 from jax_flashmla.sparse import sparse_mla_decode, sparse_mla_prefill, write_sparse_kv  # noqa
 
 import v4_report  # noqa: E402
 from results_io import write_json  # noqa: E402
 from timing import paired_ratios, time_in_turns  # noqa: E402
 from torch_side import TorchSide, captured  # noqa: E402
+import torch_indexer  # noqa: E402
 
 SCALE = ROW_DIM ** -0.5
 PAGE = 64
 WINDOW = 128
-CSA_TOPK = 512
+CSA_TOPK = 512  # V4-Flash's index_topk
+INDEX_HEADS = 64  # V4-Flash's index_n_heads (of index_head_dim 128)
 HCA, CSA = "heavily_compressed_attention", "compressed_sparse_attention"
 RATIO = {HCA: 128, CSA: 4}
 ROUNDS = 4
 STEP_VARIANTS = ("jax", "torch_graph", "torch_graph_shared")
+STEP_PARTS = ("step", "indexer", "decode")  # StepInputs' kinds
+PARTS = (*STEP_PARTS, "heads", "prefill")
 BASE_PAGES = 64  # distinct pages of quantized rows; larger caches repeat them
 GPU = dict(step_b=(1, 16, 64, 128), context=32768, layers=43, h_q=64, steps=40,
            call_b=(16, 128), call_h_q=(16, 32, 64, 128), prefill_tokens=4096,
@@ -103,6 +124,23 @@ def filled_cache(pages, key):
     return V4KVCache(jax.block_until_ready(jnp.tile(data, (-(-pages // base), 1, 1))[:pages]))
 
 
+def filled_index_keys(pages, key):
+    """An IndexKeyCache of `pages` pages, every entry a distinct random key (no repeated pages:
+    equal keys would tie), quantized as write_index_keys stores them."""
+    keys = jax.random.normal(key, (pages * PAGE, INDEX_HEAD_DIM), jnp.bfloat16)
+    return jax.block_until_ready(write_index_keys(
+        IndexKeyCache.create(pages), jnp.arange(pages * PAGE, dtype=jnp.int32), keys))
+
+
+def index_query(b, key):
+    """A decode token's IndexQuery: values (b, 1, 64, 128) e4m3 (random, within e4m3's range),
+    weights (b, 1, 64) float32."""
+    values_key, weights_key = jax.random.split(key)
+    values = jnp.clip(jax.random.normal(values_key, (b, 1, INDEX_HEADS, INDEX_HEAD_DIM)) * 64,
+                      -448, 448).astype(jnp.float8_e4m3fn)
+    return IndexQuery(values, jax.random.normal(weights_key, (b, 1, INDEX_HEADS), jnp.float32))
+
+
 def slots_of(table, entries):
     """Slots of entries (b, n) of each request through its page table (b, pages)."""
     return (np.take_along_axis(table, entries // PAGE, axis=1) * PAGE + entries % PAGE).astype(
@@ -112,14 +150,23 @@ def slots_of(table, entries):
 class StepInputs:
     """A step's caches and indices: layer l's window (2 pages a request) and its main cache
     (its layer type's entries for b requests; CSA layers beyond `cache_gb` share caches), the
-    indices of both, the first q, each layer's new rows and the sink."""
+    indices of both, the first q, each layer's new rows and the sink.
 
-    def __init__(self, b, context, h_q, layers, cache_gb, writes=True, seed=0):
+    With `indexer`, a CSA layer's indices are its indexer's selection instead (indices[l]
+    None): self.indexer holds keys (per main cache, its IndexKeyCache; None for HCA caches),
+    queries (per layer, its IndexQuery; None for HCA layers), table (b, pages) int32 (the CSA
+    main caches' and index keys' block table), start (b,) int32 (context - 1, the tokens
+    before the new one) and lengths (b,) int32 (1)."""
+
+    def __init__(self, b, context, h_q, layers, cache_gb, writes=True, indexer=False, seed=0):
         self.b, self.context, self.h_q, self.layers = b, context, h_q, layers
         self.writes = writes  # False: the decodes alone, each layer's window as it is
+        self.kind = "indexer" if indexer else "step" if writes else "decode"
         self.types = layer_types(layers)
         rng = np.random.default_rng(seed)
         keys = iter(jax.random.split(jax.random.key(seed), 3 * layers + 2))
+        index_keys = iter(jax.random.split(jax.random.fold_in(jax.random.key(seed), 1),
+                                           2 * layers))
         entries = {t: context // RATIO[t] for t in RATIO}
         pages = {t: b * -(-entries[t] // PAGE) for t in RATIO}
         budget = int(cache_gb * 2**30 // (pages[CSA] * PAGE_ROWS * ROW_BYTES))
@@ -130,13 +177,22 @@ class StepInputs:
             if slot not in mains:
                 mains[slot] = filled_cache(pages[t], next(keys))
             self.main_of.append(list(mains).index(slot))
+            if t == CSA and indexer:
+                self.indices.append(None)
+                continue
             picked = (np.tile(np.arange(entries[HCA]), (b, 1)) if t == HCA else
                       np.stack([rng.choice(entries[CSA], CSA_TOPK, replace=False)
                                 for _ in range(b)]))
             self.indices.append(jnp.asarray(slots_of(tables[t], picked)[:, None]))
         self.mains = list(mains.values())
-        self.lengths = {t: jnp.full((b,), self.indices[self.types.index(t)].shape[-1], jnp.int32)
+        self.lengths = {t: jnp.full((b,), entries[HCA] if t == HCA else CSA_TOPK, jnp.int32)
                         for t in RATIO}
+        self.indexer = None if not indexer else dict(
+            keys=[filled_index_keys(pages[CSA], next(index_keys)) if slot[0] == CSA else None
+                  for slot in mains],
+            queries=[index_query(b, next(index_keys)) if t == CSA else None for t in self.types],
+            table=jnp.asarray(tables[CSA]), start=jnp.full((b,), context - 1, jnp.int32),
+            lengths=jnp.ones((b,), jnp.int32))
         ring = rng.permutation(2 * b).astype(np.int32).reshape(b, 2)
         positions = np.arange(context - WINDOW, context)
         self.window_indices = jnp.asarray(slots_of(ring, np.tile(positions % WINDOW, (b, 1)))
@@ -149,29 +205,39 @@ class StepInputs:
         self.q0 = jax.random.normal(next(keys), (b, 1, h_q, ROW_DIM), jnp.bfloat16)
         self.sink = jax.random.normal(next(keys), (h_q,), jnp.float32)
         self.main_gb = sum(m.data.nbytes for m in self.mains) / 2**30
+        self.index_keys_gb = 0 if not indexer else sum(
+            k.data.nbytes for k in self.indexer["keys"] if k is not None) / 2**30
         jax.block_until_ready(self.arguments())  # torch reads them on a stream of its own
 
     def arguments(self):
         return (self.windows, self.mains, self.q0, self.rows, self.indices, self.lengths,
-                self.window_indices, self.window_length, self.write_slots, self.sink)
+                self.window_indices, self.window_length, self.write_slots, self.sink,
+                self.indexer)
 
 
 def jax_step(inp):
-    """The jitted step (windows donated) returning (windows, last out)."""
+    """The jitted step (windows donated) returning (windows, (last out, the last CSA layer's
+    selected slots (b, 1, 512), None without the indexer))."""
     def step(windows, mains, q, rows, indices, lengths, window_indices, window_length, slots,
-             sink):
-        windows = list(windows)
+             sink, indexer):
+        windows, selected = list(windows), None
         for layer, t in enumerate(inp.types):
             if inp.writes:
                 windows[layer] = write_sparse_kv(windows[layer], slots, rows[layer])
+            if indices[layer] is None:
+                selected = v4_indexer_select(
+                    indexer["queries"][layer], indexer["keys"][inp.main_of[layer]],
+                    indexer["table"], indexer["start"], indexer["lengths"], ratio=RATIO[CSA],
+                    topk=CSA_TOPK, implementation=implementation()).slots
             q, _ = sparse_mla_decode(
-                q, mains[inp.main_of[layer]], indices[layer], topk_length=lengths[t],
+                q, mains[inp.main_of[layer]],
+                selected if indices[layer] is None else indices[layer], topk_length=lengths[t],
                 attn_sink=sink, extra_kv_cache=windows[layer], extra_indices=window_indices,
                 extra_topk_length=window_length, softmax_scale=SCALE,
                 implementation=implementation())
-        return windows, q
+        return windows, (q, selected)
     queue = bench_step.result_queue(inp)
-    pushing = bench_step.pushing_step(step, queue, lambda out: out)
+    pushing = bench_step.pushing_step(step, queue, lambda out: out[0])
     compiled = jax.jit(pushing, donate_argnums=0).lower(*inp.arguments()).compile()
     return serving.AlternatingStep(compiled), queue
 
@@ -216,13 +282,15 @@ class TorchV4:
             pages, PAGE * ROW_BYTES // 8 + offsets] = scale
 
     def steps(self, inp, windows, schedules, variants):
-        """({name: (launch, sync)}, {name: its last out}, {name: why not made}): the step over
-        `windows` (torch's copies of the step's) captured in CUDA graphs, "torch_graph" with
-        the op's own schedule per layer, "torch_graph_shared" with `schedules` ({layer type:
-        (tile_md, num_splits)}, made before); those of them in `variants`."""
+        """({name: (launch, sync)}, {name: (its last out, the last CSA layer's selected slots
+        (b, 512) or None)}, {name: why not made}): the step over `windows` (torch's copies of
+        the step's) captured in CUDA graphs, "torch_graph" with the op's own schedule per
+        layer, "torch_graph_shared" with `schedules` ({layer type: (tile_md, num_splits)}, made
+        before); those of them in `variants`."""
         torch, view = self.torch, self.side.view
         mains = [self.kv(view(m.data)) for m in inp.mains]
-        rows, indices = [view(r) for r in inp.rows], [view(i) for i in inp.indices]
+        rows = [view(r) for r in inp.rows]
+        indices = [None if i is None else view(i) for i in inp.indices]
         lengths = {t: view(v) for t, v in inp.lengths.items()}
         window_indices, window_length = view(inp.window_indices), view(inp.window_length)
         slots, sink, q0 = view(inp.write_slots).long(), view(inp.sink), view(inp.q0)
@@ -230,21 +298,28 @@ class TorchV4:
         # The JAX arrays behind the views, alive as long as the graphs that read them: with the
         # schedules left to the garbage collector, the graphs met an illegal address once the
         # jax step ran beside them.
-        self.held = schedules
+        indexers = None if inp.indexer is None else torch_indexer.StepIndexers(
+            view, inp.indexer["queries"], inp.indexer["keys"], inp.indexer["table"],
+            inp.indexer["start"], RATIO[CSA], CSA_TOPK)
+        self.held = (schedules, indexers)
 
         def step(schedule):
-            q = q0
+            q, selected = q0, None
+            made = None if indexers is None else indexers.per_step()
             for layer, t in enumerate(inp.types):
                 if inp.writes:
                     self.write(windows[layer], slots, rows[layer])
+                if indices[layer] is None:
+                    selected = indexers.select(layer, inp.main_of[layer], made)
                 md = schedule.get(t, (None, None))
                 q = self.decode(*kernels.arguments_by_name(self.decode, dict(
-                    q=q, kv=mains[inp.main_of[layer]], indices=indices[layer],
+                    q=q, kv=mains[inp.main_of[layer]],
+                    indices=selected[:, None] if indices[layer] is None else indices[layer],
                     topk_length=lengths[t], attn_sink=sink, tile_scheduler_metadata=md[0],
                     num_splits=md[1], extra_kv=self.kv(windows[layer]),
                     extra_indices=window_indices, extra_topk_length=window_length, d_v=ROW_DIM,
                     sm_scale=SCALE)))[0]
-            return q
+            return q, selected
 
         launches, outs, skipped = {}, {}, {}
         sync = lambda: torch.cuda.synchronize()
@@ -271,8 +346,9 @@ def step_schedules(inp):
 
 
 def run_step_point(inp, steps, torch_v4, variants=STEP_VARIANTS):
-    record = dict(label=f"{'step' if inp.writes else 'decode'}/b{inp.b}", b=inp.b, context=inp.context, h_q=inp.h_q,
-                  layers=inp.layers, main_cache_gb=round(inp.main_gb, 2), skipped={})
+    record = dict(label=f"{inp.kind}/b{inp.b}", b=inp.b, context=inp.context, h_q=inp.h_q,
+                  layers=inp.layers, main_cache_gb=round(inp.main_gb, 2),
+                  index_keys_gb=round(inp.index_keys_gb, 2), skipped={})
     start = time.perf_counter()
     step, queue = jax_step(inp)
     record["compile_s"] = round(time.perf_counter() - start, 1)
@@ -308,19 +384,24 @@ def run_step_point(inp, steps, torch_v4, variants=STEP_VARIANTS):
         record[f"{name}_queued_us"] = round(
             bench_step.queued_steps_us(*launches[name], steps) / inp.layers, 2)
     if "jax" in runs:  # (reading it also surfaces any fault of the step's kernels)
-        record["jax_out_finite"] = bool(np.isfinite(np.asarray(outs["jax"], np.float32)).all())
+        jax_out, jax_selected = outs["jax"]
+        record["jax_out_finite"] = bool(np.isfinite(np.asarray(jax_out, np.float32)).all())
     if torch_v4 is not None and "jax" in runs and len(runs) > 1:
         best = min((n for n in runs if n != "jax"), key=lambda n: record[f"{n}_us"])
         record["torch_best"] = best
         record["ratio"] = round(record["jax_us"] / record[f"{best}_us"], 4)
         record["queued_ratio"] = round(record["jax_queued_us"] / record[f"{best}_queued_us"], 4)
         record["bar"] = 1.15 if inp.b == 1 else 1.05
-        jax_out = np.asarray(outs["jax"], np.float32)
+        jax_out = np.asarray(jax_out, np.float32)
         for name in runs:
             if name != "jax":
-                theirs = outs[name].float().cpu().numpy()
+                theirs, selected = outs[name]
+                theirs = theirs.float().cpu().numpy()
                 record[f"{name}_out_identical"] = bool(np.array_equal(jax_out, theirs))
                 record[f"{name}_out_max_diff"] = float(np.max(np.abs(jax_out - theirs)))
+                if selected is not None:  # the last CSA layer's: (b, 1, 512) against (b, 512)
+                    record[f"{name}_selection_identical"] = bool(np.array_equal(
+                        np.asarray(jax_selected)[:, 0], selected.cpu().numpy()))
         record["windows_identical"] = all(
             np.array_equal(np.asarray(mine.data), theirs.cpu().numpy())
             for mine, theirs in zip(state["windows"], torch_windows))
@@ -394,8 +475,9 @@ def timed(variants, grid):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", nargs="+", default=["step", "decode", "heads", "prefill"],
-                        choices=("step", "decode", "heads", "prefill"))
+    parser.add_argument("--parts", nargs="+", default=PARTS, choices=PARTS,
+                        help="what to run (default all): the plain step, the step with the "
+                             "indexer, the decodes alone, the decode by heads, the prefill")
     parser.add_argument("--variants", nargs="+", default=STEP_VARIANTS, choices=STEP_VARIANTS,
                         help="the step's variants (default all)")
     parser.add_argument("--b", type=int, nargs="+", default=None, help="the step's batches")
@@ -414,14 +496,18 @@ def main(argv=None):
     if args.steps:
         grid["steps"] = args.steps
     torch_v4 = None if args.tiny else TorchV4()
+    if torch_v4 is not None and "indexer" in args.parts:  # built and loaded before any point
+        torch_v4.info["indexer_library"] = torch_indexer.build()
+        torch_indexer.library()
     result = dict(meta=dict(
         device=jax.devices()[0].device_kind, jax=jax.__version__, host=platform.node(),
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         implementation=implementation(), layers=grid["layers"], context=grid["context"],
         h_q=grid["h_q"], steps=grid["steps"], rounds=ROUNDS, cache_gb=args.cache_gb,
+        index_heads=INDEX_HEADS, index_topk=CSA_TOPK,
         layer_types={t: layer_types(grid["layers"]).count(t) for t in RATIO},
         torch=None if torch_v4 is None else torch_v4.info),
-        step=[], decode=[], heads=[], prefill=[], not_run=[])
+        step=[], indexer=[], decode=[], heads=[], prefill=[], not_run=[])
     start = time.perf_counter()
     late = lambda: args.deadline_s is not None and time.perf_counter() - start > args.deadline_s
 
@@ -431,13 +517,13 @@ def main(argv=None):
             write_json(result, args.out + ".json")
             v4_report.write_report(result, args.out)
 
-    for part in ("step", "decode"):
+    for part in STEP_PARTS:
         for b in grid["step_b"] if part in args.parts else ():
             if late():
                 result["not_run"].append(f"{part}/b{b}")
                 continue
             inp = StepInputs(b, grid["context"], grid["h_q"], grid["layers"], args.cache_gb,
-                             writes=part == "step")
+                             writes=part != "decode", indexer=part == "indexer")
             result[part].append(run_step_point(inp, grid["steps"], torch_v4, args.variants))
             print(result[part][-1], flush=True)
             del inp
