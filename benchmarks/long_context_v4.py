@@ -1,7 +1,7 @@
 """One conversation of a million tokens through a stack of DeepSeek-V4-Flash-shaped attention
 layers on one GPU: its prompt prefilled in chunks, then decoded token by token.
 
-The layers are jax_flashmla.flax.v4_mla.V4Attention at V4-Flash's attention shape (HF
+The layers are jax_flashmla.flax.V4Attention at V4-Flash's attention shape (HF
 DeepseekV4Config's defaults: hidden 4096, 64 heads of 512, q_lora_rank 1024, 8 output groups
 of rank 1024, a 128-token window, CSA ratio 4 with an indexer of 64 heads of 128 keeping 512
 entries, HCA ratio 128, the compress rope's YaRN of factor 16 over 65536 positions), random
@@ -34,8 +34,9 @@ import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 
-from jax_flashmla.flax.v4_config import CSA, HCA, SLIDING, V4Config
-from jax_flashmla.flax.v4_mla import V4Attention
+from jax_flashmla.flax import V4Attention, V4Config
+
+CSA, HCA, SLIDING = V4Config.CSA, V4Config.HCA, V4Config.SLIDING
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from results_io import write_json  # noqa: E402

@@ -47,7 +47,7 @@ selects among those before it, through FlashMLA's sparse decode (the pure-JAX re
 the GPU), one schedule per decode step.
 
 With --attention v4 the layers are DeepSeek-V4's (examples/v4_model.py: sliding window, HCA
-and CSA layers in turn, jax_flashmla.flax.v4_mla.V4Attention): each request holds a window
+and CSA layers in turn, jax_flashmla.flax.V4Attention): each request holds a window
 ring and the pages of its compressed entries (a CSA layer's index keys at the same pages),
 from the one allocator as it joins and as its tokens complete entries; a chunk runs on its
 request's row alone through the layers' extend (FlashMLA's sparse prefill), a decode step

@@ -1,13 +1,13 @@
 """DeepSeek-V4's attention served as serve_deepseek_mla.py serves MLA (--attention v4).
 
-A small seeded model of V4 attention layers (jax_flashmla.flax.v4_mla.V4Attention: sliding
+A small seeded model of V4 attention layers (jax_flashmla.flax.V4Attention: sliding
 window, HCA, CSA in turn), each in a decoder layer as the example's (RMSNorm -> attention ->
 RMSNorm -> SwiGLU MLP), and V4Server, which gives serve_deepseek_mla.serve's loop its steps.
 
 Each layer keeps one V4LayerCache of the decode rows (caches/v4_layer.py): the window rings,
 the compressed entries, a CSA layer's index keys, each in its own arrays of the one page pool,
 and each row's compressors' states. Their pages come from one PageAllocator through
-jax_flashmla.serving.v4_pages.V4PageTables: a request's ring when it joins a row, its entries'
+jax_flashmla.serving.V4PageTables: a request's ring when it joins a row, its entries'
 pages as its tokens complete them, all freed when it finishes; every step writes the tables
 into the caches. A chunk of a request's new tokens (a prompt's, a later turn's) runs on its row
 alone through each layer's extend (FlashMLA's sparse prefill: it attends to the chunk, the
@@ -23,13 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_flashmla as jf
-from jax_flashmla.flax.v4_config import CSA, HCA, SLIDING, V4Config
-from jax_flashmla.flax.v4_mla import V4Attention
-from jax_flashmla.serving import PageAllocator
-from jax_flashmla.serving.v4_pages import V4PageTables, request_pages
+from jax_flashmla.flax import V4Attention, V4Config
+from jax_flashmla.serving import PageAllocator, V4PageTables
 
 # The layers' types in turn: three layers hold one of each.
-LAYER_CYCLE = (SLIDING, HCA, CSA)
+LAYER_CYCLE = (V4Config.SLIDING, V4Config.HCA, V4Config.CSA)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +64,7 @@ def model_config(num_layers, index_topk=None):
 
 def pages_for(cfg, num_tokens):
     """The pages a request of num_tokens tokens holds: its ring and its entries'."""
-    return request_pages(cfg.attention.sliding_window, cfg.ratios, num_tokens)
+    return V4PageTables.request_pages(cfg.attention.sliding_window, cfg.ratios, num_tokens)
 
 
 class V4DecoderLayer(nnx.Module):

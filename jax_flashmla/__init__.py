@@ -1,10 +1,11 @@
 """FlashMLA's MLA decode for JAX: jit-native XLA FFI custom calls with a pure-JAX reference,
 prefill and extend over the paged cache (mla_prefill), and the paged KV cache around them.
 
-Namespaces: serving (pages, block tables, chunked prefill, decode loops, speculative decoding,
-and the XLA step helpers AlternatingStep and HostQueue), context_parallel (the KV cache split
-over devices), sparse (DeepSeek-V3.2's sparse attention and its FP8 cache), flax (the DeepSeek
-attention layers; needs flax, imported on first use)."""
+Namespaces: serving (pages, block tables, DeepSeek-V4's page tables, chunked prefill, decode
+steps and loops, speculative decoding's too, and the XLA step helpers AlternatingStep and
+HostQueue), context_parallel (the KV cache split over devices), sparse (DeepSeek-V3.2's and
+V4's sparse attention and their FP8 caches), flax (the DeepSeek-V3, V3.2 and V4 attention
+layers; needs flax, imported on first use)."""
 import importlib
 
 from jax_flashmla import serving, sparse

@@ -1,4 +1,4 @@
-"""DeepSeek-V4's attention layer (jax_flashmla.flax.v4_mla.V4Attention) against HF
+"""DeepSeek-V4's attention layer (jax_flashmla.flax.V4Attention) against HF
 transformers' DeepseekV4Attention on CPU, per layer type (sliding, HCA, CSA): a batch of prompts
 of different lengths (HF one request at a time, with its own cache), whole or in chunks, then
 decode steps that wrap the window ring and complete compressed entries; the window and the
@@ -40,9 +40,8 @@ from v4_ties import assert_selections_up_to_ties
 from jax_flashmla.caches.compressor_state import CompressorState
 from jax_flashmla.caches.index_keys import read_index_keys
 from jax_flashmla.caches.v4 import V4KVCache, gather_rows
-from jax_flashmla.flax.v4_config import V4Config
-from jax_flashmla.flax.v4_mla import V4Attention
-from jax_flashmla.flax.v4_weights import load_v4_attention_weights
+from jax_flashmla.flax import V4Attention, V4Config, load_attention_weights
+from jax_flashmla.flax.v4_weights import v4_parameter, v4_parameter_names
 from jax_flashmla.ops.indexer import HADAMARD, IndexQuery, index_scores
 from jax_flashmla.ops.v4_indexer import v4_index_query, visible_entries
 
@@ -68,7 +67,7 @@ def _tokens(seed, n):
 def _layer(hf, index):
     """Our layer of HF's layer `index`, its weights loaded from HF's state dict."""
     layer = V4Attention(V4Config.from_hf(hf.cfg), LAYER_TYPES[index], rngs=nnx.Rngs(0))
-    return load_v4_attention_weights(layer, hf.state_dict(index), prefix="self_attn.")
+    return load_attention_weights(layer, hf.state_dict(index), prefix="self_attn.")
 
 
 @nnx.jit
@@ -473,23 +472,45 @@ def test_the_implementation_must_be_known(hf, form):
                              implementation="cuda")
 
 
+def test_load_attention_weights_loads_every_layer_type(hf, tmp_path):
+    """load_attention_weights fills a V4Attention of each type with exactly HF's tensors, each
+    in its parameter (a Linear's transposed), from a state dict or a safetensors file alike."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    for index in (SLIDING, HCA, CSA):
+        weights = hf.state_dict(index)
+        assert sorted("self_attn." + n for n in v4_parameter_names(_layer(hf, index))) == sorted(
+            weights)
+        path = tmp_path / f"layer{index}.safetensors"
+        safetensors_torch.save_file({k: v.contiguous() for k, v in weights.items()}, str(path))
+        from_dict = _layer(hf, index)
+        from_file = load_attention_weights(
+            V4Attention(V4Config.from_hf(hf.cfg), LAYER_TYPES[index], rngs=nnx.Rngs(1)), path,
+            prefix="self_attn.")
+        for name in v4_parameter_names(from_dict):
+            param, transposed = v4_parameter(from_dict, name)
+            want = weights["self_attn." + name].detach().float().numpy()
+            np.testing.assert_array_equal(np.asarray(param[...], np.float32),
+                                          want.T if transposed else want)
+            np.testing.assert_array_equal(v4_parameter(from_file, name)[0][...], param[...])
+
+
 def test_weights_must_fit(hf):
     layer = V4Attention(V4Config.from_hf(hf.cfg), LAYER_TYPES[HCA], rngs=nnx.Rngs(0))
     weights = hf.state_dict(HCA)
     with pytest.raises(KeyError, match="compressor.position_bias"):
-        load_v4_attention_weights(layer, {k: v for k, v in weights.items()
-                                          if "position_bias" not in k}, prefix="self_attn.")
+        load_attention_weights(layer, {k: v for k, v in weights.items()
+                                       if "position_bias" not in k}, prefix="self_attn.")
     with pytest.raises(ValueError, match="sinks"):
-        load_v4_attention_weights(layer, {**weights, "self_attn.sinks": np.zeros(3)},
-                                  prefix="self_attn.")
+        load_attention_weights(layer, {**weights, "self_attn.sinks": np.zeros(3)},
+                               prefix="self_attn.")
     # A CSA layer reads its indexer's six tensors too, the scorer's among them.
     layer = V4Attention(V4Config.from_hf(hf.cfg), LAYER_TYPES[CSA], rngs=nnx.Rngs(0))
     weights = hf.state_dict(CSA)
     assert sum(".indexer." in name for name in weights) == 6
     with pytest.raises(KeyError, match="compressor.indexer.scorer.weights_proj.weight"):
-        load_v4_attention_weights(layer, {k: v for k, v in weights.items()
-                                          if "scorer" not in k}, prefix="self_attn.")
+        load_attention_weights(layer, {k: v for k, v in weights.items()
+                                       if "scorer" not in k}, prefix="self_attn.")
     with pytest.raises(ValueError, match="compressor.indexer.q_b_proj.weight"):
-        load_v4_attention_weights(
+        load_attention_weights(
             layer, {**weights, "self_attn.compressor.indexer.q_b_proj.weight": np.zeros((3, 16))},
             prefix="self_attn.")

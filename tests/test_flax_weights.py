@@ -97,8 +97,9 @@ def test_missing_and_misshapen_tensors():
 
 def test_neither_a_layer_nor_weights_is_refused():
     cfg = config()
-    with pytest.raises(TypeError, match="layer must be a MultiHeadLatentAttention or a "
-                                        "SparseMultiHeadLatentAttention; got Linear"):
+    with pytest.raises(TypeError, match="layer must be a MultiHeadLatentAttention, a "
+                                        "SparseMultiHeadLatentAttention or a V4Attention; "
+                                        "got Linear"):
         load_attention_weights(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), hf_state_dict(cfg))
     with pytest.raises(TypeError, match="weights must be a mapping from HF names to tensors or "
                                         "the path of a safetensors checkpoint; got list"):

@@ -1,4 +1,4 @@
-"""DeepSeek-V4's attention layer (jax_flashmla.flax.v4_mla.V4Attention) with FlashMLA's kernels
+"""DeepSeek-V4's attention layer (jax_flashmla.flax.V4Attention) with FlashMLA's kernels
 beneath it on a Hopper GPU: prefill, extends and decode steps with implementation="custom_call"
 against implementation="reference" on the same weights and tokens, per layer type, at a small
 V4-like configuration of 64 heads (the kernels' own count) in bf16, a batch of three requests
@@ -21,10 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_flashmla.flax.v4_config import CSA, HCA, SLIDING, V4Config
-from jax_flashmla.flax.v4_mla import V4Attention
+from jax_flashmla.flax import V4Attention, V4Config
 from jax_flashmla.kernels import custom_calls
 from jax_flashmla.kernels import library as kernels
+
+CSA, HCA, SLIDING = V4Config.CSA, V4Config.HCA, V4Config.SLIDING
 
 pytestmark = pytest.mark.gpu
 CONFIG = V4Config(hidden_size=512, num_heads=64, q_lora_rank=128, o_groups=8, o_lora_rank=64,

@@ -17,8 +17,7 @@ import pytest
 pytest.importorskip("flax")
 import jax.numpy as jnp  # noqa: E402
 
-from jax_flashmla.serving import PageAllocator, plan_chunks  # noqa: E402
-from jax_flashmla.serving.v4_pages import V4PageTables  # noqa: E402
+from jax_flashmla.serving import PageAllocator, V4PageTables, plan_chunks  # noqa: E402
 
 # Four requests of 20-150 tokens, three rows, a pool that holds two at a time: rows and pages
 # are reused. Chunks of 50 tokens end mid-window for both ratios (CSA 4, HCA 16); prompts past

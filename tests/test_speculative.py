@@ -1,13 +1,14 @@
-"""Target verify and multi-step drafting against single-token steps and float64 attention."""
+"""Speculative decoding through decode_step and decode_loop: target verify (one decode_step of
+the drafts) against single-token steps and float64 attention, multi-step drafting (decode_loop
+over a toy draft model)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jax_flashmla.caches import fp8
-from jax_flashmla.serving import (decode_loop, decode_step, multi_step_draft, target_verify,
-                                  target_verify_metadata)
-from jax_flashmla.serving.speculative import verify_seq_lens
+from jax_flashmla import get_mla_metadata
+from jax_flashmla.serving import decode_loop, decode_step
 from helpers import request_attention_f64
 
 IMPLEMENTATIONS = ["custom_call", "reference"]
@@ -30,20 +31,17 @@ def _setup(seed=0, h=4, num_new=3):
     return cache, jnp.asarray(table), jnp.asarray(prefix), q, kv
 
 
-def test_verify_seq_lens():
-    np.testing.assert_array_equal(verify_seq_lens(jnp.array([3, 0, 64], jnp.int32), 2),
-                                  [5, 0, 66])
-
-
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_target_verify_equals_single_token_steps(implementation):
     cache, table, prefix, q, kv = _setup()
     d = q.shape[1]
-    metadata = target_verify_metadata(prefix, d, block_table=table, num_pages=cache.shape[0],
-                                      num_heads_q=q.shape[2], implementation=implementation)
+    lens = jnp.where(prefix > 0, prefix + d, 0)
+    metadata = get_mla_metadata(lens, block_table=table, num_pages=cache.shape[0],
+                                num_heads_q=q.shape[2], num_q_tokens=d,
+                                implementation=implementation)
     assert (metadata.tile_scheduler_metadata is None) == (implementation == "reference")
-    verify = jax.jit(lambda c, m: target_verify(c, table, prefix, q, kv, metadata=m,
-                                                implementation=implementation),
+    verify = jax.jit(lambda c, m: decode_step(c, table, lens, q, kv, metadata=m,
+                                              implementation=implementation),
                      donate_argnums=0)
     cache_v, out_v, lse_v = verify(jnp.array(cache), metadata)
     assert out_v.shape == (4, d, 4, 512) and lse_v.shape == (4, 4, d)
@@ -89,22 +87,15 @@ def _draft_fn(base_q, base_kv):
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-def test_multi_step_draft_equals_decode_loop(implementation):
+def test_a_draft_chain_through_decode_loop(implementation):
     cache, table, prefix, _, _ = _setup()
     num_steps, h = 3, 4
     base_q, base_kv, q0, kv0 = _draft_inputs(num_steps, h)
-    draft = jax.jit(lambda c: multi_step_draft(
-        c, table, prefix, q0, kv0, _draft_fn(base_q, base_kv), jnp.int32(0),
-        num_steps=num_steps, implementation=implementation))
-    loop = jax.jit(lambda c: decode_loop(
+    draft = jax.jit(lambda c: decode_loop(
         c, table, prefix, q0, kv0, _draft_fn(base_q, base_kv), jnp.int32(0),
         num_steps=num_steps, implementation=implementation))
     cache_d, out_d, lse_d, steps = draft(cache)
-    cache_l, out_l, lse_l, _ = loop(cache)
     assert int(steps) == num_steps
-    np.testing.assert_array_equal(np.asarray(out_d, np.float32), np.asarray(out_l, np.float32))
-    np.testing.assert_array_equal(np.asarray(lse_d), np.asarray(lse_l))
-    np.testing.assert_array_equal(np.asarray(cache_d, np.float32), np.asarray(cache_l, np.float32))
     np.testing.assert_array_equal(np.asarray(out_d[:, 3], np.float32), 0)  # padded request
     # Step 0 against float64: the first draft token over prefix + 1 keys.
     flat = np.asarray(cache_d, np.float64).reshape(-1, 576)
@@ -123,11 +114,12 @@ def test_fp8_target_verify_equals_single_token_steps(implementation):
     k_scale = jnp.float32(K_SCALE)
     cache = fp8.quantize(cache, k_scale)
     d = q.shape[1]
-    metadata = target_verify_metadata(prefix, d, block_table=table, num_pages=cache.shape[0],
-                                      num_heads_q=q.shape[2], fp8=True,
-                                      implementation=implementation)
-    cache_v, out_v, lse_v = jax.jit(lambda c: target_verify(
-        c, table, prefix, q, kv, metadata=metadata, implementation=implementation,
+    lens = jnp.where(prefix > 0, prefix + d, 0)
+    metadata = get_mla_metadata(lens, block_table=table, num_pages=cache.shape[0],
+                                num_heads_q=q.shape[2], num_q_tokens=d, fp8=True,
+                                implementation=implementation)
+    cache_v, out_v, lse_v = jax.jit(lambda c: decode_step(
+        c, table, lens, q, kv, metadata=metadata, implementation=implementation,
         k_scale=k_scale))(cache)
     assert out_v.dtype == jnp.bfloat16
     cache_s = cache
@@ -145,52 +137,23 @@ def test_fp8_target_verify_equals_single_token_steps(implementation):
     assert np.isposinf(np.asarray(lse_v[3])).all()
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-def test_fp8_multi_step_draft_equals_decode_loop(implementation):
-    cache, table, prefix, _, _ = _setup()
-    k_scale = jnp.float32(K_SCALE)
-    cache = fp8.quantize(cache, k_scale)
-    num_steps, h = 3, 4
-    base_q, base_kv, q0, kv0 = _draft_inputs(num_steps, h)
-    draft = jax.jit(lambda c: multi_step_draft(
-        c, table, prefix, q0, kv0, _draft_fn(base_q, base_kv), jnp.int32(0),
-        num_steps=num_steps, implementation=implementation, k_scale=k_scale))
-    loop = jax.jit(lambda c: decode_loop(
-        c, table, prefix, q0, kv0, _draft_fn(base_q, base_kv), jnp.int32(0),
-        num_steps=num_steps, implementation=implementation, k_scale=k_scale))
-    cache_d, out_d, lse_d, _ = draft(cache)
-    cache_l, out_l, lse_l, _ = loop(cache)
-    np.testing.assert_array_equal(np.asarray(out_d, np.float32), np.asarray(out_l, np.float32))
-    np.testing.assert_array_equal(np.asarray(lse_d), np.asarray(lse_l))
-    np.testing.assert_array_equal(np.asarray(cache_d).view(np.uint8),
-                                  np.asarray(cache_l).view(np.uint8))
-    np.testing.assert_array_equal(np.asarray(out_d[:, 3], np.float32), 0)  # padded request
-
-
 def test_input_errors():
     cache, table, prefix, q, kv = _setup(num_new=1)
-    with pytest.raises(ValueError, match="topk must be 1"):
-        multi_step_draft(cache, table, prefix, q, kv, None, None, num_steps=2, topk=2)
-    with pytest.raises(ValueError, match="num_steps must be a positive int"):
-        multi_step_draft(cache, table, prefix, q, kv, None, None, num_steps=0)
-    with pytest.raises(ValueError, match="num_draft_tokens must be a positive int"):
-        target_verify_metadata(prefix, 0, block_table=table, num_pages=cache.shape[0],
-                               num_heads_q=4)
     with pytest.raises(ValueError, match=r"kv must have shape \(4, 1, 576\)"):
-        target_verify(cache, table, prefix, q, kv[:, :, :512])
+        decode_step(cache, table, prefix + 1, q, kv[:, :, :512])
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_an_out_of_range_draft_request_is_decoded_empty(implementation):
-    """multi_step_draft makes its metadata for the in-range requests: a request reading a
-    page past the cache is decoded empty at every step, the others as with it padded."""
+    """A draft chain's request reading a page past the cache is decoded empty at every step,
+    the others as with it padded."""
     cache, table, prefix, _, _ = _setup()
     num_steps, h = 3, 4
     base_q, base_kv, q0, kv0 = _draft_inputs(num_steps, h)
 
     def draft(table, prefix):
-        return multi_step_draft(cache, table, prefix, q0, kv0, _draft_fn(base_q, base_kv),
-                                jnp.int32(0), num_steps=num_steps, implementation=implementation)
+        return decode_loop(cache, table, prefix, q0, kv0, _draft_fn(base_q, base_kv),
+                           jnp.int32(0), num_steps=num_steps, implementation=implementation)
 
     _, out, lse, _ = jax.jit(draft)(table.at[0, 0].set(99), prefix)
     _, want_out, want_lse, _ = jax.jit(draft)(table, prefix.at[0].set(0))

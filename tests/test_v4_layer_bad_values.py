@@ -1,4 +1,4 @@
-"""DeepSeek-V4's attention layer (jax_flashmla.flax.v4_mla.V4Attention) given bad values: what
+"""DeepSeek-V4's attention layer (jax_flashmla.flax.V4Attention) given bad values: what
 one request brings stays in that request.
 
 - A table entry past the cache (or negative) names no page: the request reads nothing there,
@@ -19,10 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax_flashmla.flax import V4Attention, V4Config
 from jax_flashmla.flax.v4_chunk import chunk_keys
-from jax_flashmla.flax.v4_config import CSA, HCA, SLIDING, V4Config
-from jax_flashmla.flax.v4_mla import V4Attention
 from jax_flashmla.ops.compressor import CompressedEntries
+
+CSA, HCA, SLIDING = V4Config.CSA, V4Config.HCA, V4Config.SLIDING
 
 CONFIG = V4Config(hidden_size=64, num_heads=4, q_lora_rank=32, o_groups=2, o_lora_rank=16,
                   hca_ratio=16, index_n_heads=4, index_topk=8)

@@ -23,7 +23,7 @@ A server batching requests of different lengths keeps one V4LayerCache of its de
 layer: a request joining a row starts it afresh (with_new_request), a chunk of one request's
 prompt runs on its row alone (batch_row, then with_batch_row puts the row and the pages it
 wrote back), and the tables list the pages its allocator gave each request
-(jax_flashmla.serving.v4_pages).
+(jax_flashmla.serving.V4PageTables).
 """
 import dataclasses
 import functools

@@ -1,9 +1,9 @@
 """DeepSeek-V4's attention configuration: the fields of HF transformers' DeepseekV4Config that
 its attention layers read, and their two ropes.
 
-V4 has three attention layer types (LAYER_TYPES): sliding-window only, CSA (compressed sparse:
-a compressor of ratio 4 whose entries an indexer selects) and HCA (heavily compressed: a
-compressor of ratio 128, every entry read). Sliding layers rope with the "main" rope (plain,
+V4 has three attention layer types (V4Config.LAYER_TYPES, HF's config.layer_types strings):
+sliding-window only, CSA (compressed sparse: a compressor of ratio 4 whose entries an indexer
+selects) and HCA (heavily compressed: a compressor of ratio 128, every entry read). Sliding layers rope with the "main" rope (plain,
 rope_theta); CSA and HCA layers, their queries, window keys and compressed entries alike, with
 the "compress" rope (compress_rope_theta, YaRN in V4-Flash, its attention factor 1).
 """
@@ -14,12 +14,6 @@ import numpy as np
 
 from jax_flashmla.caches.v4 import ROPE_DIM, ROW_DIM
 from jax_flashmla.flax import rope
-
-SLIDING = "sliding_attention"
-CSA = "compressed_sparse_attention"
-HCA = "heavily_compressed_attention"
-LAYER_TYPES = (SLIDING, CSA, HCA)
-
 
 @dataclasses.dataclass(frozen=True)
 class V4Config:
@@ -32,7 +26,16 @@ class V4Config:
     is the compress rope's YaRN dict ({"rope_type": "yarn", "factor", "beta_fast", "beta_slow",
     "original_max_position_embeddings", "attention_factor"}) or None, stored as sorted (key,
     value) pairs so that the config hashes.
+
+    A layer's type is one of HF's strings (DeepseekV4Config.layer_types), also named here:
+    V4Config.SLIDING, V4Config.CSA, V4Config.HCA (LAYER_TYPES all three).
     """
+
+    # Class attributes, not fields (no annotation).
+    SLIDING = "sliding_attention"
+    CSA = "compressed_sparse_attention"
+    HCA = "heavily_compressed_attention"
+    LAYER_TYPES = (SLIDING, CSA, HCA)
 
     hidden_size: int
     num_heads: int
@@ -93,7 +96,7 @@ class V4Config:
     def ratio(self, layer_type):
         """The compressor's ratio of a layer type; 0 for a sliding layer (no compressor)."""
         check_layer_type(layer_type)
-        return {SLIDING: 0, CSA: self.csa_ratio, HCA: self.hca_ratio}[layer_type]
+        return {self.SLIDING: 0, self.CSA: self.csa_ratio, self.HCA: self.hca_ratio}[layer_type]
 
     def rope(self, layer_type):
         """(inv_freq (rope_head_dim // 2,) float32 numpy, attention factor) of the rope a layer
@@ -118,8 +121,8 @@ class V4Config:
                    q_lora_rank=config.q_lora_rank, head_dim=config.head_dim,
                    rope_head_dim=int(config.head_dim * config.partial_rotary_factor),
                    o_groups=config.o_groups, o_lora_rank=config.o_lora_rank,
-                   sliding_window=config.sliding_window, csa_ratio=rates[CSA],
-                   hca_ratio=rates[HCA], index_n_heads=config.index_n_heads,
+                   sliding_window=config.sliding_window, csa_ratio=rates[cls.CSA],
+                   hca_ratio=rates[cls.HCA], index_n_heads=config.index_n_heads,
                    index_head_dim=config.index_head_dim, index_topk=config.index_topk,
                    rms_norm_eps=float(config.rms_norm_eps),
                    rope_theta=float(ropes["main"]["rope_theta"]),
@@ -139,5 +142,5 @@ def compress_rope(config):
 
 
 def check_layer_type(layer_type):
-    if layer_type not in LAYER_TYPES:
-        raise ValueError(f"layer_type must be one of {LAYER_TYPES}; got {layer_type!r}")
+    if layer_type not in V4Config.LAYER_TYPES:
+        raise ValueError(f"layer_type must be one of {V4Config.LAYER_TYPES}; got {layer_type!r}")

@@ -28,7 +28,7 @@ entries as the main cache, the window as the extra one (a sliding layer: the win
 main cache); a CSA layer's over the entries its indexer selected, the selections being slots
 of the compressed cache as they come (caches/v4_layer.py). The cache a call leaves depends on
 neither the implementation nor the chunks a request's tokens came in.
-Parameter names are HF's (load_v4_attention_weights reads a state dict or safetensors).
+Parameter names are HF's (jax_flashmla.flax.load_attention_weights reads a state dict or safetensors).
 """
 import dataclasses
 
@@ -43,7 +43,7 @@ from jax_flashmla.caches.v4 import V4KVCache
 from jax_flashmla.caches.v4_layer import V4LayerCache
 from jax_flashmla.flax.v4_chunk import chunk_keys
 from jax_flashmla.flax.v4_compressors import V4Compressor, V4Indexer
-from jax_flashmla.flax.v4_config import CSA, SLIDING, V4Config, check_layer_type
+from jax_flashmla.flax.v4_config import V4Config, check_layer_type
 from jax_flashmla.ops.compressor import compress, initial_state, visible_entries
 from jax_flashmla.ops.sparse import sparse_mla_decode, sparse_mla_prefill
 from jax_flashmla.ops.v4_indexer import (v4_index_query, v4_indexer_select,
@@ -70,8 +70,8 @@ class V4Attention(nnx.Module):
 
     Args:
       config: V4Config (a CSA layer's index_head_dim must be 128, the index-key cache's).
-      layer_type: "sliding_attention", "compressed_sparse_attention" or
-        "heavily_compressed_attention".
+      layer_type: HF's string, "sliding_attention", "compressed_sparse_attention" or
+        "heavily_compressed_attention" (V4Config.SLIDING, CSA, HCA).
       rngs: nnx.Rngs for the initial weights.
       dtype: compute dtype of the projections (HF's model dtype).
       param_dtype: dtype of the projections' parameters (the norms, sinks and position bias
@@ -82,8 +82,8 @@ class V4Attention(nnx.Module):
         if not isinstance(config, V4Config):
             raise TypeError(f"config must be a V4Config; got {type(config).__name__}")
         check_layer_type(layer_type)
-        if layer_type == CSA and config.index_head_dim != INDEX_HEAD_DIM:
-            raise ValueError(f"V4Attention: a {CSA} layer needs config.index_head_dim "
+        if layer_type == V4Config.CSA and config.index_head_dim != INDEX_HEAD_DIM:
+            raise ValueError(f"V4Attention: a {V4Config.CSA} layer needs config.index_head_dim "
                              f"{INDEX_HEAD_DIM} (the index-key cache's width); got "
                              f"{config.index_head_dim}")
         self.config, self.layer_type, self.dtype = config, layer_type, dtype
@@ -102,10 +102,10 @@ class V4Attention(nnx.Module):
         self.o_b_proj = linear(c.o_groups * c.o_lora_rank, c.hidden_size)
         self.sinks = nnx.Param(jnp.zeros((h,), jnp.float32))
         self.ratio = c.ratio(layer_type)
-        self.compressor = (None if layer_type == SLIDING else
-                           V4Compressor(c, self.ratio, c.head_dim, overlap=layer_type == CSA,
+        self.compressor = (None if layer_type == c.SLIDING else
+                           V4Compressor(c, self.ratio, c.head_dim, overlap=layer_type == c.CSA,
                                         rngs=rngs, param_dtype=param_dtype))
-        self.indexer = (V4Indexer(c, rngs=rngs, param_dtype=param_dtype) if layer_type == CSA
+        self.indexer = (V4Indexer(c, rngs=rngs, param_dtype=param_dtype) if layer_type == c.CSA
                         else None)
         inv_freq, factor = c.rope(layer_type)
         self.inv_freq = tuple(float(f) for f in inv_freq)  # static, hashable
@@ -200,7 +200,7 @@ class V4Attention(nnx.Module):
           as it was).
         """
         if self.indexer is None:
-            raise ValueError(f"V4Attention.select_entries: layer_type must be {CSA!r} (only it "
+            raise ValueError(f"V4Attention.select_entries: layer_type must be {V4Config.CSA!r} (only it "
                              f"has an indexer); got {self.layer_type!r}")
         b, s = _check_tokens("V4Attention.select_entries", hidden_states, cache)
         lengths = _checked_lengths(lengths, b, s)

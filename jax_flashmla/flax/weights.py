@@ -6,7 +6,8 @@ transposed on import. Names, relative to a layer's attention prefix (for example
 q_proj.weight without q LoRA), kv_a_proj_with_mqa.weight, kv_a_layernorm.weight,
 kv_b_proj.weight, o_proj.weight, and the .bias of q_a_proj, kv_a_proj_with_mqa and o_proj when
 attention_bias is set; DeepSeek-V3.2's layer adds its indexer's, indexer.wq_b.weight and so on,
-kept in HF's layout. FP8 block-quantised checkpoints (DeepSeek-V3's weight_scale_inv) must be
+kept in HF's layout; DeepSeek-V4's layer has names of its own (flax/v4_weights.py). FP8
+block-quantised checkpoints (DeepSeek-V3's weight_scale_inv) must be
 dequantised first.
 """
 import json
@@ -18,6 +19,8 @@ import numpy as np
 
 from jax_flashmla.flax.mla import MultiHeadLatentAttention
 from jax_flashmla.flax.sparse_mla import SparseMultiHeadLatentAttention
+from jax_flashmla.flax.v4_mla import V4Attention
+from jax_flashmla.flax.v4_weights import v4_parameter, v4_parameter_names
 from jax_flashmla.ops.indexer import HF_NAMES
 
 # HF's names of the indexer's weights under a layer's self_attn -> the Indexer's fields.
@@ -94,19 +97,24 @@ def read_safetensors(path, names):
 
 
 def layer_parameter_names(layer):
-    """The HF names (no prefix) a layer reads: attention_parameter_names', and for V3.2's layer
-    its indexer's, "indexer.wq_b.weight" and so on."""
+    """The HF names (no prefix) a layer reads: attention_parameter_names', for V3.2's layer
+    its indexer's too, "indexer.wq_b.weight" and so on; for V4's, v4_parameter_names'."""
+    if isinstance(layer, V4Attention):
+        return v4_parameter_names(layer)
     if isinstance(layer, SparseMultiHeadLatentAttention):
         return attention_parameter_names(layer.config) + list(INDEXER_FIELDS)
     if isinstance(layer, MultiHeadLatentAttention):
         return attention_parameter_names(layer.config)
-    raise TypeError(f"load_attention_weights: layer must be a MultiHeadLatentAttention or a "
-                    f"SparseMultiHeadLatentAttention; got {type(layer).__name__}")
+    raise TypeError(f"load_attention_weights: layer must be a MultiHeadLatentAttention, a "
+                    f"SparseMultiHeadLatentAttention or a V4Attention; got "
+                    f"{type(layer).__name__}")
 
 
 def _parameter(layer, name):
     """The nnx.Param that HF's `name` (no prefix) loads into, and whether HF's value is its
     transpose (a Linear's weight)."""
+    if isinstance(layer, V4Attention):
+        return v4_parameter(layer, name)
     if name in INDEXER_FIELDS:
         return getattr(layer.indexer, INDEXER_FIELDS[name]), False
     sub, kind = name.split(".")
@@ -120,8 +128,9 @@ def load_attention_weights(layer, weights, *, prefix=""):
     """Copies HF DeepSeek attention weights into a layer, in place.
 
     Args:
-      layer: a MultiHeadLatentAttention, or a SparseMultiHeadLatentAttention (its indexer's
-        weights too, HF's "<prefix>indexer.wq_b.weight" and so on).
+      layer: a MultiHeadLatentAttention, a SparseMultiHeadLatentAttention (its indexer's
+        weights too, HF's "<prefix>indexer.wq_b.weight" and so on), or a V4Attention (HF's
+        DeepseekV4Attention names, its compressor's and indexer's: flax/v4_weights.py).
       weights: a mapping from HF names to arrays or torch tensors (CPU; extra keys are
         ignored), or the path (str or os.PathLike) of a safetensors file or of a (sharded)
         checkpoint directory, of which only this layer's tensors are read (needs the

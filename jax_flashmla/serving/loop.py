@@ -1,6 +1,16 @@
 """Decode steps over a paged cache: one step, batch padding to buckets, and a jitted decode loop.
 
-Conventions shared with jax_flashmla/serving/speculative.py:
+Speculative decoding needs nothing more, as SGLang's FlashMLA backend does it (topk 1):
+  - target verify scores a request's num_draft_tokens drafts in one causal decode_step (s_q =
+    num_draft_tokens) over its lengths after the drafts, prefix + num_draft_tokens (a padded
+    request staying 0), with a metadata of those lengths and num_q_tokens = num_draft_tokens,
+    as a decode step of s_q tokens has it; draft i attends the prefix and drafts 0..i. After
+    verification the scheduler sets each length to prefix + accepted tokens; the rejected
+    drafts' rows stay in the cache past it, unread, until overwritten.
+  - multi-step drafting (EAGLE-style, one draft chain a request) is decode_loop over the
+    draft model's attention layer, the draft model between steps as its step_fn.
+
+Conventions:
   - decode_step takes seq_lens that count the tokens it writes (SGLang's decode convention):
     the s_q new tokens of request i sit at positions seq_lens[i] - s_q .. seq_lens[i] - 1.
   - Multi-step functions take prefix_lens, the lengths before their first new token.
@@ -73,7 +83,8 @@ def pad_batch(seq_lens, block_table, *arrays, buckets=DEFAULT_BUCKETS):
 
 def decode_step(kv_cache, block_table, seq_lens, q, kv, *, metadata=None, softmax_scale=None,
                 implementation=None, k_scale=None):
-    """Writes s_q new tokens per request, then attends their queries over the cache.
+    """Writes s_q new tokens per request, then attends their queries over the cache: a decode
+    step, or speculative decoding's target verify of s_q drafts (module doc).
 
     Args:
       kv_cache: PagedKVCache or its (num_pages, 64, 1, 576) array.
@@ -132,30 +143,10 @@ def step_seq_lens(prefix_lens, num_steps):
     return jnp.where(prefix_lens[None, :] > 0, prefix_lens[None, :] + steps, 0)
 
 
-def run_steps(kv_cache, block_table, lens, metadata, q, kv, step_fn, carry, *,
-              softmax_scale=None, implementation=None, k_scale=None):
-    """Scans decode_step over lens (num_steps, batch), feeding each step's out to step_fn.
-
-    metadata: None (each step computes its own), or MLAMetadata stacked over the steps.
-    Returns (kv_cache, out (num_steps, ...), lse (num_steps, ...), carry).
-    """
-    def body(state, step):
-        cache, q_t, kv_t, carry = state
-        lens_t, metadata_t = step
-        cache, out, lse = decode_step(cache, block_table, lens_t, q_t, kv_t, metadata=metadata_t,
-                                      softmax_scale=softmax_scale, implementation=implementation,
-                                      k_scale=k_scale)
-        carry, q_next, kv_next = step_fn(carry, out)
-        return (cache, q_next.astype(q_t.dtype), kv_next.astype(kv_t.dtype), carry), (out, lse)
-
-    (kv_cache, _, _, carry), (out, lse) = jax.lax.scan(body, (kv_cache, q, kv, carry),
-                                                       (lens, metadata))
-    return kv_cache, out, lse, carry
-
-
 def decode_loop(kv_cache, block_table, prefix_lens, q, kv, step_fn, carry, *, num_steps,
                 softmax_scale=None, implementation=None, k_scale=None):
-    """num_steps decode steps over one cache, in one jax.lax.scan.
+    """num_steps decode steps over one cache, in one jax.lax.scan: a model's decode, or a draft
+    model's multi-step drafting (module doc).
 
     Step t writes its token's row kv_t at position prefix_lens + t, attends q_t over the
     prefix_lens + t + 1 keys up to it, and calls step_fn(carry, out_t) -> (carry, q_{t+1},
@@ -180,7 +171,16 @@ def decode_loop(kv_cache, block_table, prefix_lens, q, kv, step_fn, carry, *, nu
     validation.check_rank("decode_loop", "q", q, 4, "(batch, 1, h_q, 576)")
     if q.shape[1] != 1:
         raise ValueError(f"decode_loop: q must have s_q = 1, one token per step; got shape "
-                         f"{tuple(q.shape)} (use target_verify for several)")
-    lens = step_seq_lens(prefix_lens, num_steps)
-    return run_steps(kv_cache, block_table, lens, None, q, kv, step_fn, carry,
-                     softmax_scale=softmax_scale, implementation=implementation, k_scale=k_scale)
+                         f"{tuple(q.shape)} (decode_step takes several, as target verify does)")
+
+    def body(state, lens_t):
+        cache, q_t, kv_t, carry = state
+        cache, out, lse = decode_step(cache, block_table, lens_t, q_t, kv_t,
+                                      softmax_scale=softmax_scale, implementation=implementation,
+                                      k_scale=k_scale)
+        carry, q_next, kv_next = step_fn(carry, out)
+        return (cache, q_next.astype(q_t.dtype), kv_next.astype(kv_t.dtype), carry), (out, lse)
+
+    (kv_cache, _, _, carry), (out, lse) = jax.lax.scan(
+        body, (kv_cache, q, kv, carry), step_seq_lens(prefix_lens, num_steps))
+    return kv_cache, out, lse, carry

@@ -20,13 +20,6 @@ from jax_flashmla.serving.block_table import pages_for_tokens
 WINDOW = "window"
 
 
-def request_pages(sliding_window, ratios, num_tokens):
-    """The pages a request of num_tokens tokens holds (V4PageTables.pages_for), before any
-    V4PageTables exists: to size a pool."""
-    return (pages_for_tokens(sliding_window, PAGE_SIZE)
-            + sum(pages_for_tokens(num_tokens // r, PAGE_SIZE) for r in set(ratios)))
-
-
 class V4PageTables:
     """The window and entry pages of the requests in a batch's rows (module doc).
 
@@ -57,9 +50,17 @@ class V4PageTables:
                        np.int32) for r in ratios}
         self._rows = {}  # request -> its row
 
+    @staticmethod
+    def request_pages(sliding_window, ratios, num_tokens):
+        """The pages a request of num_tokens tokens holds (pages_for) in tables of this window
+        and these compressor ratios, before any V4PageTables exists: to size a pool."""
+        return (pages_for_tokens(sliding_window, PAGE_SIZE)
+                + sum(pages_for_tokens(num_tokens // r, PAGE_SIZE) for r in set(ratios)))
+
     def pages_for(self, num_tokens):
         """The pages a request of num_tokens tokens holds: its ring and its entries'."""
-        return request_pages(self.ring_pages * PAGE_SIZE, self.compressed_tables, num_tokens)
+        return self.request_pages(self.ring_pages * PAGE_SIZE, self.compressed_tables,
+                                  num_tokens)
 
     def held(self, request):
         """The pages the request holds now."""
