@@ -5,11 +5,11 @@ write_json leaves out of OUT.json the per-repeat samples (a list under a key end
 `repeats` or `repeats_ms`: `repeats_ms`, `device_repeats_ms`, `us_repeats`, `v32_us_repeats`,
 ...), the device-time windows' kernel names (`device_time_kernels`) and bench_step's
 per-layout `records` beside its `raw` (bench_step.records_by_layout(raw) rebuilds them); floats
-go to 8 significant digits. The reports render their markdown from what is kept. Where it
-left something out, the result as given goes whole to OUT.raw.json beside it (ignored by git),
-for a maintainer who wants the samples; a result with nothing to leave out (a redraw or a
-merge of trimmed JSONs, or a report without samples) leaves an OUT.raw.json already there as
-it was.
+go to 6 significant digits (timings vary run to run by far more than 1e-5). The reports render
+their markdown from what is kept. Where it left something out, the result as given goes whole
+to OUT.raw.json beside it (ignored by git), for a maintainer who wants the samples; a result
+with nothing to leave out (a redraw or a merge of trimmed JSONs, or a report without samples)
+leaves an OUT.raw.json already there as it was.
 
 save_png draws a figure at 80 dpi, then keeps 64 colours (PIL's median cut over RGB, which
 matplotlib's own dependency provides).
@@ -23,7 +23,7 @@ import time
 
 DPI = 80
 COLOURS = 64
-SIGNIFICANT_DIGITS = 8
+SIGNIFICANT_DIGITS = 6
 # A list under such a key holds a point's per-repeat samples.
 PER_REPEAT = re.compile(r"(^|_)repeats(_ms)?$")
 DROPPED_KEYS = ("device_time_kernels",)

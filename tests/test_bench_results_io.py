@@ -1,5 +1,5 @@
 """benchmarks/results_io.py: what every benchmark writes is what benchmarks/results commits (the
-JSON without per-repeat samples, kernel names or bench_step's records, floats to 8 significant
+JSON without per-repeat samples, kernel names or bench_step's records, floats to 6 significant
 digits, compact; the plots at 80 dpi in 64 colours), the whole result beside it under a name git
 ignores; and the committed results are already so."""
 import json
@@ -39,9 +39,9 @@ def test_the_json_keeps_the_summaries_and_the_whole_result_goes_beside_it(tmp_pa
     assert text.count("\n") == 1 and ", " not in text and "repeats_ms" not in text
     written = json.loads(text)
     impl = written["points"][0]["impls"]["flashmla"]
-    assert impl == dict(ms=0.12345679, device_ms=0.1)  # 8 significant digits
+    assert impl == dict(ms=0.123457, device_ms=0.1)  # 6 significant digits
     assert set(written["points"][0]) == {"impls", "v32_us", "checks"}
-    assert written["points"][0]["checks"] == dict(equals_torch=True, max_abs_diff=6.1035156e-05)
+    assert written["points"][0]["checks"] == dict(equals_torch=True, max_abs_diff=6.10352e-05)
     assert math.isnan(results_io.trimmed(float("nan"))[0])
     assert results_io.trimmed([float("inf"), 3, True]) == ([float("inf"), 3, True], False)
     assert written["meta"] == result["meta"]  # an int `repeats` and other lists are kept
