@@ -236,17 +236,26 @@ def _positions_and_scores(query, data, block_table, visible, topk, implementatio
                      implementation=implementation, topk=topk)
 
 
-def _select(query, data, block_table, visible, topk, implementation):
-    """(n, topk) int32 slots of each row's top tokens in ascending position order; -1 for
-    positions past its visible tokens and where its block table names no page of the cache."""
+def _top_positions(query, data, block_table, visible, topk, implementation):
+    """(positions, slots, readable), each (n, topk): each row's top positions in ascending
+    order, their slots, and whether each lies before its row's visible count on a page of the
+    cache."""
     if visible.shape[0] == 0:  # token_slots cannot reshape no rows
-        return jnp.zeros((0, topk), jnp.int32)
+        empty = jnp.zeros((0, topk), jnp.int32)
+        return empty, empty, empty.astype(bool)
     positions, _ = _positions_and_scores(query, data, block_table, visible, topk,
                                          implementation)
     slots = token_slots(block_table, positions)
-    valid = ((positions >= 0) & (positions < visible[:, None]) & (slots >= 0)
-             & (slots < data.shape[0] * PAGE_SIZE))
-    return jnp.where(valid, slots, -1)
+    readable = ((positions >= 0) & (positions < visible[:, None]) & (slots >= 0)
+                & (slots < data.shape[0] * PAGE_SIZE))
+    return positions, slots, readable
+
+
+def _select(query, data, block_table, visible, topk, implementation):
+    """(n, topk) int32 slots of each row's top tokens in ascending position order; -1 for
+    positions past its visible tokens and where its block table names no page of the cache."""
+    _, slots, readable = _top_positions(query, data, block_table, visible, topk, implementation)
+    return jnp.where(readable, slots, -1)
 
 
 def _implementation(where, implementation, query):
@@ -354,14 +363,8 @@ def index_topk(query, cache, block_table, visible, *, topk, implementation=None)
     data = _check_rows(where, query, cache, block_table, ("n",))
     visible = _check_lengths(where, "visible", visible, tuple(query.values.shape[:1]))
     _check_topk(where, topk)
-    block_table = jnp.asarray(block_table)
-    if visible.shape[0] == 0:  # token_slots cannot reshape no rows
-        return jnp.zeros((0, topk), jnp.int32)
-    positions, _ = _positions_and_scores(query, data, block_table, visible, topk,
-                                         _implementation(where, implementation, query))
-    slots = token_slots(block_table, positions)
-    readable = ((positions >= 0) & (positions < visible[:, None]) & (slots >= 0)
-                & (slots < data.shape[0] * PAGE_SIZE))
+    positions, _, readable = _top_positions(query, data, jnp.asarray(block_table), visible, topk,
+                                            _implementation(where, implementation, query))
     # A page missing from the cache can put an unreadable position before readable ones.
     last = jnp.iinfo(jnp.int32).max
     positions = jnp.sort(jnp.where(readable, positions, last), axis=-1)
