@@ -241,8 +241,9 @@ def markdown(result):
                   "request. The floor: the index keys' bytes (132 an entry) over the device's "
                   "peak HBM bandwidth. Scoring and top-k: the custom call's two kernels; the "
                   "rest: XLA's own kernels and the gaps between them.", "", *bar_lines(result)]
-    if gaps(result):
-        lines += ["", "## Left out", "", *gaps(result)]
+    left_out = gaps(result)
+    if left_out:
+        lines += ["", "## Left out", "", *left_out]
     if layers:
         families = list(dict.fromkeys(r["family"] for r in layers))
         layers.sort(key=lambda r: (families.index(r["family"]), r["b"], r["context"]))

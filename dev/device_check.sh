@@ -38,8 +38,8 @@
 #              (v4_h200), V4_DEADLINE_S (default 300)
 #     context-bench  bench_context.py (one layer's decode time and cache bytes per token at 8k,
 #              128k and 1M tokens: dense, V3.2, V4's three layer types; the indexer calls
-#              against their HBM floor: CONTEXT_ARGS="--families v32_indexer v4_indexer"); CONTEXT_ARGS,
-#              CONTEXT_NAME (context_h200), CONTEXT_DEADLINE_S (default 300)
+#              against their HBM floor: CONTEXT_ARGS="--families v32_indexer v4_indexer");
+#              CONTEXT_ARGS, CONTEXT_NAME (context_h200), CONTEXT_DEADLINE_S (default 300)
 #     soak     benchmarks/soak_serving.py at its GPU sizes; SOAK_ARGS (default --steps 10000),
 #              SOAK_NAME (soak_h200)
 #     model1-probe  dev/probe_model1.py: FlashMLA's DeepSeek-V4 sparse decode and prefill from

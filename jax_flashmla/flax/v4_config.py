@@ -3,9 +3,10 @@ its attention layers read, and their two ropes.
 
 V4 has three attention layer types (V4Config.LAYER_TYPES, HF's config.layer_types strings):
 sliding-window only, CSA (compressed sparse: a compressor of ratio 4 whose entries an indexer
-selects) and HCA (heavily compressed: a compressor of ratio 128, every entry read). Sliding layers rope with the "main" rope (plain,
-rope_theta); CSA and HCA layers, their queries, window keys and compressed entries alike, with
-the "compress" rope (compress_rope_theta, YaRN in V4-Flash, its attention factor 1).
+selects) and HCA (heavily compressed: a compressor of ratio 128, every entry read). Sliding
+layers rope with the "main" rope (plain, rope_theta); CSA and HCA layers, their queries, window
+keys and compressed entries alike, with the "compress" rope (compress_rope_theta, YaRN in
+V4-Flash, its attention factor 1).
 """
 import dataclasses
 import math

@@ -28,7 +28,8 @@ entries as the main cache, the window as the extra one (a sliding layer: the win
 main cache); a CSA layer's over the entries its indexer selected, the selections being slots
 of the compressed cache as they come (caches/v4_layer.py). The cache a call leaves depends on
 neither the implementation nor the chunks a request's tokens came in.
-Parameter names are HF's (jax_flashmla.flax.load_attention_weights reads a state dict or safetensors).
+Parameter names are HF's (jax_flashmla.flax.load_attention_weights reads a state dict or
+safetensors).
 """
 import dataclasses
 
@@ -200,8 +201,8 @@ class V4Attention(nnx.Module):
           as it was).
         """
         if self.indexer is None:
-            raise ValueError(f"V4Attention.select_entries: layer_type must be {V4Config.CSA!r} (only it "
-                             f"has an indexer); got {self.layer_type!r}")
+            raise ValueError(f"V4Attention.select_entries: layer_type must be {V4Config.CSA!r} "
+                             f"(only it has an indexer); got {self.layer_type!r}")
         b, s = _check_tokens("V4Attention.select_entries", hidden_states, cache)
         lengths = _checked_lengths(lengths, b, s)
         return self._select(hidden_states, cache, lengths, implementation)

@@ -7,8 +7,7 @@ q_proj.weight without q LoRA), kv_a_proj_with_mqa.weight, kv_a_layernorm.weight,
 kv_b_proj.weight, o_proj.weight, and the .bias of q_a_proj, kv_a_proj_with_mqa and o_proj when
 attention_bias is set; DeepSeek-V3.2's layer adds its indexer's, indexer.wq_b.weight and so on,
 kept in HF's layout; DeepSeek-V4's layer has names of its own (flax/v4_weights.py). FP8
-block-quantised checkpoints (DeepSeek-V3's weight_scale_inv) must be
-dequantised first.
+block-quantised checkpoints (DeepSeek-V3's weight_scale_inv) must be dequantised first.
 """
 import json
 import os
