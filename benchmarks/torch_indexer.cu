@@ -18,9 +18,13 @@ int jax_flashmla_index_scores(const uint8_t* q, const float* weights, int64_t ro
 }
 
 int jax_flashmla_topk_positions(const float* scores, int64_t rows, int64_t score_width,
-                                int64_t k, int32_t* positions, void* stream) {
+                                int64_t k, int32_t* positions, int32_t* scratch, void* stream) {
   return static_cast<int>(jax_flashmla::LaunchTopkPositions(
-      scores, rows, score_width, k, positions, static_cast<cudaStream_t>(stream)));
+      scores, rows, score_width, k, positions, scratch, static_cast<cudaStream_t>(stream)));
+}
+
+int64_t jax_flashmla_topk_scratch_width(int64_t score_width, int64_t k) {
+  return jax_flashmla::TopkScratchWidth(score_width, k);
 }
 
 // cudaGetErrorString, for the message of a failed launch.

@@ -68,7 +68,10 @@ def library():
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     lib.jax_flashmla_index_scores.argtypes = [pointer, pointer, size, size, pointer, size,
                                               pointer, size, pointer, pointer, size, pointer]
-    lib.jax_flashmla_topk_positions.argtypes = [pointer, size, size, size, pointer, pointer]
+    lib.jax_flashmla_topk_positions.argtypes = [pointer, size, size, size, pointer, pointer,
+                                                pointer]
+    lib.jax_flashmla_topk_scratch_width.argtypes = [size, size]
+    lib.jax_flashmla_topk_scratch_width.restype = size
     lib.jax_flashmla_index_scores.restype = lib.jax_flashmla_topk_positions.restype = ctypes.c_int
     lib.jax_flashmla_error_string.argtypes = [ctypes.c_int]
     lib.jax_flashmla_error_string.restype = ctypes.c_char_p
@@ -132,9 +135,12 @@ def topk_positions(scores, k):
     import torch
 
     _require("topk_positions", scores, "scores", ("torch.float32",), (None, None))
-    positions = torch.empty((scores.shape[0], k), dtype=torch.int32, device=scores.device)
+    rows, width = scores.shape
+    positions = torch.empty((rows, k), dtype=torch.int32, device=scores.device)
+    scratch = torch.empty((rows, library().jax_flashmla_topk_scratch_width(width, k)),
+                          dtype=torch.int32, device=scores.device)
     _checked("topk_positions", library().jax_flashmla_topk_positions(
-        scores.data_ptr(), scores.shape[0], scores.shape[1], k, positions.data_ptr(),
+        scores.data_ptr(), rows, width, k, positions.data_ptr(), scratch.data_ptr(),
         _stream(torch)))
     return positions
 

@@ -49,16 +49,18 @@ ffi::Error IndexTopkCudaImpl(cudaStream_t stream, int32_t device,
                              ffi::Buffer<ffi::U8> cache, ffi::Buffer<ffi::S32> block_table,
                              ffi::Buffer<ffi::S32> visible,
                              ffi::ResultBuffer<ffi::S32> positions,
-                             ffi::ResultBuffer<ffi::F32> scores) {
+                             ffi::ResultBuffer<ffi::F32> scores,
+                             ffi::ResultBuffer<ffi::S32> scratch) {
   const auto v = values.dimensions(), t = block_table.dimensions();
-  const auto p = positions->dimensions(), s = scores->dimensions();
+  const auto p = positions->dimensions(), s = scores->dimensions(), r = scratch->dimensions();
   const auto count = [](auto buffer) { return static_cast<int64_t>(buffer.element_count()); };
   if (values.element_type() != ffi::DataType::F8E4M3FN || v.size() != 3 ||
       v[2] != kIndexKeyDim || v[1] < 1 || v[1] > kIndexMaxHeads ||
       count(weights) != v[0] * v[1] || cache.dimensions().size() != 2 ||
       cache.dimensions()[1] != kIndexPageBytes || t.size() != 2 || t[0] != v[0] ||
       count(visible) != v[0] || p.size() != 2 || p[0] != v[0] || s.size() != 2 ||
-      s[0] != v[0] || s[1] < t[1] * kPageTokens || s[1] < p[1])
+      s[0] != v[0] || s[1] < t[1] * kPageTokens || s[1] < p[1] || r.size() != 2 ||
+      r[0] != v[0] || r[1] != TopkScratchWidth(s[1], p[1]))
     return ffi::Error::InvalidArgument(std::string(kIndexTopkTarget) +
                                        ": operand shapes disagree");
   if (ffi::Error err = OnDevice(device, kIndexTopkTarget); err.failure()) return err;
@@ -71,8 +73,9 @@ ffi::Error IndexTopkCudaImpl(cudaStream_t stream, int32_t device,
                             visible.typed_data(), scores->typed_data(), s[1], stream));
       err.failure())
     return err;
-  return CudaError(kIndexTopkTarget, LaunchTopkPositions(scores->typed_data(), rows, s[1], p[1],
-                                                         positions->typed_data(), stream));
+  return CudaError(kIndexTopkTarget,
+                   LaunchTopkPositions(scores->typed_data(), rows, s[1], p[1],
+                                       positions->typed_data(), scratch->typed_data(), stream));
 }
 
 auto CudaContext() {

@@ -208,6 +208,23 @@ constexpr int kRadixBits = 11;  // three passes over a 32-bit key: 11, 11, 10 bi
 constexpr int kBins = 1 << kRadixBits;
 constexpr int kBinsPerThread = kBins / kTopkThreads;
 constexpr int kHeldSteps = 8;  // a block's slice of up to 16384 scores held in registers
+constexpr int kCompactKeys = 4096;  // a held slice's keys still in the running, kept in shared
+static_assert(kHeldSteps * kPerLane <= 32, "a lane's held keys are bits of one word");
+// The scores a block holds, and so the pieces a wide row may be cut into.
+constexpr int64_t kTopkPiece = int64_t{kHeldSteps} * kStep * kTopkWarps;
+
+// A row of `width` scores may be cut into pieces where that leaves at most an eighth of it and
+// the rest would need a cluster of more than 2 blocks.
+__host__ __device__ inline bool ReducesTopk(int64_t width, int64_t k) {
+  return width > 2 * kTopkPiece && 8 * k <= kTopkPiece;
+}
+
+// The candidates of a row of `width` scores cut into pieces: each piece's k best, the last
+// piece's all where it has fewer.
+__host__ __device__ inline int64_t TopkCandidates(int64_t width, int64_t k) {
+  const int64_t pieces = (width + kTopkPiece - 1) / kTopkPiece;
+  return (pieces - 1) * k + Min(width - (pieces - 1) * kTopkPiece, k);
+}
 
 // A score as an unsigned key of the same order (totalOrder): flip the sign bit of positives,
 // every bit of negatives.
@@ -221,8 +238,17 @@ static_assert(kBinsPerThread == 4, "a thread reads its bins of each block as one
 struct TopkShared {
   alignas(16) unsigned int bins[kBins];  // this block's histogram, read by the whole cluster
   int chosen_bin, above;     // the bin holding the k-th key; keys of the row in bins above it
-  int greater, equal;        // keys of this slice above the k-th key, and equal to it
+  // Keys of this slice above the bits of the k-th key fixed so far, and matching them: in the
+  // end, above the k-th key and equal to it.
+  int greater, equal;
   int warp_greater[kTopkWarps], warp_equal[kTopkWarps];  // the same per warp's segment
+  // A held slice's keys at or above the bits fixed after a pass, and their positions, in
+  // position order, where they fit (TopkPositionsKernel); count of them, or -1 where the
+  // slice's own are walked.
+  uint32_t compact_keys[kCompactKeys];
+  int32_t compact_positions[kCompactKeys];
+  int compact_count;
+  int warp_reached[kTopkWarps];  // of those keys, each warp's
   union {
     typename cub::BlockScan<int, kTopkThreads>::TempStorage scan;
     typename cub::BlockReduce<int, kTopkThreads>::TempStorage reduce;
@@ -244,36 +270,60 @@ __device__ __forceinline__ void LoadKeys(const float* row, int64_t start, int64_
   for (int e = 0; e < kPerLane; ++e) keys[e] = start + e < end ? OrderedKey(row[start + e]) : 0;
 }
 
-// A cluster of blocks per row (those that hold its scores in registers, as many as fit the
-// rows in one wave, up to kMaxCluster), each over one slice of it, each of its warps over one
-// segment of the slice. A radix select finds the k-th largest key, most significant bits
-// first: per pass each block counts the keys of its slice that share the bits fixed so far,
-// and every block sums the cluster's counts (read from the others' shared memory) to fix the
-// next bits. Then each warp writes its segment's keys above the k-th and, of those equal to
-// it, the first ones, in position order, after the earlier segments' and slices'.
+// Per cluster of blocks, one piece of a row: scores [part * piece, part * piece + piece) of
+// row `row` of scores (rows, width), cluster blockIdx.x / blocks being piece `part` of row
+// `row`. Its k best go to positions[row, part * k + i] (positions (rows, out_width)), i < k:
+// their positions in the row, or index[row, position] where index (rows, width) is given, and
+// with kept (rows, out_width) given their scores too. A piece of no more than k scores keeps
+// every one, then -1 up to out_width.
+//
+// The blocks of a cluster (those that hold the piece's scores in registers, as many as fit
+// the clusters in one wave, up to kMaxCluster) each take one slice of the piece, each of their
+// warps one segment of the slice. A radix select finds the k-th largest key, most significant
+// bits first: per pass each block counts the keys of its slice that share the bits fixed so
+// far, and every block sums the cluster's counts (read from the others' shared memory) to fix
+// the next bits. Then each warp writes its segment's keys above the k-th and, of those equal
+// to it, the first ones, in position order, after the earlier segments' and slices'.
 __global__ void __launch_bounds__(kTopkThreads)
-    TopkPositionsKernel(const float* scores, int64_t width, int64_t k, int32_t* positions) {
+    TopkPositionsKernel(const float* scores, const int32_t* index, int64_t width, int64_t piece,
+                        int64_t k, int32_t* positions, float* kept, int64_t out_width) {
   namespace cg = cooperative_groups;
   __shared__ TopkShared shared;
   cg::cluster_group cluster = cg::this_cluster();
   const int blocks = static_cast<int>(cluster.num_blocks());
   const int rank = static_cast<int>(cluster.block_rank());
-  const int64_t row = blockIdx.x / blocks;
+  const int64_t pieces = (width + piece - 1) / piece, cluster_id = blockIdx.x / blocks;
+  const int64_t row = cluster_id / pieces, part = cluster_id % pieces;
+  const int64_t lo = part * piece, hi = Min(lo + piece, width), length = hi - lo;
   const float* row_scores = scores + row * width;
-  int32_t* out = positions + row * k;
+  const int64_t out_start = row * out_width + part * k, take = Min(k, out_width - part * k);
+  // Output i holds position p (of this row).
+  auto emit = [&](int64_t i, int64_t p) {
+    positions[out_start + i] = index != nullptr ? index[row * width + p] : static_cast<int32_t>(p);
+    if (kept != nullptr) kept[out_start + i] = row_scores[p];
+  };
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  // A cluster of one block (the pieces' launch) syncs as a block: the cluster barrier costs
+  // more.
+  auto sync_cluster = [&] {
+    if (blocks == 1) __syncthreads();
+    else cluster.sync();
+  };
 
-  if (width <= k) {  // uniform across the cluster: no block waits on another
+  if (length <= k) {  // uniform across the cluster: no block waits on another
     if (rank == 0)
-      for (int64_t i = tid; i < k; i += blockDim.x)
-        out[i] = i < width ? static_cast<int32_t>(i) : -1;
+      for (int64_t i = tid; i < take; i += blockDim.x) {
+        if (i < length) emit(i, lo + i);
+        else positions[out_start + i] = -1;
+      }
     return;
   }
   constexpr int64_t kSliceUnit = kTopkWarps * kStep;
-  const int64_t slice = (width + blocks * kSliceUnit - 1) / (blocks * kSliceUnit) * kSliceUnit;
+  const int64_t slice = (length + blocks * kSliceUnit - 1) / (blocks * kSliceUnit) * kSliceUnit;
   const int64_t segment = slice / kTopkWarps, steps = segment / kStep;
-  const int64_t end = Min(Min(rank * slice, width) + slice, width);
-  const int64_t begin = Min(Min(rank * slice, width) + warp * segment, end);  // this warp's
+  const int64_t slice_start = lo + Min(rank * slice, length);
+  const int64_t end = Min(slice_start + slice, hi);
+  const int64_t begin = Min(slice_start + warp * segment, end);  // this warp's
   const int64_t warp_end = Min(begin + segment, end);
   if (tid == 0) shared.greater = 0;
 
@@ -281,7 +331,12 @@ __global__ void __launch_bounds__(kTopkThreads)
   // pass; a longer one is read again each pass.
   uint32_t held[kHeldSteps][kPerLane];
   const bool holds = steps <= kHeldSteps;
-  auto lane_start = [&](int64_t step) { return begin + step * kStep + lane * kPerLane; };
+  // Positions in a row fit int32 (the callers': indexer._check_rows), and 32-bit arithmetic
+  // is most of the walks' instructions.
+  const int first_position = static_cast<int>(begin), last_position = static_cast<int>(warp_end);
+  auto lane_start = [&](int64_t step) {
+    return first_position + static_cast<int>(step) * kStep + lane * kPerLane;
+  };
   if (holds) {
 #pragma unroll
     for (int s = 0; s < kHeldSteps; ++s)
@@ -302,6 +357,48 @@ __global__ void __launch_bounds__(kTopkThreads)
     }
   };
 
+  // A held slice's keys that may still be among the k best (at or above the bits of the k-th
+  // fixed so far) go, where they fit, into shared memory in position order after a pass: the
+  // later passes and the writes walk them alone. Bit kPerLane s + e of a lane's `reach`: its key
+  // e of step s is at or above `floor`.
+  if (tid == 0) shared.compact_count = -1;
+  auto compact = [&](uint32_t floor) {
+    uint32_t reach = 0;
+    int s = 0;  // the step
+    for_each_step([&](int start, const uint32_t (&keys)[kPerLane]) {
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e)
+        reach |= static_cast<uint32_t>(start + e < last_position && keys[e] >= floor)
+                 << (kPerLane * s + e);
+      ++s;
+    });
+    const int reached = __reduce_add_sync(0xffffffff, __popc(reach));
+    if (lane == 0) shared.warp_reached[warp] = reached;
+    __syncthreads();
+    int offset = 0;  // this warp's first place
+    for (int w = 0; w < warp; ++w) offset += shared.warp_reached[w];
+    s = 0;
+    for_each_step([&](int start, const uint32_t (&keys)[kPerLane]) {
+      const uint32_t mine = (reach >> (kPerLane * s)) & ((1u << kPerLane) - 1);
+      int scan = __popc(mine);  // inclusive over the warp's lanes
+#pragma unroll
+      for (int d = 1; d < 32; d *= 2) {
+        const int other = __shfl_up_sync(0xffffffff, scan, d);
+        if (lane >= d) scan += other;
+      }
+      int place = offset + scan - __popc(mine);
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e)
+        if (mine & (1u << e)) {
+          shared.compact_keys[place] = keys[e];
+          shared.compact_positions[place++] = static_cast<int32_t>(start + e);
+        }
+      offset += __shfl_sync(0xffffffff, scan, 31);
+      ++s;
+    });
+    if (warp == kTopkWarps - 1 && lane == 31) shared.compact_count = offset;
+  };
+
   uint32_t prefix = 0, mask = 0;  // the bits of the k-th key fixed so far
   int64_t remaining = k;          // of the k, those among the keys matching prefix
   for (int shift = 32 - kRadixBits; mask != 0xffffffffu;
@@ -310,14 +407,22 @@ __global__ void __launch_bounds__(kTopkThreads)
     const uint32_t digit_mask = (1u << bits) - 1;
     for (int i = tid; i < kBins; i += blockDim.x) shared.bins[i] = 0;
     __syncthreads();
+    const int compacted = shared.compact_count;  // -1: the slice's own keys are walked
     // Plain shared atomics: aggregating equal digits first (__match_any_sync) cost more.
-    for_each_step([&](int64_t start, const uint32_t (&keys)[kPerLane]) {
+    if (compacted >= 0) {
+      for (int i = tid; i < compacted; i += blockDim.x) {
+        const uint32_t key = shared.compact_keys[i];
+        if ((key & mask) == prefix) atomicAdd(&shared.bins[(key >> shift) & digit_mask], 1u);
+      }
+    } else {
+      for_each_step([&](int start, const uint32_t (&keys)[kPerLane]) {
 #pragma unroll
-      for (int e = 0; e < kPerLane; ++e)
-        if (start + e < warp_end && (keys[e] & mask) == prefix)
-          atomicAdd(&shared.bins[(keys[e] >> shift) & digit_mask], 1u);
-    });
-    cluster.sync();  // every block's histogram is complete
+        for (int e = 0; e < kPerLane; ++e)
+          if (start + e < last_position && (keys[e] & mask) == prefix)
+            atomicAdd(&shared.bins[(keys[e] >> shift) & digit_mask], 1u);
+      });
+    }
+    sync_cluster();  // every block's histogram is complete
     // Thread t owns bins kBins - 1 - kBinsPerThread t downwards; the row's count of each is
     // the sum over the cluster's blocks (16 bytes read from each: one request per block, where
     // 4-byte reads of the others' shared memory made the top-k wait on them); a scan gives the
@@ -325,8 +430,9 @@ __global__ void __launch_bounds__(kTopkThreads)
     const int high = kBins - 1 - kBinsPerThread * tid;
     uint4 sum = make_uint4(0, 0, 0, 0);
     for (int r = 0; r < blocks; ++r) {
-      const uint4 c = *reinterpret_cast<const uint4*>(
-          cluster.map_shared_rank(shared.bins, r) + high - (kBinsPerThread - 1));
+      const unsigned int* bins =
+          blocks == 1 ? shared.bins : cluster.map_shared_rank(shared.bins, r);
+      const uint4 c = *reinterpret_cast<const uint4*>(bins + high - (kBinsPerThread - 1));
       sum = make_uint4(sum.x + c.x, sum.y + c.y, sum.z + c.z, sum.w + c.w);
     }
     const int counts[kBinsPerThread] = {static_cast<int>(sum.w), static_cast<int>(sum.z),
@@ -358,16 +464,60 @@ __global__ void __launch_bounds__(kTopkThreads)
     prefix |= static_cast<uint32_t>(chosen) << shift;
     mask |= digit_mask << shift;
     remaining -= shared.above;
-    cluster.sync();  // the cluster has read every histogram before the next pass clears them
+    sync_cluster();  // the cluster has read every histogram before the next pass clears them
+    // This slice's keys at or above prefix: those above the k-th so far and those matching
+    // the bits fixed so far (uniform across the block).
+    if (holds && compacted < 0 && mask != 0xffffffffu &&
+        shared.greater + shared.equal <= kCompactKeys)
+      compact(prefix);
   }
+  const int compacted = shared.compact_count;
 
-  // Each warp's counts of keys above the k-th and equal to it, in its segment.
+  // Of the row, the keys above the k-th and equal to it before this slice: the earlier
+  // slices' (their blocks' totals).
+  int64_t greater_before = 0, equal_before = 0;
+  for (int r = 0; r < rank; ++r) {
+    greater_before += cluster.map_shared_rank(&shared.greater, r)[0];
+    equal_before += cluster.map_shared_rank(&shared.equal, r)[0];
+  }
+  // Position p is taken where its key is above the k-th, or equal to it with fewer than
+  // `remaining` equal ones before it; it goes to out[greater before p + min(equal before p,
+  // remaining)].
+  auto take_key = [&](uint32_t key, int64_t p, int64_t& g, int64_t& q) {
+    if (key > prefix) {
+      emit(g + Min(q, remaining), p);
+      ++g;
+    } else if (key == prefix) {
+      if (q < remaining) emit(g + q, p);
+      ++q;
+    }
+  };
+  if (compacted >= 0) {
+    // Each thread a run of the kept keys, after the earlier runs' (a block scan of greater |
+    // equal << 16: the kept keys fit 16 bits).
+    const int run = (compacted + kTopkThreads - 1) / kTopkThreads;
+    const int first = Min(tid * run, compacted), last = Min(first + run, compacted);
+    int mine = 0;
+    for (int i = first; i < last; ++i) {
+      const uint32_t key = shared.compact_keys[i];
+      mine += (key > prefix) | ((key == prefix) << 16);
+    }
+    int before = 0;
+    cub::BlockScan<int, kTopkThreads>(shared.scan).ExclusiveSum(mine, before);
+    sync_cluster();  // no block leaves while another reads its counts
+    int64_t g = greater_before + (before & 0xffff), q = equal_before + (before >> 16);
+    for (int i = first; i < last; ++i)
+      take_key(shared.compact_keys[i], shared.compact_positions[i], g, q);
+    return;
+  }
+  // Each warp's counts of keys above the k-th and equal to it, in its segment; its keys go
+  // after this slice's earlier warps'.
   int greater = 0, equal = 0;
-  for_each_step([&](int64_t start, const uint32_t (&keys)[kPerLane]) {
+  for_each_step([&](int start, const uint32_t (&keys)[kPerLane]) {
 #pragma unroll
     for (int e = 0; e < kPerLane; ++e) {
-      greater += start + e < warp_end && keys[e] > prefix;
-      equal += start + e < warp_end && keys[e] == prefix;
+      greater += start + e < last_position && keys[e] > prefix;
+      equal += start + e < last_position && keys[e] == prefix;
     }
   });
   greater = __reduce_add_sync(0xffffffff, greater);
@@ -376,26 +526,16 @@ __global__ void __launch_bounds__(kTopkThreads)
     shared.warp_greater[warp] = greater;
     shared.warp_equal[warp] = equal;
   }
-  // Of the row, the keys above the k-th and equal to it before this warp's segment: the
-  // earlier slices' (their blocks' totals), then this slice's earlier warps'.
-  int64_t greater_before = 0, equal_before = 0;
-  for (int r = 0; r < rank; ++r) {
-    greater_before += cluster.map_shared_rank(&shared.greater, r)[0];
-    equal_before += cluster.map_shared_rank(&shared.equal, r)[0];
-  }
-  cluster.sync();  // no block leaves while another reads its counts; the warps' are written
+  sync_cluster();  // no block leaves while another reads its counts; the warps' are written
   for (int w = 0; w < warp; ++w) {
     greater_before += shared.warp_greater[w];
     equal_before += shared.warp_equal[w];
   }
-  // Position p is taken where its key is above the k-th, or equal to it with fewer than
-  // `remaining` equal ones before it; it goes to out[greater before p + min(equal before p,
-  // remaining)].
-  for_each_step([&](int64_t start, const uint32_t (&keys)[kPerLane]) {
+  for_each_step([&](int start, const uint32_t (&keys)[kPerLane]) {
     int mine = 0;  // this lane's greater | equal << 16 (a warp's step counts fit 16 bits)
 #pragma unroll
     for (int e = 0; e < kPerLane; ++e)
-      mine += start + e < warp_end ? (keys[e] > prefix) | ((keys[e] == prefix) << 16) : 0;
+      mine += start + e < last_position ? (keys[e] > prefix) | ((keys[e] == prefix) << 16) : 0;
     int scan = mine;  // inclusive over the warp's lanes
 #pragma unroll
     for (int offset = 1; offset < 32; offset *= 2) {
@@ -405,16 +545,8 @@ __global__ void __launch_bounds__(kTopkThreads)
     const int step_total = __shfl_sync(0xffffffff, scan, 31), before = scan - mine;
     int64_t g = greater_before + (before & 0xffff), q = equal_before + (before >> 16);
 #pragma unroll
-    for (int e = 0; e < kPerLane; ++e) {
-      if (start + e >= warp_end) continue;
-      if (keys[e] > prefix) {
-        out[g + Min(q, remaining)] = static_cast<int32_t>(start + e);
-        ++g;
-      } else if (keys[e] == prefix) {
-        if (q < remaining) out[g + q] = static_cast<int32_t>(start + e);
-        ++q;
-      }
-    }
+    for (int e = 0; e < kPerLane; ++e)
+      if (start + e < last_position) take_key(keys[e], start + e, g, q);
     greater_before += step_total & 0xffff;
     equal_before += step_total >> 16;
   });
@@ -489,39 +621,81 @@ cudaError_t LaunchIndexScores(const uint8_t* q, const float* weights, int64_t ro
   return cudaGetLastError();
 }
 
+int64_t TopkScratchWidth(int64_t score_width, int64_t k) {
+  const int64_t first = ReducesTopk(score_width, k) ? TopkCandidates(score_width, k) : 0;
+  const int64_t second = ReducesTopk(first, k) ? TopkCandidates(first, k) : 0;
+  return 2 * (first + second);
+}
+
 cudaError_t LaunchTopkPositions(const float* scores, int64_t rows, int64_t score_width,
-                                int64_t k, int32_t* positions, cudaStream_t stream) {
+                                int64_t k, int32_t* positions, int32_t* scratch,
+                                cudaStream_t stream) {
   if (rows == 0 || k == 0) return cudaSuccess;
   int device = 0;
   if (cudaError_t status = cudaGetDevice(&device); status != cudaSuccess) return status;
   cudaLaunchAttribute cluster_dims[1];
   cluster_dims[0].id = cudaLaunchAttributeClusterDimension;
+  cluster_dims[0].val.clusterDim.x = cluster_dims[0].val.clusterDim.y =
+      cluster_dims[0].val.clusterDim.z = 1;
   cudaLaunchConfig_t config = {};
   config.blockDim = dim3(kTopkThreads);
   config.stream = stream;
   config.attrs = cluster_dims;
   config.numAttrs = 1;
-  // Blocks per row: enough to hold a row's scores in registers (a cluster's barriers and
-  // reads of the others' histograms cost more than a block's own passes over 16384 scores),
-  // fewer where every row's cluster would not run at once: at 16 rows, 8 blocks a row would
-  // leave one cluster to a second wave (15 clusters of 8 fit an H200).
-  constexpr int64_t kHeldScores = int64_t{kHeldSteps} * kStep * kTopkWarps;
+
+  // Blocks a row's cluster takes over `width` scores: enough to hold them in registers (a
+  // cluster's barriers and reads of the others' histograms cost more than a block's own passes
+  // over kTopkPiece scores), fewer where every row's cluster would not run at once: at 16
+  // rows, 8 blocks a row would leave one cluster to a second wave (15 clusters of 8 fit an
+  // H200).
+  auto cluster_blocks = [&](int64_t width, int* blocks) -> cudaError_t {
+    *blocks = 1;
+    while (*blocks < kMaxCluster && *blocks * kTopkPiece < width) *blocks *= 2;
+    for (; *blocks > 1; *blocks /= 2) {
+      cluster_dims[0].val.clusterDim.x = *blocks;
+      config.gridDim = dim3(static_cast<unsigned>(rows * *blocks));
+      int active = 0;
+      if (cudaError_t status = AskedOnce(device, *blocks, &active, [&config](int* value) {
+            return cudaOccupancyMaxActiveClusters(value, TopkPositionsKernel, &config);
+          });
+          status != cudaSuccess)
+        return status;
+      if (rows <= active) break;
+    }
+    cluster_dims[0].val.clusterDim.x = *blocks;
+    config.gridDim = dim3(static_cast<unsigned>(rows * *blocks));
+    return cudaSuccess;
+  };
   int blocks = 1;
-  while (blocks < kMaxCluster && blocks * kHeldScores < score_width) blocks *= 2;
-  for (;; blocks /= 2) {
-    cluster_dims[0].val.clusterDim.x = blocks;
-    cluster_dims[0].val.clusterDim.y = cluster_dims[0].val.clusterDim.z = 1;
-    config.gridDim = dim3(static_cast<unsigned>(rows * blocks));
-    if (blocks == 1) break;
-    int active = 0;
-    if (cudaError_t status = AskedOnce(device, blocks, &active, [&config](int* value) {
-          return cudaOccupancyMaxActiveClusters(value, TopkPositionsKernel, &config);
-        });
+  // Where the rows' clusters would not hold their scores, each pass of theirs would read the
+  // rows again, and their slices could not be set aside in shared memory: the rows are first
+  // cut into pieces of kTopkPiece scores, a block each (held), whose k best are the candidates
+  // (their scores and positions, in position order, into the scratch's two halves in turn).
+  // Every one of a row's k best is among its piece's, and candidates keep position order, so
+  // that ties resolve as in the row.
+  const float* in = scores;
+  const int32_t* index = nullptr;
+  int64_t width = score_width;
+  const int64_t first = ReducesTopk(score_width, k) ? TopkCandidates(score_width, k) : 0;
+  int32_t* halves[2] = {scratch, scratch + 2 * rows * first};
+  for (int pass = 0;; ++pass) {
+    if (cudaError_t status = cluster_blocks(width, &blocks); status != cudaSuccess) return status;
+    if (!ReducesTopk(width, k) || blocks * kTopkPiece >= width) break;
+    const int64_t candidates = TopkCandidates(width, k);
+    float* kept = reinterpret_cast<float*>(halves[pass % 2]);
+    int32_t* kept_positions = halves[pass % 2] + rows * candidates;
+    cluster_dims[0].val.clusterDim.x = 1;
+    config.gridDim = dim3(static_cast<unsigned>(rows * ((width + kTopkPiece - 1) / kTopkPiece)));
+    if (cudaError_t status = cudaLaunchKernelEx(&config, TopkPositionsKernel, in, index, width,
+                                                kTopkPiece, k, kept_positions, kept, candidates);
         status != cudaSuccess)
       return status;
-    if (rows <= active) break;
+    in = kept;
+    index = kept_positions;
+    width = candidates;
   }
-  return cudaLaunchKernelEx(&config, TopkPositionsKernel, scores, score_width, k, positions);
+  return cudaLaunchKernelEx(&config, TopkPositionsKernel, in, index, width, Max(width, 1), k,
+                            positions, static_cast<float*>(nullptr), k);
 }
 
 }  // namespace jax_flashmla

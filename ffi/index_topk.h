@@ -33,9 +33,15 @@ cudaError_t LaunchIndexScores(const uint8_t* q, const float* weights, int64_t ro
 // positions (rows, k) int32: the positions of each row's k largest scores (of score_width),
 // in ascending order. Scores are ordered as IEEE totalOrder is (NaN above +inf, -NaN below
 // -inf); of equal scores the lower position is taken first, as lax.top_k takes them. Where
-// score_width < k, every position, then -1.
+// score_width < k, every position, then -1. scratch: rows * TopkScratchWidth(score_width, k)
+// int32 the launch's kernels use between them (none where that is 0).
 cudaError_t LaunchTopkPositions(const float* scores, int64_t rows, int64_t score_width,
-                                int64_t k, int32_t* positions, cudaStream_t stream);
+                                int64_t k, int32_t* positions, int32_t* scratch,
+                                cudaStream_t stream);
+
+// The int32 scratch LaunchTopkPositions takes per row: room for a wide row's candidates (a
+// float32 score and an int32 position each) in two halves, which its passes fill in turn.
+int64_t TopkScratchWidth(int64_t score_width, int64_t k);
 
 }  // namespace jax_flashmla
 

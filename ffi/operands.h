@@ -149,7 +149,8 @@ auto BindIndexTopkOperands(Binding binding) {
 template <typename Binding>
 auto BindIndexTopkResults(Binding binding) {
   return std::move(binding).template Ret<ffi::Buffer<ffi::S32>>()   // positions
-      .template Ret<ffi::Buffer<ffi::F32>>();            // scores
+      .template Ret<ffi::Buffer<ffi::F32>>()             // scores
+      .template Ret<ffi::Buffer<ffi::S32>>();            // the top-k's scratch
 }
 
 }  // namespace jax_flashmla

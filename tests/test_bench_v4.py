@@ -118,6 +118,25 @@ def test_the_torch_indexer_library_builds_and_loads(tmp_path):
         torch_indexer.topk_positions(scores, 8)
 
 
+def test_the_top_k_scratch_width_is_the_kernels():
+    """custom_calls.topk_scratch_width, the index_topk call's scratch result, is
+    ffi/index_topk.cu's TopkScratchWidth (which the handler checks it against), at widths
+    cut into pieces once, twice and not at all."""
+    pytest.importorskip("torch")
+    import torch_indexer
+    from jax_flashmla.kernels.custom_calls import topk_scratch_width
+
+    if torch_indexer.find_nvcc() is None:
+        pytest.skip("nvcc is not found")
+    lib = torch_indexer.library()
+    widths = (1, 2048, 32768, 32769, 70000, 300000, 1048576, 2**24 + 3)
+    for width in widths:
+        for k in (1, 100, 512, 2048, 2049, 4096):
+            assert topk_scratch_width(width, k) == lib.jax_flashmla_topk_scratch_width(width, k)
+    assert topk_scratch_width(1048576, 512) == 2 * 64 * 512  # one pass: 64 pieces' 512
+    assert topk_scratch_width(300000, 2048) == 2 * (38912 + 6144)  # two passes
+
+
 def test_the_summary_states_the_indexer_step_against_the_bars():
     import v4_report
 

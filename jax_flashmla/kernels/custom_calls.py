@@ -326,18 +326,39 @@ SPARSE_PREFILL = CustomCall(
 # DeepSeek-V3.2's indexer (ffi/index_topk.h): each query row's scores over its request's tokens
 # in the index-key cache, and the positions of its top k in ascending order. CUDA only (off
 # the GPU, jax_flashmla.ops.indexer runs its pure-JAX reference). The scores are a result
-# so that XLA allocates them: the selection reads them, and tests compare them.
+# so that XLA allocates them: the selection reads them, and tests compare them. So is the
+# top-k's scratch (topk_scratch_width int32 a row), which callers drop.
 # Trusts no operand value: the scoring kernel reads only pages in [0, num_pages) and clamps a
 # negative visible to 0; shapes are checked again by its handler (ffi/cuda_handlers.cc).
 # Guaranteed by: ffi/index_topk.cu itself; indexer._visible computes visible without int32
 # wrap, and indexer._check_rows keeps a row's positions within int32.
 INDEX_TOPK = CustomCall(
     "jax_flashmla_index_topk", ("values", "weights", "cache", "block_table", "visible"),
-    ("positions", "scores"),
+    ("positions", "scores", "scratch"),
     lambda values, block_table, *, topk, **_: (
-        _i32(values.shape[0], topk),
-        _f32(values.shape[0], max(block_table.shape[1] * validation.PAGE_SIZE, topk))),
+        _i32(values.shape[0], topk), _f32(values.shape[0], _score_width(block_table, topk)),
+        _i32(values.shape[0], topk_scratch_width(_score_width(block_table, topk), topk))),
     lambda platform, *, topk: {}, platforms=("cuda",))
+
+# The top-k's pieces (ffi/index_topk.cu's kTopkPiece): a block's scores.
+TOPK_PIECE = 16384
+
+
+def _score_width(block_table, topk):
+    return max(block_table.shape[1] * validation.PAGE_SIZE, topk)
+
+
+def topk_scratch_width(score_width, topk):
+    """ffi/index_topk.h's TopkScratchWidth, which its handler checks the scratch against."""
+    def candidates(width):  # each piece's topk best, once cutting leaves at most an eighth
+        if width <= 2 * TOPK_PIECE or 8 * topk > TOPK_PIECE:
+            return 0
+        pieces = -(-width // TOPK_PIECE)
+        return (pieces - 1) * topk + min(width - (pieces - 1) * TOPK_PIECE, topk)
+
+    first = candidates(score_width)
+    return 2 * (first + candidates(first))
+
 
 # The host queue's push (serving/host_queue.py): no results, kept by its DCE rule in jaxprs
 # and by has_side_effect in XLA. It declares no JAX effect: an executable with effects is run

@@ -211,7 +211,7 @@ def _kernel_select(named, *, topk):
     width = max(block_table.shape[1] * PAGE_SIZE, topk)
     call = lambda rows: custom_calls.INDEX_TOPK(
         values=rows[0], weights=rows[1], cache=named["cache"], block_table=rows[2],
-        visible=rows[3], topk=topk)
+        visible=rows[3], topk=topk)[:2]  # the top-k's scratch dropped
     rows = (named["values"], named["weights"], block_table, visible)
     n, per_call = visible.shape[0], max(1, SCORES_PER_CALL // width)
     if n <= per_call:
