@@ -104,9 +104,13 @@ def test_the_torch_entry_slots_are_v4_indexer_selects():
 
 def test_the_torch_indexer_library_builds_and_loads(tmp_path):
     """benchmarks/torch_indexer.cu with ffi/index_topk.cu compiled by nvcc (no GPU needed), its
-    C functions loaded; a tensor off the GPU refused with a message before any launch."""
+    C functions loaded; a tensor off the GPU refused with a message before any launch; its
+    TopkScratchWidth (which the handler checks the index_topk call's scratch result against)
+    is custom_calls.topk_scratch_width at widths cut into pieces once, twice and not at all.
+    One test, so that one process compiles it."""
     torch = pytest.importorskip("torch")
     import torch_indexer
+    from jax_flashmla.kernels.custom_calls import topk_scratch_width
 
     if torch_indexer.find_nvcc() is None:
         pytest.skip("nvcc is not found")
@@ -116,19 +120,6 @@ def test_the_torch_indexer_library_builds_and_loads(tmp_path):
     scores = torch.zeros((2, 64), dtype=torch.float32)
     with pytest.raises(ValueError, match="scores must be a contiguous CUDA tensor"):
         torch_indexer.topk_positions(scores, 8)
-
-
-def test_the_top_k_scratch_width_is_the_kernels():
-    """custom_calls.topk_scratch_width, the index_topk call's scratch result, is
-    ffi/index_topk.cu's TopkScratchWidth (which the handler checks it against), at widths
-    cut into pieces once, twice and not at all."""
-    pytest.importorskip("torch")
-    import torch_indexer
-    from jax_flashmla.kernels.custom_calls import topk_scratch_width
-
-    if torch_indexer.find_nvcc() is None:
-        pytest.skip("nvcc is not found")
-    lib = torch_indexer.library()
     widths = (1, 2048, 32768, 32769, 70000, 300000, 1048576, 2**24 + 3)
     for width in widths:
         for k in (1, 100, 512, 2048, 2049, 4096):
