@@ -335,28 +335,33 @@ SPARSE_PREFILL = CustomCall(
 INDEX_TOPK = CustomCall(
     "jax_flashmla_index_topk", ("values", "weights", "cache", "block_table", "visible"),
     ("positions", "scores", "scratch"),
-    lambda values, block_table, *, topk, **_: (
-        _i32(values.shape[0], topk), _f32(values.shape[0], _score_width(block_table, topk)),
-        _i32(values.shape[0], topk_scratch_width(_score_width(block_table, topk), topk))),
+    lambda values, block_table, *, topk, **_: _index_topk_results(
+        values.shape[0], score_width(block_table.shape[1], topk), topk),
     lambda platform, *, topk: {}, platforms=("cuda",))
 
 # The top-k's pieces (ffi/index_topk.cu's kTopkPiece): a block's scores.
 TOPK_PIECE = 16384
 
 
-def _score_width(block_table, topk):
-    return max(block_table.shape[1] * validation.PAGE_SIZE, topk)
+def score_width(max_pages, topk):
+    """INDEX_TOPK's scores a row: every position of a block table max_pages wide, at least topk."""
+    return max(max_pages * validation.PAGE_SIZE, topk)
 
 
-def topk_scratch_width(score_width, topk):
-    """ffi/index_topk.h's TopkScratchWidth, which its handler checks the scratch against."""
-    def candidates(width):  # each piece's topk best, once cutting leaves at most an eighth
-        if width <= 2 * TOPK_PIECE or 8 * topk > TOPK_PIECE:
+def _index_topk_results(rows, width, topk):
+    return _i32(rows, topk), _f32(rows, width), _i32(rows, topk_scratch_width(width, topk))
+
+
+def topk_scratch_width(width, topk):
+    """ffi/index_topk.h's TopkScratchWidth of rows of width scores, which its handler checks
+    the scratch against."""
+    def candidates(n):  # each piece's topk best, once cutting leaves at most an eighth
+        if n <= 2 * TOPK_PIECE or 8 * topk > TOPK_PIECE:
             return 0
-        pieces = -(-width // TOPK_PIECE)
-        return (pieces - 1) * topk + min(width - (pieces - 1) * TOPK_PIECE, topk)
+        pieces = -(-n // TOPK_PIECE)
+        return (pieces - 1) * topk + min(n - (pieces - 1) * TOPK_PIECE, topk)
 
-    first = candidates(score_width)
+    first = candidates(width)
     return 2 * (first + candidates(first))
 
 

@@ -190,7 +190,7 @@ def _scores(query, data, block_table, visible):
 def _select_types(avals, *, topk):
     rows, max_pages = avals["block_table"].shape
     return (jax.core.ShapedArray((rows, topk), jnp.int32),
-            jax.core.ShapedArray((rows, max(max_pages * PAGE_SIZE, topk)), jnp.float32))
+            jax.core.ShapedArray((rows, custom_calls.score_width(max_pages, topk)), jnp.float32))
 
 
 def _reference_select(named, *, topk):
@@ -208,7 +208,7 @@ def _kernel_select(named, *, topk):
     one device's rows, in calls of at most SCORES_PER_CALL scores (the scores are a buffer of
     XLA's)."""
     block_table, visible = named["block_table"], named["visible"]
-    width = max(block_table.shape[1] * PAGE_SIZE, topk)
+    width = custom_calls.score_width(block_table.shape[1], topk)
     call = lambda rows: custom_calls.INDEX_TOPK(
         values=rows[0], weights=rows[1], cache=named["cache"], block_table=rows[2],
         visible=rows[3], topk=topk)[:2]  # the top-k's scratch dropped
