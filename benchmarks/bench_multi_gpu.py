@@ -10,7 +10,7 @@ one GPU's cache holds in --cache-gb (stated per point). Writes JSON, a markdown 
 plot (µs per layer against the number of GPUs).
 
   python benchmarks/bench_multi_gpu.py --out benchmarks/results/multi_gpu_h200
-  python benchmarks/bench_multi_gpu.py --tiny   # 8 CPU devices, through the C++ target
+  python benchmarks/bench_multi_gpu.py --tiny   # 8 CPU devices, 4 splits, through the C++ target
 """
 import argparse
 import itertools
@@ -40,6 +40,7 @@ DEGREES = (1, 2, 4, 8)
 GRID_B = (16, 64)
 GRID_S_K = (4096, 32768, 131072)
 H_Q = 128
+TINY_SPLITS = ((1, 1), (8, 1), (2, 4), (1, 8))  # (TP, DCP)
 
 
 class Point:
@@ -194,6 +195,8 @@ def main():
         devices, implementation = jax.devices("gpu"), None
         grid, h_q, layers = list(itertools.product(GRID_B, GRID_S_K)), H_Q, args.layers
     configs = [(tp, dcp) for dcp in DEGREES for tp in DEGREES if tp * dcp <= len(devices)]
+    if args.tiny:  # one device, each split at its extremes, and one of both
+        configs = [c for c in configs if c in TINY_SPLITS]
     result = dict(device=devices[0].device_kind, jax=jax.__version__, gpus=len(devices),
                   records=[])
     for b, s_k in grid:

@@ -11,7 +11,7 @@
 #include <string_view>
 #include <vector>
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include "cuda_error.h"
 #include "cuda_handlers.h"

@@ -9,9 +9,10 @@
 #include <utility>
 #include <variant>
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
+#include <ATen/ops/from_blob.h>
 
 #include "buffer_lending.h"
 
