@@ -71,41 +71,47 @@ def test_cpu_grid_writes_its_report(tmp_path):
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
-def test_a_deadline_leaves_a_report_that_resume_completes(tmp_path):
+# The reference alone at s_k 64, fixed lengths, one query token: one point a dtype.
+ONE_POINT = ["--s-k", "64", "--varlen", "false", "--s-q", "1", "--impl", "reference"]
+
+
+@pytest.fixture(scope="module")
+def bf16_resumed(tmp_path_factory):
+    """(the report of a bf16 run past its --deadline-s, the report --resume then completed)."""
+    out_dir = tmp_path_factory.mktemp("bf16")
+    late, _ = _run(out_dir, "--deadline-s", "0", "--dtype", "bfloat16", *ONE_POINT)
+    resumed, _ = _run(out_dir, "--resume", "--dtype", "bfloat16", *ONE_POINT)
+    return late, resumed
+
+
+def test_a_deadline_leaves_a_report_that_resume_completes(bf16_resumed):
     """Past --deadline-s no point starts, and the report says which were not run; --resume
     then runs only those, keeping the first run's copy ceiling."""
-    flags = ["--s-k", "64", "--varlen", "false", "--dtype", "bfloat16", "--impl", "reference"]
-    results, _ = _run(tmp_path, "--deadline-s", "0", *flags)
-    assert results["points"] == []
-    assert [(p["mean_s_k"], p["s_q"]) for p in results["not_run"]] == [(64, 1), (64, 2)]
-    resumed, _ = _run(tmp_path, "--resume", *flags)
-    assert [(p["mean_s_k"], p["s_q"]) for p in resumed["points"]] == [(64, 1), (64, 2)]
-    assert not resumed["not_run"] and resumed["meta"]["copy"] == results["meta"]["copy"]
+    late, resumed = bf16_resumed
+    assert late["points"] == []
+    assert [(p["mean_s_k"], p["s_q"]) for p in late["not_run"]] == [(64, 1)]
+    assert [(p["mean_s_k"], p["s_q"]) for p in resumed["points"]] == [(64, 1)]
+    assert not resumed["not_run"] and resumed["meta"]["copy"] == late["meta"]["copy"]
 
 
-def test_resume_refuses_a_report_timed_otherwise(tmp_path):
-    flags = ["--s-k", "64", "--varlen", "false", "--s-q", "1", "--dtype", "bfloat16",
-             "--impl", "reference"]
-    results, _ = _run(tmp_path, "--deadline-s", "0", *flags)
-    results["meta"]["timing"] = "one after another"
-    (tmp_path / "grid.json").write_text(json.dumps(results))
+def test_resume_refuses_a_report_timed_otherwise(bf16_resumed, tmp_path):
+    late = bf16_resumed[0]
+    other = dict(late, meta=dict(late["meta"], timing="one after another"))
+    (tmp_path / "grid.json").write_text(json.dumps(other))
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, SCRIPT, "--out-dir", str(tmp_path), "--name", "grid",
-                           "--resume", *flags], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env=env)
+                           "--resume", "--dtype", "bfloat16", *ONE_POINT], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode != 0 and "run the whole grid instead of --resume" in proc.stderr
 
 
-def test_parts_run_apart_merge_into_one_report(tmp_path):
+def test_parts_run_apart_merge_into_one_report(bf16_resumed, tmp_path):
     """Two parts of a grid (e.g. one per GPU of a machine, run at once) join into
     one report with grid_report.py --merge; a point in both parts, or parts run otherwise,
     is refused."""
-    flags = ["--s-k", "64", "--varlen", "false", "--s-q", "1", "--impl", "reference"]
+    fp8, _ = _run(tmp_path, "--dtype", "float8_e4m3fn", *ONE_POINT)
     parts = []
-    for dtype in ("bfloat16", "float8_e4m3fn"):
-        part_dir = tmp_path / dtype
-        part_dir.mkdir()
-        results, _ = _run(part_dir, "--dtype", dtype, *flags)
+    for dtype, results in (("bfloat16", bf16_resumed[1]), ("float8_e4m3fn", fp8)):
         path = tmp_path / f"{dtype}.json"
         path.write_text(json.dumps(results))
         parts.append(path)
