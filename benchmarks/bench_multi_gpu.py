@@ -40,7 +40,8 @@ DEGREES = (1, 2, 4, 8)
 GRID_B = (16, 64)
 GRID_S_K = (4096, 32768, 131072)
 H_Q = 128
-TINY_SPLITS = ((1, 1), (8, 1), (2, 4), (1, 8))  # (TP, DCP)
+# (TP, DCP) of --tiny: one device, each split at its extreme, and one of both.
+TINY_SPLITS = ((1, 1), (8, 1), (2, 4), (1, 8))
 
 
 class Point:
@@ -194,9 +195,8 @@ def main():
     else:
         devices, implementation = jax.devices("gpu"), None
         grid, h_q, layers = list(itertools.product(GRID_B, GRID_S_K)), H_Q, args.layers
-    configs = [(tp, dcp) for dcp in DEGREES for tp in DEGREES if tp * dcp <= len(devices)]
-    if args.tiny:  # one device, each split at its extremes, and one of both
-        configs = [c for c in configs if c in TINY_SPLITS]
+    configs = list(TINY_SPLITS) if args.tiny else [
+        (tp, dcp) for dcp in DEGREES for tp in DEGREES if tp * dcp <= len(devices)]
     result = dict(device=devices[0].device_kind, jax=jax.__version__, gpus=len(devices),
                   records=[])
     for b, s_k in grid:

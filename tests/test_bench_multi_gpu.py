@@ -1,6 +1,6 @@
 """benchmarks/bench_multi_gpu.py's tiny configuration on 8 CPU devices: one device, TP and DCP
-over all 8, and TP 2 x DCP 4 run the step through the C++ target; TP alone gives one device's out bit
-for bit, DCP within the merge's float rounding; the report is written."""
+over all 8, and TP 2 x DCP 4 run the step through the C++ target; TP alone gives one device's
+out bit for bit, DCP within the merge's float rounding; the report is written."""
 from helpers import run_tiny_benchmark
 
 
@@ -14,5 +14,6 @@ def test_the_tiny_step_runs_on_each_split_and_reports(tmp_path):
             assert r["out_identical"], r
         else:
             assert r["out_max_abs_diff"] < 1e-3, r
-    assert "| 2 | 1024 | 2 | 2 | 4 |" in prefix.with_suffix(".md").read_text()  # b, s_k, L, TP, DCP
+    # The row of b 2, s_k 1024, 2 layers, TP 2, DCP 4.
+    assert "| 2 | 1024 | 2 | 2 | 4 |" in prefix.with_suffix(".md").read_text()
     assert prefix.with_suffix(".png").stat().st_size > 0
