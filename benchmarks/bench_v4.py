@@ -47,7 +47,10 @@ Prefill: sparse_mla_prefill over 512-wide bf16 rows (32768 keys, 4096 query toke
 topk lengths) against sparse_prefill_fwd from torch on the same inputs (the indices already in
 range and of the kernel's width, so the op's own masking is all it adds), h_q 64 and 128, topk
 384 (HCA: 256 entries and the window) and 640 (CSA: 512 and the window); bar: jax at least 0.95x
-torch's speed. Per-call times are batches of calls timed in turns (benchmarks/timing.py).
+torch's speed. Per-call times are batches of calls timed in turns (benchmarks/timing.py); on
+a GPU also each side's device time (benchmarks/device_time.py: calls queued behind a blocker,
+so that no host time counts) and the kernels each side's call runs, µs a call by name: where
+the wall clock and the device time disagree, the difference is the host's.
 
   python benchmarks/bench_v4.py --out benchmarks/results/v4_h200
   python benchmarks/bench_v4.py --parts indexer --out ...   # the step with the indexer alone
@@ -80,6 +83,8 @@ from jax_flashmla.ops.v4_indexer import v4_indexer_select  # noqa: E402
 from jax_flashmla.sparse import sparse_mla_decode, sparse_mla_prefill, write_sparse_kv  # noqa
 
 import v4_report  # noqa: E402
+from device_time import (QUEUED_CALLS, device_time_in_turns, profile_options,  # noqa: E402
+                         spin_blockers, traced)
 from results_io import write_json  # noqa: E402
 from timing import paired_ratios, time_in_turns  # noqa: E402
 from torch_side import TorchSide, captured  # noqa: E402
@@ -100,10 +105,10 @@ BASE_PAGES = 64  # distinct pages of quantized rows; larger caches repeat them
 GPU = dict(step_b=(1, 16, 64, 128), context=32768, layers=43, h_q=64, steps=40,
            call_b=(16, 128), call_h_q=(16, 32, 64, 128), prefill_tokens=4096,
            prefill_keys=32768, prefill_h_q=(64, 128), prefill_topk=(384, 640), target_ms=20.0,
-           repeats=5)
+           repeats=5, device_repeats=3)
 TINY = dict(step_b=(2,), context=4096, layers=4, h_q=16, steps=3, call_b=(2,),
             call_h_q=(16,), prefill_tokens=16, prefill_keys=256, prefill_h_q=(16,),
-            prefill_topk=(128,), target_ms=2.0, repeats=2)
+            prefill_topk=(128,), target_ms=2.0, repeats=2, device_repeats=0)
 
 
 def layer_types(layers):
@@ -462,6 +467,36 @@ def prefill_variants(tokens, keys, h_q, topk, torch_v4, seed=0):
     return variants
 
 
+def kernels_per_call(call, sync, calls=QUEUED_CALLS, shown=4):
+    """{kernel name (its first 60 characters): µs a call} of `calls` calls of call(i) back to
+    back under a trace, the `shown` longest in total."""
+    def run():
+        for i in range(calls):
+            result = call(i)
+        sync(result)
+    gpu, _, _ = traced(run, profile_options())
+    totals = {}
+    for e in gpu:
+        totals[e.name[:60]] = totals.get(e.name[:60], 0) + e.end - e.start
+    longest = sorted(totals.items(), key=lambda item: -item[1])[:shown]
+    return {name: round(ns / calls / 1e3, 2) for name, ns in longest}
+
+
+def prefill_device_time(variants, blockers, repeats):
+    """The prefill variants' device time, µs a call (median of `repeats` batches in turns), the
+    ratio torch's / jax's, and each side's kernels (kernels_per_call)."""
+    per_call = device_time_in_turns(
+        {name: (call, sync, blockers[name]) for name, (call, sync) in variants.items()}, repeats)
+    record = dict(device_us={name: round(statistics.median(r["per_call"]) * 1e6, 2)
+                             for name, r in per_call.items()},
+                  kernels_us={name: kernels_per_call(call, sync)
+                              for name, (call, sync) in variants.items()})
+    if "torch" in per_call:
+        record["device_speed_vs_torch"] = round(
+            record["device_us"]["torch"] / record["device_us"]["jax"], 4)
+    return record
+
+
 def timed(variants, grid):
     """{name: µs per call (median)} and {name: per-repeat seconds} of variants in turns."""
     results, failed = time_in_turns(variants, target_ms=grid["target_ms"],
@@ -529,15 +564,17 @@ def main(argv=None):
             del inp
             save()
     if "prefill" in args.parts:
+        blockers = (spin_blockers(torch_v4.torch)
+                    if torch_v4 is not None and grid["device_repeats"] else None)
         for h_q in grid["prefill_h_q"]:
             for topk in grid["prefill_topk"]:
                 label = f"prefill/h{h_q}/topk{topk}"
                 if late():
                     result["not_run"].append(label)
                     continue
-                us, samples = timed(prefill_variants(grid["prefill_tokens"],
-                                                     grid["prefill_keys"], h_q, topk,
-                                                     torch_v4), grid)
+                variants = prefill_variants(grid["prefill_tokens"], grid["prefill_keys"], h_q,
+                                            topk, torch_v4)
+                us, samples = timed(variants, grid)
                 record = dict(label=label, tokens=grid["prefill_tokens"],
                               keys=grid["prefill_keys"], h_q=h_q, topk=topk, us=us)
                 if "torch" in samples and "jax" in samples:
@@ -545,6 +582,13 @@ def main(argv=None):
                     record["speed_vs_torch"] = [round(r, 4) for r in paired_ratios(
                         samples["torch"], samples["jax"])]
                     record["bar"] = 0.95
+                if blockers is not None:
+                    try:
+                        record.update(prefill_device_time(variants, blockers,
+                                                          grid["device_repeats"]))
+                    except Exception as e:  # the wall clock stands without it
+                        record["device_time_failed"] = f"{type(e).__name__}: {str(e)[:300]}"
+                del variants
                 result["prefill"].append(record)
                 print(record, flush=True)
         save()

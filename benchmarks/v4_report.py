@@ -47,14 +47,30 @@ def heads_table(result):
 
 def prefill_table(result):
     rows = ["| tokens | keys | h_q | topk | jax µs | torch µs | speed vs torch (median, "
-            "range) | bar |", "| --- " * 8 + "|"]
+            "range) | bar | device µs: jax, torch | device speed vs torch |", "| --- " * 10 + "|"]
     for r in result["prefill"]:
         speed = r.get("speed_vs_torch")
         shown = "" if speed is None else f"{speed[0]} ({speed[1]}–{speed[2]})"
+        device = r.get("device_us")
+        device = f"{device.get('jax', '')}, {device.get('torch', '')}" if device else ""
         rows.append(f"| {r['tokens']} | {r['keys']} | {r['h_q']} | {r['topk']} | "
                     f"{r['us'].get('jax', '')} | {r['us'].get('torch', '')} | {shown} | "
-                    f"{r.get('bar', '')} |")
+                    f"{r.get('bar', '')} | {device} | "
+                    f"{r.get('device_speed_vs_torch', '')} |")
     return rows
+
+
+def prefill_kernel_lines(result):
+    """Each prefill point's kernels, µs a call, by side."""
+    lines = []
+    for r in result["prefill"]:
+        for name, kernels in r.get("kernels_us", {}).items():
+            lines.append(f"- h_q {r['h_q']}, topk {r['topk']}, {name}: " + "; ".join(
+                f"`{kernel}` {us}" for kernel, us in kernels.items()))
+        if "device_time_failed" in r:
+            lines.append(f"- h_q {r['h_q']}, topk {r['topk']}: no device time "
+                         f"({r['device_time_failed']})")
+    return lines
 
 
 def summary_lines(result):
@@ -82,8 +98,10 @@ def summary_lines(result):
     for r in result["prefill"]:
         if "speed_vs_torch" in r:
             speed = r["speed_vs_torch"][0]
+            device = (f"; device time {r['device_speed_vs_torch']}x"
+                      if "device_speed_vs_torch" in r else "")
             lines.append(f"- Prefill h_q {r['h_q']} topk {r['topk']}: {speed}x torch's speed "
-                         f"(bar 0.95: {'met' if speed >= 0.95 else 'not met'}).")
+                         f"(bar 0.95: {'met' if speed >= 0.95 else 'not met'}){device}.")
     for r in result["heads"]:
         cost = r.get("cost_vs_h64", {})
         if "jax_h16" not in cost:
@@ -113,7 +131,7 @@ def write_report(result, out):
             "## The decodes alone (no window writes, random picks), µs per layer", "",
             *step_table(result["decode"]), "", "## The decode by head count, µs per call", "",
             *heads_table(result), "", "## The prefill, µs per call", "",
-            *prefill_table(result), ""]
+            *prefill_table(result), "", *prefill_kernel_lines(result), ""]
     with open(out + ".md", "w") as f:
         f.write("\n".join(text))
     if not any(result.get(key) for key, _, _ in STEP_PARTS):

@@ -19,10 +19,14 @@ sys.path.insert(0, str(BENCHMARKS))
 
 def test_the_tiny_run_writes_its_report(tmp_path):
     prefix = tmp_path / "v4"
-    result = run_tiny_benchmark("bench_v4.py", prefix, "--parts", "step", "indexer", "decode")
+    result = run_tiny_benchmark("bench_v4.py", prefix, "--parts", "step", "indexer", "decode",
+                                "prefill")
     for part in ("step", "indexer", "decode"):
         assert [r["label"] for r in result[part]] == [f"{part}/b2"]
-    assert result["prefill"] == result["heads"] == result["not_run"] == []
+    assert result["heads"] == result["not_run"] == []
+    (prefill,) = result["prefill"]  # no torch and no device time here: jax's wall clock alone
+    assert prefill["label"] == "prefill/h16/topk128" and list(prefill["us"]) == ["jax"]
+    assert not {"speed_vs_torch", "device_us", "device_time_failed"} & set(prefill)
     assert result["meta"]["layer_types"] == {"heavily_compressed_attention": 3,
                                              "compressed_sparse_attention": 1}
     for record in result["step"] + result["indexer"] + result["decode"]:
@@ -32,6 +36,7 @@ def test_the_tiny_run_writes_its_report(tmp_path):
     markdown = prefix.with_suffix(".md").read_text()
     assert "## The step with the indexer, µs per layer" in markdown
     assert "## The decodes alone (no window writes" in markdown
+    assert "| 16 | 256 | 16 | 128 |" in markdown
     assert prefix.with_suffix(".png").stat().st_size > 0
 
 
@@ -141,3 +146,28 @@ def test_the_summary_states_the_indexer_step_against_the_bars():
     assert lines[0] == ("- The step with the indexer against the bars (1.15 at b = 1, 1.05 at "
                         "b >= 16): b=1 1.1 (met), b=16 1.06 (not met).")
     assert lines[2].endswith("out identical: yes; selection identical: yes.")
+
+
+def test_the_prefill_report_sets_device_time_beside_the_wall_clock():
+    """A prefill point with device time shows both sides' device µs, their ratio in the table
+    and the summary, and each side's kernels; one whose device time failed says why; one
+    without (CPU) leaves the cells empty."""
+    import v4_report
+
+    point = lambda topk, **extra: dict(tokens=64, keys=256, h_q=64, topk=topk,
+                                       us=dict(jax=12.0, torch=10.0), bar=0.95,
+                                       speed_vs_torch=[0.8333, 0.8, 0.9], **extra)
+    result = dict(step=[], indexer=[], decode=[], heads=[], not_run=[], prefill=[
+        point(384, device_us=dict(jax=10.5, torch=10.0), device_speed_vs_torch=0.9524,
+              kernels_us=dict(jax={"sparse_attn_fwd": 10.1, "loop_fusion": 0.3},
+                              torch={"sparse_attn_fwd": 10.0})),
+        point(640, device_time_failed="RuntimeError: no GPU activity"), point(128)])
+    table = v4_report.prefill_table(result)
+    assert table[2].endswith("| 0.95 | 10.5, 10.0 | 0.9524 |")
+    assert table[3].endswith("| 0.95 |  |  |") and table[4].endswith("| 0.95 |  |  |")
+    assert v4_report.prefill_kernel_lines(result) == [
+        "- h_q 64, topk 384, jax: `sparse_attn_fwd` 10.1; `loop_fusion` 0.3",
+        "- h_q 64, topk 384, torch: `sparse_attn_fwd` 10.0",
+        "- h_q 64, topk 640: no device time (RuntimeError: no GPU activity)"]
+    assert ("- Prefill h_q 64 topk 384: 0.8333x torch's speed (bar 0.95: not met); device time "
+            "0.9524x.") in v4_report.summary_lines(result)
