@@ -1,5 +1,5 @@
 """How every benchmark writes its results, so that results/ stays under 1 MB: the JSON with each
-point's summary figures alone, compact, and the plots at 80 dpi in 64 colours.
+point's summary figures alone, compact, and the plots at 80 dpi in 32 colours.
 
 write_json leaves out of OUT.json the per-repeat samples (a list under a key ending in
 `repeats` or `repeats_ms`: `repeats_ms`, `device_repeats_ms`, `us_repeats`, `v32_us_repeats`,
@@ -11,7 +11,7 @@ to OUT.raw.json beside it (ignored by git), for a maintainer who wants the sampl
 with nothing to leave out (a redraw or a merge of trimmed JSONs, or a report without samples)
 leaves an OUT.raw.json already there as it was.
 
-save_png draws a figure at 80 dpi, then keeps 64 colours (PIL's median cut over RGB, which
+save_png draws a figure at 80 dpi, then keeps 32 colours (PIL's median cut over RGB, which
 matplotlib's own dependency provides).
 
 run_points runs a benchmark's points in turn and saves the result after each."""
@@ -22,7 +22,7 @@ import re
 import time
 
 DPI = 80
-COLOURS = 64
+COLOURS = 32  # the plots' few lines and their anti-aliasing read the same as in 64
 SIGNIFICANT_DIGITS = 6
 # A list under such a key holds a point's per-repeat samples.
 PER_REPEAT = re.compile(r"(^|_)repeats(_ms)?$")

@@ -1,6 +1,6 @@
 """benchmarks/results_io.py: what every benchmark writes is what benchmarks/results commits (the
 JSON without per-repeat samples, kernel names or bench_step's records, floats to 6 significant
-digits, compact; the plots at 80 dpi in 64 colours), the whole result beside it under a name git
+digits, compact; the plots at 80 dpi in 32 colours), the whole result beside it under a name git
 ignores; and the committed results are already so."""
 import json
 import math
@@ -66,7 +66,7 @@ def test_the_side_file_is_ignored_by_git():
     assert ignored.returncode == 0
 
 
-def test_a_report_writes_its_plot_at_80_dpi_in_64_colours(tmp_path):
+def test_a_report_writes_its_plot_at_80_dpi_in_32_colours(tmp_path):
     raw = [dict(b=b, s_k=1024, h_q=16, s_q=1, dtype="bfloat16", layers=3,
                 jax_scan_us=10.0 + b, jax_scan_gpu_us=9.0 + b) for b in (1, 2, 4)]
     step_report.write_report(dict(device="cpu", jax="x", raw=raw,
@@ -75,11 +75,11 @@ def test_a_report_writes_its_plot_at_80_dpi_in_64_colours(tmp_path):
     with Image.open(tmp_path / "step.png") as image:
         # step_report.plot's figure: 4.2 x 3.4 inches a panel, here one.
         assert image.size == (round(4.2 * 80), round(3.4 * 80))
-        assert image.mode == "P" and len(image.getcolors(256)) <= 64
+        assert image.mode == "P" and len(image.getcolors(256)) <= results_io.COLOURS == 32
 
 
 def test_the_committed_results_are_as_the_benchmarks_write_them(tmp_path):
-    """Every committed JSON is its own trimmed form, byte for byte; every plot in 64 colours at
+    """Every committed JSON is its own trimmed form, byte for byte; every plot in 32 colours at
     most; results/ under 1 MB."""
     for path in sorted(RESULTS.glob("*.json")):
         result = json.loads(path.read_text())
@@ -88,5 +88,5 @@ def test_the_committed_results_are_as_the_benchmarks_write_them(tmp_path):
         assert (tmp_path / path.name).read_bytes() == path.read_bytes(), path.name
     for path in sorted(RESULTS.glob("*.png")):
         with Image.open(path) as image:
-            assert image.mode == "P" and len(image.getcolors(256)) <= 64, path.name
+            assert image.mode == "P" and len(image.getcolors(256)) <= results_io.COLOURS, path.name
     assert sum(p.stat().st_size for p in RESULTS.iterdir() if p.is_file()) < 1_000_000
