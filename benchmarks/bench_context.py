@@ -95,8 +95,7 @@ import bench_v32_decode  # noqa: E402
 import bench_v4  # noqa: E402
 import context_report  # noqa: E402
 from bench_sparse import SOFTMAX_SCALE, random_rows  # noqa: E402
-from device_time import (QUEUED_CALLS, device_time_in_turns, profile_options,  # noqa: E402
-                         spin_blockers, traced)
+from device_time import QUEUED_CALLS, device_time_in_turns, spin_blockers, traced_calls  # noqa
 from results_io import run_points  # noqa: E402
 from timing import time_in_turns  # noqa: E402
 from workload import D_QK, PAGE  # noqa: E402
@@ -326,14 +325,8 @@ def kernel_us(gpu, calls, kernels):
 
 
 def traced_kernel_us(call, kernels, calls=QUEUED_CALLS):
-    """kernel_us of `calls` calls back to back, under a trace of their own (device_time's
-    hands back the batches' spans, not their kernels)."""
-    def run():
-        for i in range(calls):
-            result = call(i)
-        jax.block_until_ready(result)
-    gpu, _, _ = traced(run, profile_options())
-    return kernel_us(gpu, calls, kernels)
+    """kernel_us of `calls` calls back to back, under a trace of their own."""
+    return kernel_us(traced_calls(call, jax.block_until_ready, calls), calls, kernels)
 
 
 def timed(compiled, args, family, grid, blocker, check=out_finite, kernels=None):

@@ -83,8 +83,7 @@ from jax_flashmla.ops.v4_indexer import v4_indexer_select  # noqa: E402
 from jax_flashmla.sparse import sparse_mla_decode, sparse_mla_prefill, write_sparse_kv  # noqa
 
 import v4_report  # noqa: E402
-from device_time import (QUEUED_CALLS, device_time_in_turns, profile_options,  # noqa: E402
-                         spin_blockers, traced)
+from device_time import QUEUED_CALLS, device_time_in_turns, spin_blockers, traced_calls  # noqa
 from results_io import write_json  # noqa: E402
 from timing import paired_ratios, time_in_turns  # noqa: E402
 from torch_side import TorchSide, captured  # noqa: E402
@@ -470,13 +469,8 @@ def prefill_variants(tokens, keys, h_q, topk, torch_v4, seed=0):
 def kernels_per_call(call, sync, calls=QUEUED_CALLS, shown=4):
     """{kernel name (its first 60 characters): µs a call} of `calls` calls of call(i) back to
     back under a trace, the `shown` longest in total."""
-    def run():
-        for i in range(calls):
-            result = call(i)
-        sync(result)
-    gpu, _, _ = traced(run, profile_options())
     totals = {}
-    for e in gpu:
+    for e in traced_calls(call, sync, calls):
         totals[e.name[:60]] = totals.get(e.name[:60], 0) + e.end - e.start
     longest = sorted(totals.items(), key=lambda item: -item[1])[:shown]
     return {name: round(ns / calls / 1e3, 2) for name, ns in longest}

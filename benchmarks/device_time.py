@@ -153,6 +153,18 @@ def spin_blockers(torch=None):
     return blockers
 
 
+def traced_calls(call, sync, calls=QUEUED_CALLS):
+    """The GPU activities (time-sorted) of `calls` calls of call(i) back to back, then sync, under
+    a trace of their own: each activity's kernel, where device_time_in_turns hands back the
+    batches' spans alone."""
+    def run():
+        for i in range(calls):
+            result = call(i)
+        sync(result)
+    gpu, _, _ = traced(run, profile_options())
+    return gpu
+
+
 def device_time_in_turns(variants, repeats, calls=QUEUED_CALLS):
     """variants: name -> (call taking the call's index, sync, blocker). Under one trace, every
     repeat runs a batch of each variant in turn (timing.turn_order): its blocker, then `calls`

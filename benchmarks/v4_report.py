@@ -51,8 +51,8 @@ def prefill_table(result):
     for r in result["prefill"]:
         speed = r.get("speed_vs_torch")
         shown = "" if speed is None else f"{speed[0]} ({speed[1]}–{speed[2]})"
-        device = r.get("device_us")
-        device = f"{device.get('jax', '')}, {device.get('torch', '')}" if device else ""
+        device_us = r.get("device_us")
+        device = f"{device_us.get('jax', '')}, {device_us.get('torch', '')}" if device_us else ""
         rows.append(f"| {r['tokens']} | {r['keys']} | {r['h_q']} | {r['topk']} | "
                     f"{r['us'].get('jax', '')} | {r['us'].get('torch', '')} | {shown} | "
                     f"{r.get('bar', '')} | {device} | "
