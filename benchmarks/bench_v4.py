@@ -50,7 +50,9 @@ range and of the kernel's width, so the op's own masking is all it adds), h_q 64
 torch's speed. Per-call times are batches of calls timed in turns (benchmarks/timing.py); on
 a GPU also each side's device time (benchmarks/device_time.py: calls queued behind a blocker,
 so that no host time counts) and the kernels each side's call runs, µs a call by name: where
-the wall clock and the device time disagree, the difference is the host's.
+the wall clock and the device time disagree, the difference is the host's. The host's own time
+to issue a batch, µs a call, says which: near the wall clock, the calls' dispatch (or a wait
+inside them) set the pace; far under it, the host sat idle at the sync.
 
   python benchmarks/bench_v4.py --out benchmarks/results/v4_h200
   python benchmarks/bench_v4.py --parts indexer --out ...   # the step with the indexer alone
@@ -85,7 +87,7 @@ from jax_flashmla.sparse import sparse_mla_decode, sparse_mla_prefill, write_spa
 import v4_report  # noqa: E402
 from device_time import QUEUED_CALLS, device_time_in_turns, spin_blockers, traced_calls  # noqa
 from results_io import write_json  # noqa: E402
-from timing import paired_ratios, time_in_turns  # noqa: E402
+from timing import host_seconds_per_call, paired_ratios, time_in_turns  # noqa: E402
 from torch_side import TorchSide, captured  # noqa: E402
 import torch_indexer  # noqa: E402
 
@@ -492,14 +494,16 @@ def prefill_device_time(variants, blockers, repeats):
 
 
 def timed(variants, grid):
-    """{name: µs per call (median)} and {name: per-repeat seconds} of variants in turns."""
+    """({name: µs per call (median)}, {name: per-repeat seconds}, {name: calls a batch}) of
+    variants in turns."""
     results, failed = time_in_turns(variants, target_ms=grid["target_ms"],
                                     repeats=grid["repeats"], max_calls=4000, fitted=())
     for name, e in failed.items():
         print(f"  {name} failed: {str(e)[:300]}", flush=True)
     return ({name: round(statistics.median(r["samples"]) * 1e6, 2)
              for name, r in results.items()},
-            {name: r["samples"] for name, r in results.items()})
+            {name: r["samples"] for name, r in results.items()},
+            {name: r["calls"] for name, r in results.items()})
 
 
 def main(argv=None):
@@ -568,9 +572,14 @@ def main(argv=None):
                     continue
                 variants = prefill_variants(grid["prefill_tokens"], grid["prefill_keys"], h_q,
                                             topk, torch_v4)
-                us, samples = timed(variants, grid)
+                us, samples, calls = timed(variants, grid)
+                # The host's time to issue a wall-clock batch, µs a call: where it nears the
+                # wall clock, the host (or a wait inside the call) set the pace.
+                host_us = {name: round(host_seconds_per_call(*variants[name], n) * 1e6, 2)
+                           for name, n in calls.items()}
                 record = dict(label=label, tokens=grid["prefill_tokens"],
-                              keys=grid["prefill_keys"], h_q=h_q, topk=topk, us=us)
+                              keys=grid["prefill_keys"], h_q=h_q, topk=topk, us=us,
+                              host_us=host_us)
                 if "torch" in samples and "jax" in samples:
                     # torch's time over jax's, per repeat: (median, min, max)
                     record["speed_vs_torch"] = [round(r, 4) for r in paired_ratios(
@@ -592,8 +601,8 @@ def main(argv=None):
             if late():
                 result["not_run"].append(label)
                 continue
-            us, samples = timed(call_variants(b, grid["context"], grid["call_h_q"], torch_v4),
-                                grid)
+            us, samples, _ = timed(
+                call_variants(b, grid["context"], grid["call_h_q"], torch_v4), grid)
             record = dict(label=label, b=b, context=grid["context"], us=us)
             if "jax_h64" in samples:
                 record["cost_vs_h64"] = {name: round(paired_ratios(s, samples["jax_h64"])[0], 4)

@@ -41,21 +41,35 @@ def device_copy(x):
     return x + jnp.zeros((), x.dtype)
 
 
-def timed_batch(call, sync, calls):
-    """Seconds per call of call(0), ..., call(calls - 1) back to back, then one sync. The
-    garbage collector is off meanwhile, as in timeit: a collection pausing the host early in a
-    batch, before the GPU's queue has filled, would charge its pause to the calls."""
+def issued_and_done(call, sync, calls):
+    """(seconds the host took to issue call(0), ..., call(calls - 1) back to back, seconds until
+    the one sync after them returned). The garbage collector is off meanwhile, as in timeit: a
+    collection pausing the host early in a batch, before the GPU's queue has filled, would
+    charge its pause to the calls."""
     collecting = gc.isenabled()
     gc.disable()
     try:
         start = time.perf_counter()
         for i in range(calls):
             result = call(i)
+        issued = time.perf_counter() - start
         sync(result)
-        return (time.perf_counter() - start) / calls
+        return issued, time.perf_counter() - start
     finally:
         if collecting:
             gc.enable()
+
+
+def timed_batch(call, sync, calls):
+    """Seconds per call of call(0), ..., call(calls - 1) back to back, then one sync."""
+    return issued_and_done(call, sync, calls)[1] / calls
+
+
+def host_seconds_per_call(call, sync, calls):
+    """Seconds per call the host took to issue a batch of calls (the sync after them not
+    counted): where it reaches the batch's wall clock per call, the host set the pace, or
+    waited inside the calls, and the device did not."""
+    return issued_and_done(call, sync, calls)[0] / calls
 
 
 def size_calls(call, sync, *, target_ms, max_calls):
