@@ -52,7 +52,9 @@ a GPU also each side's device time (benchmarks/device_time.py: calls queued behi
 so that no host time counts) and the kernels each side's call runs, µs a call by name: where
 the wall clock and the device time disagree, the difference is the host's. The host's own time
 to issue a batch, µs a call, says which: near the wall clock, the calls' dispatch (or a wait
-inside them) set the pace; far under it, the host sat idle at the sync.
+inside them) set the pace; far under it, the host sat idle at the sync. jax_thunks is jax's
+call compiled without command buffers (XLA launches each op from the host instead of recording
+them, the custom call too, into a CUDA graph).
 
   python benchmarks/bench_v4.py --out benchmarks/results/v4_h200
   python benchmarks/bench_v4.py --parts indexer --out ...   # the step with the indexer alone
@@ -102,6 +104,7 @@ ROUNDS = 4
 STEP_VARIANTS = ("jax", "torch_graph", "torch_graph_shared")
 STEP_PARTS = ("step", "indexer", "decode")  # StepInputs' kinds
 PARTS = (*STEP_PARTS, "heads", "prefill")
+NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}  # a jit's options: none of its ops
 BASE_PAGES = 64  # distinct pages of quantized rows; larger caches repeat them
 GPU = dict(step_b=(1, 16, 64, 128), context=32768, layers=43, h_q=64, steps=40,
            call_b=(16, 128), call_h_q=(16, 32, 64, 128), prefill_tokens=4096,
@@ -453,10 +456,14 @@ def prefill_variants(tokens, keys, h_q, topk, torch_v4, seed=0):
                                     for _ in range(tokens)]).astype(np.int32))
     lengths = jnp.asarray(rng.integers(topk // 2, topk + 1, tokens), jnp.int32)
     sink = jnp.asarray(rng.normal(0, 1, h_q), jnp.float32)
-    prefill = jax.jit(functools.partial(sparse_mla_prefill, softmax_scale=SCALE,
-                                        implementation=implementation()))
-    variants = {"jax": (lambda i: prefill(q, kv, indices, topk_length=lengths,
-                                          attn_sink=sink)[0], jax.block_until_ready)}
+    call = functools.partial(sparse_mla_prefill, softmax_scale=SCALE,
+                             implementation=implementation())
+    # jax_thunks: the same call compiled without command buffers, each op launched from the
+    # host, so that a cost of XLA's recording the custom call into a CUDA graph shows.
+    variants = {name: (lambda i, prefill=jax.jit(call, compiler_options=options):
+                       prefill(q, kv, indices, topk_length=lengths, attn_sink=sink)[0],
+                       jax.block_until_ready)
+                for name, options in (("jax", None), ("jax_thunks", NO_COMMAND_BUFFERS))}
     if torch_v4 is not None:
         view = torch_v4.side.view
         torch_v4.held = (kv[:, None, :], indices[:, None, :])  # alive while torch reads them
@@ -479,8 +486,9 @@ def kernels_per_call(call, sync, calls=QUEUED_CALLS, shown=4):
 
 
 def prefill_device_time(variants, blockers, repeats):
-    """The prefill variants' device time, µs a call (median of `repeats` batches in turns), the
-    ratio torch's / jax's, and each side's kernels (kernels_per_call)."""
+    """jax's and torch's prefill device time, µs a call (median of `repeats` batches in turns),
+    the ratio torch's / jax's, and each side's kernels (kernels_per_call)."""
+    variants = {name: variants[name] for name in blockers if name in variants}
     per_call = device_time_in_turns(
         {name: (call, sync, blockers[name]) for name, (call, sync) in variants.items()}, repeats)
     record = dict(device_us={name: round(statistics.median(r["per_call"]) * 1e6, 2)

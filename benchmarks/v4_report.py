@@ -47,15 +47,16 @@ def heads_table(result):
 
 def prefill_table(result):
     rows = ["| tokens | keys | h_q | topk | jax µs | torch µs | speed vs torch (median, "
-            "range) | bar | host µs to issue: jax, torch | device µs: jax, torch | device "
-            "speed vs torch |", "| --- " * 11 + "|"]
+            "range) | bar | jax, no command buffers µs | host µs to issue: jax, torch | device "
+            "µs: jax, torch | device speed vs torch |", "| --- " * 12 + "|"]
     both = lambda sides: f"{sides.get('jax', '')}, {sides.get('torch', '')}" if sides else ""
     for r in result["prefill"]:
         speed = r.get("speed_vs_torch")
         shown = "" if speed is None else f"{speed[0]} ({speed[1]}–{speed[2]})"
         rows.append(f"| {r['tokens']} | {r['keys']} | {r['h_q']} | {r['topk']} | "
                     f"{r['us'].get('jax', '')} | {r['us'].get('torch', '')} | {shown} | "
-                    f"{r.get('bar', '')} | {both(r.get('host_us'))} | "
+                    f"{r.get('bar', '')} | {r['us'].get('jax_thunks', '')} | "
+                    f"{both(r.get('host_us'))} | "
                     f"{both(r.get('device_us'))} | {r.get('device_speed_vs_torch', '')} |")
     return rows
 

@@ -25,8 +25,9 @@ def test_the_tiny_run_writes_its_report(tmp_path):
         assert [r["label"] for r in result[part]] == [f"{part}/b2"]
     assert result["heads"] == result["not_run"] == []
     (prefill,) = result["prefill"]  # no torch and no device time here: jax's wall clock alone
-    assert prefill["label"] == "prefill/h16/topk128" and list(prefill["us"]) == ["jax"]
-    assert list(prefill["host_us"]) == ["jax"] and prefill["host_us"]["jax"] > 0
+    assert prefill["label"] == "prefill/h16/topk128"
+    assert list(prefill["us"]) == list(prefill["host_us"]) == ["jax", "jax_thunks"]
+    assert min(prefill["host_us"].values()) > 0
     assert not {"speed_vs_torch", "device_us", "device_time_failed"} & set(prefill)
     assert result["meta"]["layer_types"] == {"heavily_compressed_attention": 3,
                                              "compressed_sparse_attention": 1}
@@ -150,13 +151,14 @@ def test_the_summary_states_the_indexer_step_against_the_bars():
 
 
 def test_the_prefill_report_sets_device_time_beside_the_wall_clock():
-    """A prefill point with host and device time shows both sides' host µs to issue a call,
-    their device µs and its ratio in the table and the summary, and each side's kernels; one
-    whose device time failed says why; one without (CPU) leaves the cells empty."""
+    """A prefill point with host and device time shows jax's call without command buffers,
+    both sides' host µs to issue a call, their device µs and its ratio in the table and the
+    summary, and each side's kernels; one whose device time failed says why; one without (CPU)
+    leaves the cells empty."""
     import v4_report
 
     point = lambda topk, **extra: dict(tokens=64, keys=256, h_q=64, topk=topk,
-                                       us=dict(jax=12.0, torch=10.0), bar=0.95,
+                                       us=dict(jax=12.0, jax_thunks=10.2, torch=10.0), bar=0.95,
                                        speed_vs_torch=[0.8333, 0.8, 0.9], **extra)
     result = dict(step=[], indexer=[], decode=[], heads=[], not_run=[], prefill=[
         point(384, host_us=dict(jax=11.9, torch=2.5), device_us=dict(jax=10.5, torch=10.0),
@@ -165,8 +167,9 @@ def test_the_prefill_report_sets_device_time_beside_the_wall_clock():
                               torch={"sparse_attn_fwd": 10.0})),
         point(640, device_time_failed="RuntimeError: no GPU activity"), point(128)])
     table = v4_report.prefill_table(result)
-    assert table[2].endswith("| 0.95 | 11.9, 2.5 | 10.5, 10.0 | 0.9524 |")
-    assert table[3].endswith("| 0.95 |  |  |  |") and table[4].endswith("| 0.95 |  |  |  |")
+    assert table[2].endswith("| 0.95 | 10.2 | 11.9, 2.5 | 10.5, 10.0 | 0.9524 |")
+    assert table[3].endswith("| 0.95 | 10.2 |  |  |  |") and table[4] == table[3].replace(
+        "| 640 |", "| 128 |")
     assert v4_report.prefill_kernel_lines(result) == [
         "- h_q 64, topk 384, jax: `sparse_attn_fwd` 10.1; `loop_fusion` 0.3",
         "- h_q 64, topk 384, torch: `sparse_attn_fwd` 10.0",
