@@ -31,9 +31,10 @@
 #              (v32_decode_h200), V32_DEADLINE_S (default 420)
 #     v32      DeepSeek-V3.2's tests on the GPU: the indexer's kernels, the sparse ops, the layer
 #              against HF (tests/test_gpu_indexer.py, test_indexer.py, test_gpu_sparse.py,
-#              test_flax_sparse_mla.py). HF's oracle needs transformers >= 5.24; where the
-#              machine's is older carry .device/transformers.tar.xz (`tar --exclude=__pycache__
-#              -cJf .device/transformers.tar.xz -C <site-packages> transformers`)
+#              test_flax_sparse_mla.py)
+#     v4       DeepSeek-V4's tests on the GPU: the cache, the sparse ops, the compressors, the
+#              indexer and the layer against HF, serving, their bad values (tests/test_*v4*.py
+#              but the benchmark's)
 #     v4-bench  bench_v4.py (DeepSeek-V4's step, decode by heads, prefill); V4_ARGS, V4_NAME
 #              (v4_h200), V4_DEADLINE_S (default 300)
 #     context-bench  bench_context.py (one layer's decode time and cache bytes per token at 8k,
@@ -50,6 +51,9 @@
 #              the mode stops at 550 s)
 #     xla-flags  the command-buffer flags the installed XLA plugin knows
 #     set:NAME=VALUE  exports NAME=VALUE for the modes after it
+# HF's oracles need the transformers the test extra pins (5.24); where the machine's differs,
+# carry .device/transformers.tar.xz (`tar --exclude=__pycache__ -cJf .device/transformers.tar.xz
+# -C <site-packages> transformers`): every mode then imports it.
 set -uo pipefail
 modes=("${@:-capture}")
 out=${OUT:-device-out}
@@ -64,6 +68,11 @@ export JAX_FLASHMLA_REQUIRE_GPU=$ngpu  # a GPU test that skips here is a failure
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$out/gpu.txt"
 JAX_FLASHMLA_CUDA=ON python3 -m pip install -q --no-build-isolation --no-deps -e . \
   > "$out/build.txt" 2>&1 || { tail -40 "$out/build.txt"; exit 1; }
+if [ -f .device/transformers.tar.xz ]; then
+  mkdir -p /tmp/carried && tar xJf .device/transformers.tar.xz -C /tmp/carried
+  export PYTHONPATH=/tmp/carried${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -c 'import transformers; print("transformers", transformers.__version__)'
 
 # pytest with a time limit, its output in $out/$1; says so when the limit killed it.
 pytest_logged() {
@@ -138,17 +147,11 @@ for mode in "${modes[@]}"; do
     timeout 240 python3 benchmarks/bench_fp8.py --out "$out/fp8_h200.json" 2>&1 \
       | tee "$out/fp8.txt" | tail -20 ;;
   v32)
-    hf=()
-    if [ -f .device/transformers.tar.xz ]; then
-      mkdir -p /tmp/carried && tar xJf .device/transformers.tar.xz -C /tmp/carried
-      hf=(env PYTHONPATH=/tmp/carried)
-    fi
-    "${hf[@]}" python3 -c 'import transformers; print("transformers", transformers.__version__)'
-    log=pytest_v32.txt
-    "${hf[@]}" timeout 400 python3 -m pytest -q -rfEs -p no:cacheprovider \
-      tests/test_gpu_indexer.py tests/test_indexer.py tests/test_gpu_sparse.py \
-      tests/test_flax_sparse_mla.py > "$out/$log" 2>&1
-    tail -15 "$out/$log" ;;
+    pytest_logged pytest_v32.txt 400 tests/test_gpu_indexer.py tests/test_indexer.py \
+      tests/test_gpu_sparse.py tests/test_flax_sparse_mla.py ;;
+  v4)
+    XLA_PYTHON_CLIENT_PREALLOCATE=false pytest_logged pytest_v4.txt 500 \
+      $(ls tests/test_*v4*.py | grep -v test_bench_) ;;
   soak)
     timeout 540 python3 benchmarks/soak_serving.py ${SOAK_ARGS:---steps 10000} \
       --out "$out/${SOAK_NAME:-soak_h200}" > "$out/soak.txt" 2>&1
