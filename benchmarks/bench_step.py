@@ -101,6 +101,16 @@ def grid_points():
     return bf16(4096) + extra + [p for s_k in GRID_S_K if s_k != 4096 for p in bf16(s_k)]
 
 
+def default_cache_gb(device):
+    """GiB for one copy of the layers' caches: 30, or a third of what JAX may allocate on the
+    device (its bytes_limit, 75% of the memory by default) where that is less. The stacked and
+    per-layer caches and torch's are three copies: 3 x 30 GiB do not fit an 80 GB card, and
+    a step then waits on XLA's allocator instead of failing. 30 where the device reports no
+    limit (CPU)."""
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+    return 30.0 if limit is None else min(30.0, limit / 2**30 / 3)
+
+
 class Point:
     """One configuration's inputs: the stacked cache of L layers (P pages each, a random base
     cache shifted by a page per layer), the step's block table (a random page order) and
@@ -490,10 +500,11 @@ def _option(text):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=61, help="layers per step (default 61)")
-    parser.add_argument("--cache-gb", type=float, default=30,
+    parser.add_argument("--cache-gb", type=float, default=None,
                         help="GiB for one copy of the layers' caches, fewer layers where L do "
-                             "not fit (default 30; the stacked and per-layer caches and "
-                             "torch's are three copies)")
+                             "not fit (default 30, or a third of what JAX may allocate where "
+                             "less; the stacked and per-layer caches and torch's are three "
+                             "copies)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per variant")
     parser.add_argument("--points", default="grid",
                         help="'grid' (the whole grid), or b,s_k,h_q,s_q,dtype;... (default grid)")
@@ -530,13 +541,14 @@ def main():
         points = grid_points() if args.points == "grid" else [
             (*map(int, p.split(",")[:4]), p.split(",")[4]) for p in args.points.split(";")]
     xla_options = dict(_option(option) for option in args.xla_option)
+    cache_gb = args.cache_gb or default_cache_gb(jax.devices()[0])
     k, n = map(int, args.part.split("/"))
     start, raw = time.perf_counter(), []
     for b, s_k, h_q, s_q, dtype in points[k::n]:
         if args.deadline_s is not None and time.perf_counter() - start > args.deadline_s:
             print(f"deadline: stopped before b={b} s_k={s_k} h_q={h_q} s_q={s_q} {dtype}")
             break
-        p = Point(b, s_k, h_q, s_q, dtype, 3 if args.tiny else args.layers, args.cache_gb,
+        p = Point(b, s_k, h_q, s_q, dtype, 3 if args.tiny else args.layers, cache_gb,
                   args.rows_from_inputs, args.unguarded, args.value_checks)
         raw.append(run_point(p, 3 if args.tiny else args.steps, torch_side, xla_options,
                              args.sync))

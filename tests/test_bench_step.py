@@ -92,3 +92,17 @@ def test_a_merged_part_replaces_the_points_it_measured_again():
     assert [r["jax_scan_us"] for r in merged["raw"] if r["b"] == 1] == [1.0]
     assert [r["jax_us"] for r in merged["records"] if r["b"] == 1] == [1.0]
     assert len(merged["raw"]) == 2 and len(merged["records"]) == 2
+
+
+def test_the_default_caches_fit_an_80_gb_card_and_stay_30_gib_on_larger_ones():
+    sys.path.insert(0, str(BENCHMARKS))
+    import jax
+    import bench_step
+
+    def card(gib):
+        return type("Card", (), dict(memory_stats=lambda self: {"bytes_limit": gib * 2**30}))()
+
+    # JAX's default limit, 75% of an 80 GB card's 79.2 GiB and of a 139.8 GiB one's
+    assert bench_step.default_cache_gb(card(0.75 * 79.2)) == 0.75 * 79.2 / 3
+    assert bench_step.default_cache_gb(card(0.75 * 139.8)) == 30.0
+    assert bench_step.default_cache_gb(jax.devices("cpu")[0]) == 30.0  # reports no limit
