@@ -34,7 +34,7 @@
 #              test_flax_sparse_mla.py)
 #     v4       DeepSeek-V4's tests on the GPU: the cache, the sparse ops, the compressors, the
 #              indexer and the layer against HF, serving, their bad values (tests/test_*v4*.py
-#              but the benchmark's)
+#              but the benchmark's, or those in V4_TESTS)
 #     v4-bench  bench_v4.py (DeepSeek-V4's step, decode by heads, prefill); V4_ARGS, V4_NAME
 #              (v4_h200), V4_DEADLINE_S (default 300)
 #     context-bench  bench_context.py (one layer's decode time and cache bytes per token at 8k,
@@ -151,7 +151,7 @@ for mode in "${modes[@]}"; do
       tests/test_gpu_sparse.py tests/test_flax_sparse_mla.py ;;
   v4)
     XLA_PYTHON_CLIENT_PREALLOCATE=false pytest_logged pytest_v4.txt 500 \
-      $(ls tests/test_*v4*.py | grep -v test_bench_) ;;
+      ${V4_TESTS:-$(ls tests/test_*v4*.py | grep -v test_bench_)} ;;
   soak)
     timeout 540 python3 benchmarks/soak_serving.py ${SOAK_ARGS:---steps 10000} \
       --out "$out/${SOAK_NAME:-soak_h200}" > "$out/soak.txt" 2>&1

@@ -12,7 +12,7 @@ import pytest
 from jax_flashmla.kernels import library as kernels
 from jax_flashmla.sparse import mask_indices, sparse_mla_decode, sparse_mla_prefill
 from jax_flashmla.caches.sparse import quantize_tokens
-from helpers import torch_view
+from helpers import SPARSE_LSE_TOL, SPARSE_OUT_TOL, torch_view
 
 pytestmark = pytest.mark.gpu
 SCALE = 0.1
@@ -63,8 +63,8 @@ def test_the_custom_call_is_flashmlas_op_bit_for_bit(batch, s_q, h_q, with_sink)
     ref_out, ref_lse = sparse_mla_decode(q, cache, indices, softmax_scale=SCALE,
                                          attn_sink=sink, implementation="reference")
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32),
-                               rtol=2e-2, atol=2e-2)
-    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-5, atol=1e-4)
+                               **SPARSE_OUT_TOL)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), **SPARSE_LSE_TOL)
 
 
 @pytest.mark.parametrize("topk", [16, 100])
@@ -84,8 +84,8 @@ def test_a_topk_the_kernel_does_not_take_is_padded_with_invalid_indices(topk):
     ref_out, ref_lse = sparse_mla_decode(q, cache, indices, softmax_scale=SCALE,
                                          implementation="reference")
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32),
-                               rtol=2e-2, atol=2e-2)
-    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-5, atol=1e-4)
+                               **SPARSE_OUT_TOL)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), **SPARSE_LSE_TOL)
 
 
 def test_masked_indices_reach_the_kernel_without_a_mask():
@@ -260,8 +260,8 @@ def test_the_prefill_is_flashmlas_op_with_a_natural_lse(tokens, h_q, topk, with_
     ref_out, ref_lse = sparse_mla_prefill(q, kv, indices, softmax_scale=SCALE, attn_sink=sink,
                                           topk_length=lengths, implementation="reference")
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32),
-                               rtol=2e-2, atol=2e-2)
-    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-5, atol=1e-4)
+                               **SPARSE_OUT_TOL)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), **SPARSE_LSE_TOL)
 
 
 def test_a_float32_prefill_runs_the_kernel_in_bfloat16():

@@ -13,10 +13,8 @@ import pytest
 from jax_flashmla.caches.v4 import (KERNEL_TOKEN_BYTES, V4KVCache, dequantize_rows,
                                     quantize_rows, write_v4_kv)
 from jax_flashmla.reference.v4 import v4_decode_reference
-from helpers import sparse_attention_f64
+from helpers import SPARSE_LSE_TOL, SPARSE_OUT_TOL, sparse_attention_f64
 
-OUT_TOL = dict(rtol=2e-2, atol=2e-2)  # out in bf16 from float32 arithmetic
-LSE_TOL = dict(rtol=1e-5, atol=1e-4)
 PAGE_BYTES = 37440
 
 
@@ -172,9 +170,9 @@ def test_v4_decode_matches_the_float64sparse_attention_f64(with_window, with_len
                                          keys.reshape(n, -1, 512), valid.reshape(n, -1),
                                          512 ** -0.5, attn_sink)
     np.testing.assert_allclose(np.asarray(out, np.float32).reshape(n, h_q, 512), expected_out,
-                               **OUT_TOL)
+                               **SPARSE_OUT_TOL)
     np.testing.assert_allclose(np.asarray(lse).transpose(0, 2, 1).reshape(n, h_q), expected_lse,
-                               **LSE_TOL)
+                               **SPARSE_LSE_TOL)
     assert np.all(np.asarray(out[3, 1]) == 0) and np.all(np.isposinf(np.asarray(lse[3, :, 1])))
     if sink == "infinite":
         assert np.all(np.asarray(out[:, :, 0]) == 0)

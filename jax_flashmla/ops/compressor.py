@@ -3,7 +3,8 @@
 As HF transformers' DeepseekV4HCACompressor / DeepseekV4CSACompressor (and the compressor
 inside DeepseekV4Indexer) with their cache layers. A compressor of ratio r (CSA 4, HCA 128)
 cuts a request's tokens into windows of r; window j's tokens are positions [r j, r j + r).
-  - kv = x @ kv_proj.T, gate = x @ gate_proj.T, in x's dtype; HCA projects to head_dim,
+  - kv = x @ kv_proj.T, gate = x @ gate_proj.T, in x's dtype (float32 at float32's precision,
+    as torch's matmuls: XLA's default on a GPU would take TF32 passes); HCA projects to head_dim,
     CSA to 2 * head_dim: a first half (its share of the next entry) and a second half (its
     share of its own window's entry);
   - HCA's entry j pools window j's r tokens: sum over slots of kv * softmax(gate + bias),
@@ -27,6 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_flashmla.caches.compressor_state import CompressorState
+
+HIGHEST = jax.lax.Precision.HIGHEST
 
 # The weights' fields -> their names under HF's compressor module (e.g.
 # "model.layers.<i>.self_attn.compressor." or "...compressor.indexer.").
@@ -125,8 +128,8 @@ def compress(weights, state, x, lengths, inv_freq, attention_scaling=1.0):
         raise ValueError(f"compress: x must hold at least one token a request; got shape "
                          f"{tuple(x.shape)}")
     ratio, head_dim = weights.ratio, weights.head_dim
-    kv = jnp.einsum("bsh,wh->bsw", x, weights.kv_proj)
-    gate = jnp.einsum("bsh,wh->bsw", x, weights.gate_proj)
+    kv = jnp.einsum("bsh,wh->bsw", x, weights.kv_proj, precision=HIGHEST)
+    gate = jnp.einsum("bsh,wh->bsw", x, weights.gate_proj, precision=HIGHEST)
     _check_state(weights, state, batch, kv.dtype)
     lengths = jnp.asarray(lengths, jnp.int32)
     fed = jnp.where((lengths >= 0) & (lengths <= seq_len), lengths, 0)

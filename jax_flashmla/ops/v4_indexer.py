@@ -113,7 +113,8 @@ def v4_index_query(weights, x, q_residual, positions, inv_freq, attention_scalin
     Returns:
       IndexQuery: values (..., heads, 128) float8_e4m3fn, q rotated and quantized a head at a
       time; weights (..., heads) float32, w_h * 128**-0.5 times that head's scale. q and w_h
-      are computed in x's dtype (q's RoPE in float32), as HF does.
+      are computed in x's dtype (q's RoPE in float32), as HF does, float32 at float32's
+      precision.
     """
     where = "v4_index_query"
     _check_weights(where, weights)
@@ -123,12 +124,13 @@ def v4_index_query(weights, x, q_residual, positions, inv_freq, attention_scalin
         fail(ValueError, where, f"positions must have x's leading shape {lead} and q_residual "
                                 f"{lead + weights.wq_b.shape[1:]}; got "
                                 f"{tuple(positions.shape)}, {tuple(q_residual.shape)}")
-    q = jnp.einsum("...r,or->...o", q_residual, weights.wq_b.astype(q_residual.dtype))
+    q = jnp.einsum("...r,or->...o", q_residual, weights.wq_b.astype(q_residual.dtype),
+                   precision=HIGHEST)
     q = q.reshape(*lead, weights.num_heads, INDEX_HEAD_DIM)
     # The compressor's own RoPE, so that queries and entries turn alike (HF's one rotary).
     q = compressor.interleaved_rope(q, positions[..., None], inv_freq, attention_scaling)
     values, q_scales = quantize_index_keys(_rotate(q))
-    w = jnp.einsum("...i,hi->...h", x, weights.weights_proj.astype(x.dtype))
+    w = jnp.einsum("...i,hi->...h", x, weights.weights_proj.astype(x.dtype), precision=HIGHEST)
     head_weights = w.astype(jnp.float32) * weights.num_heads ** -0.5 * INDEX_HEAD_DIM ** -0.5
     return IndexQuery(values, head_weights * q_scales)
 
