@@ -99,10 +99,13 @@ def summary_lines(result):
     for r in result["prefill"]:
         if "speed_vs_torch" in r:
             speed = r["speed_vs_torch"][0]
+            us = r["us"]
+            thunks = (f"; without command buffers {round(us['torch'] / us['jax_thunks'], 4)}x"
+                      if "jax_thunks" in us and "torch" in us else "")
             device = (f"; device time {r['device_speed_vs_torch']}x"
                       if "device_speed_vs_torch" in r else "")
             lines.append(f"- Prefill h_q {r['h_q']} topk {r['topk']}: {speed}x torch's speed "
-                         f"(bar 0.95: {'met' if speed >= 0.95 else 'not met'}){device}.")
+                         f"(bar 0.95: {'met' if speed >= 0.95 else 'not met'}){thunks}{device}.")
     for r in result["heads"]:
         cost = r.get("cost_vs_h64", {})
         if "jax_h16" not in cost:

@@ -174,5 +174,5 @@ def test_the_prefill_report_sets_device_time_beside_the_wall_clock():
         "- h_q 64, topk 384, jax: `sparse_attn_fwd` 10.1; `loop_fusion` 0.3",
         "- h_q 64, topk 384, torch: `sparse_attn_fwd` 10.0",
         "- h_q 64, topk 640: no device time (RuntimeError: no GPU activity)"]
-    assert ("- Prefill h_q 64 topk 384: 0.8333x torch's speed (bar 0.95: not met); device time "
-            "0.9524x.") in v4_report.summary_lines(result)
+    assert ("- Prefill h_q 64 topk 384: 0.8333x torch's speed (bar 0.95: not met); without "
+            "command buffers 0.9804x; device time 0.9524x.") in v4_report.summary_lines(result)
