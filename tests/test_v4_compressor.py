@@ -258,3 +258,15 @@ def test_the_donated_state_is_updated_in_place():
             jnp.asarray(hf.inv_freq))
     header = _compress.lower(*args).compile().as_text().split("entry_computation_layout")[0]
     assert header.count("-alias)") == len(jax.tree.leaves(state)) == 5
+
+
+def test_the_projections_run_at_float32s_precision():
+    """compress's two projections ask for precision HIGHEST: XLA's default for a float32 dot
+    on a GPU takes TF32 passes, which put the entries 1e-4 off HF's float32 matmuls."""
+    hf = HFLayers(config())
+    weights = hf.weights(*KINDS["csa"])
+    lowered = jax.jit(compress).lower(weights, initial_state(weights, 1, jnp.float32),
+                                      jnp.zeros((1, 8, HIDDEN), jnp.float32),
+                                      jnp.asarray([8], jnp.int32), jnp.asarray(hf.inv_freq))
+    dots = [line for line in lowered.as_text().splitlines() if "dot_general" in line]
+    assert len(dots) == 2 and all("precision = [HIGHEST, HIGHEST]" in line for line in dots)

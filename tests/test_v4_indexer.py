@@ -379,3 +379,15 @@ def test_entries_of_pages_not_in_the_cache_are_never_selected(page):
     for b in (0, 2):
         slots = np.asarray(got.slots[b])
         assert ((slots >= 0) & (slots < ours.cache.num_tokens)).sum() == 3 * TOPK
+
+
+def test_the_query_projections_run_at_float32s_precision():
+    """v4_index_query's projections (q_b_proj, weights_proj) and the Hadamard rotation ask for
+    precision HIGHEST, as compress's do: XLA's default on a GPU would take TF32 passes."""
+    hf = HF()
+    x = jnp.zeros((1, 3, HIDDEN), jnp.float32)
+    q_res = jnp.zeros((1, 3, 16), jnp.float32)
+    positions = jnp.arange(3, dtype=jnp.int32)[None]
+    lowered = _query.lower(hf.weights(), x, q_res, positions, jnp.asarray(hf.layers.inv_freq))
+    dots = [line for line in lowered.as_text().splitlines() if "dot_general" in line]
+    assert len(dots) == 3 and all("precision = [HIGHEST, HIGHEST]" in line for line in dots)
