@@ -340,3 +340,31 @@ def run_tiny_benchmark(script, prefix, *arguments):
                           str(prefix), *arguments], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(prefix.with_suffix(".json").read_text())
+
+
+def fp8_checkpoint(sd, scale_dtype, quantized=lambda key: True):
+    """sd's Linear weights (its 2-d ".weight" tensors whose keys `quantized` takes) as DeepSeek's
+    FP8 checkpoints store them: e4m3 values and "<name>_scale_inv", a scale per 128 x 128
+    block (amax / 448, rounded up to a power of two where the scales are ue8m0), in
+    scale_dtype. Returns (the checkpoint, each quantized weight as dequantized, float64)."""
+    import torch
+    out, want = {}, {}
+    for key, w in sd.items():
+        if w.ndim != 2 or not key.endswith(".weight") or not quantized(key):
+            out[key] = w
+            continue
+        rows, cols = -(-w.shape[0] // 128), -(-w.shape[1] // 128)
+        amax = torch.zeros(rows, cols)
+        for i in range(rows):
+            for j in range(cols):
+                amax[i, j] = w[128 * i:128 * (i + 1), 128 * j:128 * (j + 1)].abs().max()
+        scale = amax.clamp(min=1e-4) / 448
+        if scale_dtype == torch.float8_e8m0fnu:
+            scale = torch.exp2(torch.ceil(torch.log2(scale)))
+        scale = scale.to(scale_dtype)
+        full = scale.float().repeat_interleave(128, 0).repeat_interleave(128, 1)
+        full = full[:w.shape[0], :w.shape[1]]
+        values = (w.float() / full).to(torch.float8_e4m3fn)
+        out[key], out[key + "_scale_inv"] = values, scale
+        want[key] = values.double() * full.double()
+    return out, want

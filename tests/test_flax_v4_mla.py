@@ -34,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from v4_attention_hf import CSA, HCA, HIDDEN, LAYER_TYPES, SLIDING, HFLayers, config
+from helpers import fp8_checkpoint
+from v4_attention_hf import CSA, HCA, HIDDEN, LAYER_TYPES, SLIDING, HFLayers, config, torch
 from v4_ties import assert_selections_up_to_ties
 
 from jax_flashmla.caches.compressor_state import CompressorState
@@ -514,3 +515,27 @@ def test_weights_must_fit(hf):
         load_attention_weights(
             layer, {**weights, "self_attn.compressor.indexer.q_b_proj.weight": np.zeros((3, 16))},
             prefix="self_attn.")
+
+
+def test_an_fp8_checkpoint_loads_dequantized(hf):
+    """A CSA layer from a checkpoint stored as DeepSeek-V4-Flash's: its Linear weights e4m3
+    with ue8m0 scales per 128 x 128 block, the compressor's and the indexer's kv, gate and
+    head-weight projections bf16 without scales (HF's _keep_in_fp32_modules); each parameter
+    is its weight dequantized, the others HF's tensors."""
+    bf16 = ("compressor.kv_proj", "compressor.gate_proj", "indexer.kv_proj",
+            "indexer.gate_proj", "weights_proj")
+    weights, want = fp8_checkpoint(
+        hf.state_dict(CSA), torch.float8_e8m0fnu,
+        quantized=lambda key: not any(name in key for name in bf16))
+    assert {k.removeprefix("self_attn.") for k in want} == {
+        "q_a_proj.weight", "q_b_proj.weight", "kv_proj.weight", "o_a_proj.weight",
+        "o_b_proj.weight", "compressor.indexer.q_b_proj.weight"}
+    layer = load_attention_weights(
+        V4Attention(V4Config.from_hf(hf.cfg), LAYER_TYPES[CSA], rngs=nnx.Rngs(0)), weights,
+        prefix="self_attn.")
+    for name in v4_parameter_names(layer):
+        param, transposed = v4_parameter(layer, name)
+        key = "self_attn." + name
+        expected = (want[key] if key in want else weights[key].double()).float().numpy()
+        np.testing.assert_array_equal(np.asarray(param[...], np.float32),
+                                      expected.T if transposed else expected)

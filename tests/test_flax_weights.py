@@ -14,6 +14,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax_flashmla.flax import (MLAConfig, MultiHeadLatentAttention,  # noqa: E402
                                load_attention_weights)
 from jax_flashmla.flax.weights import attention_parameter_names  # noqa: E402
+from helpers import fp8_checkpoint  # noqa: E402
 
 PREFIX = "model.layers.1.self_attn."
 
@@ -137,3 +138,50 @@ def test_from_hf_names_a_missing_key():
         MLAConfig.from_hf({"hidden_size": 64})
     with pytest.raises(ValueError, match="the HF config has no 'hidden_size'"):
         MLAConfig.from_hf({"num_attention_heads": 4})
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float8_e8m0fnu],
+                         ids=["float32", "ue8m0"])
+def test_fp8_weights_are_dequantized_by_their_block_scales(scale_dtype, tmp_path):
+    """DeepSeek's FP8 checkpoints (V3's float32 scales, V4's ue8m0), as a state dict and as a
+    sharded safetensors checkpoint whose scales sit in another shard: each weight is its e4m3
+    values times its block's scale, exactly (float32 parameters)."""
+    cfg = config()
+    sd, want = fp8_checkpoint(hf_state_dict(cfg), scale_dtype)
+    loaded = {"state dict": load_attention_weights(MultiHeadLatentAttention(
+        cfg, rngs=nnx.Rngs(0)), sd, prefix=PREFIX)}
+    st = pytest.importorskip("safetensors.torch")
+    scales = sorted(k for k in sd if k.endswith("_scale_inv"))
+    shards = {"model-00001-of-00002.safetensors": sorted(set(sd) - set(scales)),
+              "model-00002-of-00002.safetensors": scales}
+    for name, keys in shards.items():
+        st.save_file({k: sd[k] for k in keys}, str(tmp_path / name))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: name for name, keys in shards.items() for k in keys}}))
+    loaded["sharded"] = load_attention_weights(MultiHeadLatentAttention(cfg, rngs=nnx.Rngs(1)),
+                                               tmp_path, prefix=PREFIX)
+    for layer in loaded.values():
+        for key, w in want.items():
+            sub = key[len(PREFIX):].split(".")[0]
+            np.testing.assert_array_equal(np.asarray(getattr(layer, sub).kernel[...]),
+                                          w.numpy().T.astype(np.float32))
+        np.testing.assert_array_equal(np.asarray(layer.kv_a_layernorm.weight[...]),
+                                      sd[PREFIX + "kv_a_layernorm.weight"].numpy())
+
+
+def test_an_fp8_weight_without_its_scales_or_with_misshapen_ones_is_refused():
+    cfg = config()
+    sd, _ = fp8_checkpoint(hf_state_dict(cfg), torch.float32)
+    layer = MultiHeadLatentAttention(cfg, rngs=nnx.Rngs(0))
+    key = PREFIX + "kv_b_proj.weight"
+    with pytest.raises(ValueError, match=f"weights\\['{key}'\\] is float8_e4m3fn, a "
+                                         "block-quantized checkpoint's weight, but weights has "
+                                         f"no '{key}_scale_inv' to dequantize it by"):
+        load_attention_weights(layer, {k: v for k, v in sd.items() if k != key + "_scale_inv"},
+                               prefix=PREFIX)
+    with pytest.raises(ValueError, match=r"kv_b_proj.weight_scale_inv'\] has shape \(2, 4\); "
+                                         r"the float8_e4m3fn weight '.*kv_b_proj.weight' of "
+                                         r"shape \(48, 512\) needs one scale per 128 x 128 "
+                                         r"block, \(1, 4\)"):
+        load_attention_weights(layer, {**sd, key + "_scale_inv": torch.ones(2, 4)},
+                               prefix=PREFIX)

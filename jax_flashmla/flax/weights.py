@@ -7,15 +7,15 @@ q_proj.weight without q LoRA), kv_a_proj_with_mqa.weight, kv_a_layernorm.weight,
 kv_b_proj.weight, o_proj.weight, and the .bias of q_a_proj, kv_a_proj_with_mqa and o_proj when
 attention_bias is set; DeepSeek-V3.2's layer adds its indexer's, indexer.wq_b.weight and so on,
 kept in HF's layout; DeepSeek-V4's layer has names of its own (flax/v4_weights.py). FP8
-block-quantised checkpoints (DeepSeek-V3's weight_scale_inv) must be dequantised first.
+block-quantized checkpoints (DeepSeek's releases: a weight's "<name>_scale_inv" beside it) are
+dequantized as they are read (flax/checkpoint.py).
 """
-import json
 import os
 from collections.abc import Mapping
 
 import jax.numpy as jnp
-import numpy as np
 
+from jax_flashmla.flax import checkpoint
 from jax_flashmla.flax.mla import MultiHeadLatentAttention
 from jax_flashmla.flax.sparse_mla import SparseMultiHeadLatentAttention
 from jax_flashmla.flax.v4_mla import V4Attention
@@ -41,58 +41,6 @@ def attention_parameter_names(config):
         names += [f"{n}.bias" for n in ("q_a_proj", "kv_a_proj_with_mqa", "o_proj")
                   if n in linears]
     return names
-
-
-def _to_numpy(value, name):
-    """numpy / jax / torch tensor -> a numpy or jax array (bfloat16 kept via float32)."""
-    if hasattr(value, "detach"):  # torch, without importing it
-        value = value.detach().cpu()
-        if str(value.dtype) in ("torch.bfloat16", "torch.float16", "torch.float8_e4m3fn"):
-            value = value.float()
-        return value.numpy()
-    if isinstance(value, (np.ndarray, jnp.ndarray)) or hasattr(value, "__array__"):
-        return value
-    raise TypeError(f"weights[{name!r}] must be an array or a torch tensor; got {type(value)}")
-
-
-def _shard_files(path, keys):
-    """Safetensors files under `path` (a file, or a directory with an index) holding keys."""
-    if os.path.isfile(path):
-        return {path: list(keys)}
-    if not os.path.isdir(path):
-        raise ValueError(f"weights must be a .safetensors file or a checkpoint directory (or a "
-                         f"mapping of tensors); got the path {path!r}")
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        files = {}
-        for key in keys:
-            if key not in weight_map:
-                raise KeyError(f"{index} has no {key!r} (needed by the attention layer)")
-            files.setdefault(os.path.join(path, weight_map[key]), []).append(key)
-        return files
-    single = os.path.join(path, "model.safetensors")
-    if os.path.isfile(single):
-        return {single: list(keys)}
-    raise ValueError(f"weights: the directory {path!r} holds neither model.safetensors nor its "
-                     f"index")
-
-
-def read_safetensors(path, names):
-    """Reads the named tensors (only those) from a safetensors file or checkpoint directory,
-    as numpy float32 arrays (bfloat16 and float16 widened). Needs the `safetensors` package."""
-    from safetensors import safe_open
-
-    out = {}
-    for file, keys in _shard_files(path, names).items():
-        with safe_open(file, framework="flax") as f:
-            available = set(f.keys())
-            for key in keys:
-                if key not in available:
-                    raise KeyError(f"{file} has no {key!r} (needed by the attention layer)")
-                out[key] = np.asarray(f.get_tensor(key).astype(jnp.float32))
-    return out
 
 
 def layer_parameter_names(layer):
@@ -132,14 +80,15 @@ def load_attention_weights(layer, weights, *, prefix=""):
         DeepseekV4Attention names, its compressor's and indexer's: flax/v4_weights.py).
       weights: a mapping from HF names to arrays or torch tensors (CPU; extra keys are
         ignored), or the path (str or os.PathLike) of a safetensors file or of a (sharded)
-        checkpoint directory, of which only this layer's tensors are read (needs the
-        safetensors package).
+        checkpoint directory, of which only this layer's tensors are read. A float8_e4m3fn
+        weight is dequantized by its "<name>_scale_inv" (one float32 or ue8m0 scale per
+        128 x 128 block, as DeepSeek's checkpoints store them).
       prefix: prepended to each name, e.g. "model.layers.3.self_attn.".
 
     Returns:
       layer. Each parameter keeps its dtype (values are cast). Raises TypeError for another
       layer or weights, KeyError naming a missing tensor and ValueError naming one whose shape
-      does not fit.
+      does not fit, or an FP8 weight without its scales.
     """
     return load_parameters("load_attention_weights", "the attention layer", layer,
                            layer_parameter_names(layer), _parameter, weights, prefix)
@@ -149,11 +98,15 @@ def load_parameters(where, needed_by, layer, names, parameter, weights, prefix):
     """Loads HF's tensors `names` (each under prefix + name) into layer's parameters, cast to
     their dtypes. parameter(layer, name) gives the nnx.Param a name loads into and whether
     HF's value is its transpose. weights: a mapping from HF names to tensors, or the path of a
-    safetensors checkpoint (only the names needed are read). Raises TypeError for other
-    weights, KeyError naming a missing tensor (needed by `needed_by`), ValueError naming one
-    whose shape does not fit."""
+    safetensors checkpoint (only the names needed are read, and the FP8 ones' scales); an FP8
+    weight is dequantized (checkpoint.tensor). Raises TypeError for other weights, KeyError
+    naming a missing tensor (needed by `needed_by`), ValueError naming one whose shape does
+    not fit or an FP8 weight without its scales."""
     if isinstance(weights, (str, os.PathLike)):
-        weights = read_safetensors(os.fspath(weights), [prefix + name for name in names])
+        keys = [prefix + name for name in names]
+        weights = checkpoint.read_safetensors(
+            os.fspath(weights), keys, optional=[key + checkpoint.SCALE_SUFFIX for key in keys
+                                                if key.endswith(".weight")])
     elif not isinstance(weights, Mapping):
         raise TypeError(f"{where}: weights must be a mapping from HF names to tensors or the "
                         f"path of a safetensors checkpoint; got {type(weights).__name__}")
@@ -162,7 +115,7 @@ def load_parameters(where, needed_by, layer, names, parameter, weights, prefix):
         if key not in weights:
             raise KeyError(f"weights has no {key!r} (needed by {needed_by})")
         param, transposed = parameter(layer, name)
-        value = jnp.asarray(_to_numpy(weights[key], key))
+        value = jnp.asarray(checkpoint.tensor(weights, key))
         seen = tuple(value.shape)
         if transposed:
             value = value.T
