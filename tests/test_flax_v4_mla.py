@@ -42,7 +42,7 @@ from jax_flashmla.caches.compressor_state import CompressorState
 from jax_flashmla.caches.index_keys import read_index_keys
 from jax_flashmla.caches.v4 import V4KVCache, gather_rows
 from jax_flashmla.flax import V4Attention, V4Config, load_attention_weights
-from jax_flashmla.flax.v4_weights import v4_parameter, v4_parameter_names
+from jax_flashmla.flax.v4_weights import DEEPSEEK_NAMES, v4_parameter, v4_parameter_names
 from jax_flashmla.ops.indexer import HADAMARD, IndexQuery, index_scores
 from jax_flashmla.ops.v4_indexer import v4_index_query, visible_entries
 
@@ -539,3 +539,49 @@ def test_an_fp8_checkpoint_loads_dequantized(hf):
         expected = (want[key] if key in want else weights[key].double()).float().numpy()
         np.testing.assert_array_equal(np.asarray(param[...], np.float32),
                                       expected.T if transposed else expected)
+
+
+def test_deepseeks_names_are_those_hf_renames(hf):
+    """v4_weights.DEEPSEEK_NAMES covers a CSA layer's tensors, and HF's loader renames each
+    DeepSeek name (and a weight's ".scale") to the HF name it stands for."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, apply_renamings
+
+    renamings = [t for t in get_checkpoint_conversion_mapping("deepseek_v4")
+                 if type(t) is WeightRenaming]
+    # HF's FP8 quantizer adds this one for checkpoints that ship their scales as ".scale".
+    renamings.append(WeightRenaming(source_patterns=r"^(.+)\.scale",
+                                    target_patterns=r"\1.weight_scale_inv"))
+    layer = _layer(hf, CSA)
+    assert sorted(DEEPSEEK_NAMES) == sorted(v4_parameter_names(layer))
+    for name, own in DEEPSEEK_NAMES.items():
+        assert apply_renamings("layers.3.attn." + own, renamings) == "layers.3.self_attn." + name
+        if own.endswith(".weight"):
+            assert apply_renamings("layers.3.attn." + own.removesuffix("weight") + "scale",
+                                   renamings) == "layers.3.self_attn." + name + "_scale_inv"
+
+
+def test_a_checkpoint_under_deepseeks_names_loads_as_under_hfs(hf, tmp_path):
+    """A CSA layer from a safetensors file under DeepSeek's own names, its FP8 weights' ue8m0
+    scales as "<module>.scale", equals the layer from the same tensors under HF's names."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    hf_weights, _ = fp8_checkpoint(hf.state_dict(CSA), torch.float8_e8m0fnu)
+    own = {}
+    for name, key in DEEPSEEK_NAMES.items():
+        own["layers.3.attn." + key] = hf_weights["self_attn." + name]
+        if "self_attn." + name + "_scale_inv" in hf_weights:
+            own["layers.3.attn." + key.removesuffix("weight") + "scale"] = hf_weights[
+                "self_attn." + name + "_scale_inv"]
+    safetensors_torch.save_file(own, str(tmp_path / "model.safetensors"))
+    config = V4Config.from_hf(hf.cfg)
+    from_hf = load_attention_weights(V4Attention(config, LAYER_TYPES[CSA], rngs=nnx.Rngs(0)),
+                                     hf_weights, prefix="self_attn.")
+    from_own = load_attention_weights(V4Attention(config, LAYER_TYPES[CSA], rngs=nnx.Rngs(1)),
+                                      tmp_path, prefix="layers.3.attn.", names="deepseek")
+    for name in v4_parameter_names(from_hf):
+        np.testing.assert_array_equal(v4_parameter(from_own, name)[0][...],
+                                      v4_parameter(from_hf, name)[0][...])
+    with pytest.raises(KeyError, match="layers.3.attn.wq_a.weight"):
+        load_attention_weights(from_own, {}, prefix="layers.3.attn.", names="deepseek")
+    with pytest.raises(ValueError, match="names must be 'hf' or 'deepseek'; got 'HF'"):
+        load_attention_weights(from_own, own, names="HF")

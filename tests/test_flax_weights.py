@@ -185,3 +185,10 @@ def test_an_fp8_weight_without_its_scales_or_with_misshapen_ones_is_refused():
                                          r"block, \(1, 4\)"):
         load_attention_weights(layer, {**sd, key + "_scale_inv": torch.ones(2, 4)},
                                prefix=PREFIX)
+
+
+def test_deepseeks_own_names_are_v4s_only():
+    layer = MultiHeadLatentAttention(config(), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="names='deepseek' are DeepSeek-V4's own; DeepSeek's V3 "
+                                         "and V3.2 releases use HF's names: pass names='hf'"):
+        load_attention_weights(layer, hf_state_dict(config()), prefix=PREFIX, names="deepseek")

@@ -3,8 +3,8 @@ weights, dequantized.
 
 DeepSeek's released checkpoints (V3, V3.2, V4) store most Linear weights in float8_e4m3fn with
 one scale per block of 128 x 128 (config.json's quantization_config.weight_block_size) beside
-them, under "<name>_scale_inv": float32 in V3's, ue8m0 (float8_e8m0fnu, a power of two) in
-V4's. HF's FP8 layers multiply each block by its scale; so does tensor() here, in float32, where
+them (HF's name "<weight name>_scale_inv", DeepSeek's own "<module>.scale"): float32 in V3's,
+ue8m0 (float8_e8m0fnu, a power of two) in V4's. HF's FP8 layers multiply each block by its scale; so does tensor() here, in float32, where
 the product is exact (a 4-bit significand times a float32), before the layer casts it to its
 parameter dtype. Weights without a scale (V4-Flash's compressor and indexer projections, bf16)
 are read as they are.
@@ -19,7 +19,6 @@ import struct
 import ml_dtypes
 import numpy as np
 
-SCALE_SUFFIX = "_scale_inv"  # HF's name of a quantized weight's block scales: <weight name> + it
 FP8_BLOCK = 128  # DeepSeek's quantization_config.weight_block_size, [128, 128]
 
 # safetensors' names of the dtypes a DeepSeek attention layer's tensors come in.
@@ -46,31 +45,31 @@ def to_numpy(value, name):
     raise TypeError(f"weights[{name!r}] must be an array or a torch tensor; got {type(value)}")
 
 
-def dequantized(name, weight, scale_inv):
-    """weight (out, in), e4m3 values, times its blocks' scales scale_inv (ceil(out / 128),
-    ceil(in / 128)): float32. name: the weight's, for errors."""
+def dequantized(name, weight, scale_name, scale):
+    """weight (out, in), e4m3 values, times its blocks' scales (ceil(out / 128),
+    ceil(in / 128)): float32. name, scale_name: theirs, for errors."""
     weight = np.asarray(weight, np.float32)
-    scale = np.asarray(scale_inv, np.float32)
+    scale = np.asarray(scale, np.float32)
     blocks = tuple(-(-n // FP8_BLOCK) for n in weight.shape)
     if weight.ndim != 2 or scale.shape != blocks:
-        raise ValueError(f"weights[{name + SCALE_SUFFIX!r}] has shape {scale.shape}; the "
-                         f"float8_e4m3fn weight {name!r} of shape {weight.shape} needs one "
-                         f"scale per {FP8_BLOCK} x {FP8_BLOCK} block, {blocks}")
+        raise ValueError(f"weights[{scale_name!r}] has shape {scale.shape}; the float8_e4m3fn "
+                         f"weight {name!r} of shape {weight.shape} needs one scale per "
+                         f"{FP8_BLOCK} x {FP8_BLOCK} block, {blocks}")
     full = np.repeat(np.repeat(scale, FP8_BLOCK, 0), FP8_BLOCK, 1)
     return weight * full[:weight.shape[0], :weight.shape[1]]
 
 
-def tensor(weights, key):
+def tensor(weights, key, scale_key):
     """weights[key] as a numpy or jax array; a float8_e4m3fn one dequantized by
-    weights[key + "_scale_inv"] (dequantized), a ValueError where that is missing."""
+    weights[scale_key] (dequantized), a ValueError where that is missing."""
     value = weights[key]
     if _dtype_name(value) != "float8_e4m3fn":
         return to_numpy(value, key)
-    scale_key = key + SCALE_SUFFIX
     if scale_key not in weights:
         raise ValueError(f"weights[{key!r}] is float8_e4m3fn, a block-quantized checkpoint's "
                          f"weight, but weights has no {scale_key!r} to dequantize it by")
-    return dequantized(key, to_numpy(value, key), to_numpy(weights[scale_key], scale_key))
+    return dequantized(key, to_numpy(value, key), scale_key,
+                       to_numpy(weights[scale_key], scale_key))
 
 
 def _shard_files(path, keys, optional):

@@ -19,7 +19,7 @@ from jax_flashmla.flax import checkpoint
 from jax_flashmla.flax.mla import MultiHeadLatentAttention
 from jax_flashmla.flax.sparse_mla import SparseMultiHeadLatentAttention
 from jax_flashmla.flax.v4_mla import V4Attention
-from jax_flashmla.flax.v4_weights import v4_parameter, v4_parameter_names
+from jax_flashmla.flax.v4_weights import DEEPSEEK_NAMES, v4_parameter, v4_parameter_names
 from jax_flashmla.ops.indexer import HF_NAMES
 
 # HF's names of the indexer's weights under a layer's self_attn -> the Indexer's fields.
@@ -71,51 +71,67 @@ def _parameter(layer, name):
     return target.weight, False
 
 
-def load_attention_weights(layer, weights, *, prefix=""):
+def load_attention_weights(layer, weights, *, prefix="", names="hf"):
     """Copies HF DeepSeek attention weights into a layer, in place.
 
     Args:
       layer: a MultiHeadLatentAttention, a SparseMultiHeadLatentAttention (its indexer's
         weights too, HF's "<prefix>indexer.wq_b.weight" and so on), or a V4Attention (HF's
         DeepseekV4Attention names, its compressor's and indexer's: flax/v4_weights.py).
-      weights: a mapping from HF names to arrays or torch tensors (CPU; extra keys are
-        ignored), or the path (str or os.PathLike) of a safetensors file or of a (sharded)
-        checkpoint directory, of which only this layer's tensors are read. A float8_e4m3fn
-        weight is dequantized by its "<name>_scale_inv" (one float32 or ue8m0 scale per
-        128 x 128 block, as DeepSeek's checkpoints store them).
-      prefix: prepended to each name, e.g. "model.layers.3.self_attn.".
+      weights: a mapping from names to arrays or torch tensors (CPU; extra keys are ignored),
+        or the path (str or os.PathLike) of a safetensors file or of a (sharded) checkpoint
+        directory, of which only this layer's tensors are read. A float8_e4m3fn weight is
+        dequantized by its scales (one float32 or ue8m0 scale per 128 x 128 block, as
+        DeepSeek's checkpoints store them).
+      prefix: prepended to each name, e.g. "model.layers.3.self_attn." ("layers.3.attn." for
+        DeepSeek's names).
+      names: "hf", HF transformers' names, a weight's scales "<weight name>_scale_inv"; or
+        "deepseek", DeepSeek's own in its V4 releases (a V4Attention only; HF renames them as
+        it loads them: "wq_a.weight" for "q_a_proj.weight", "attn_sink" for "sinks", ...,
+        v4_weights.DEEPSEEK_NAMES), a weight's scales "<module>.scale".
 
     Returns:
       layer. Each parameter keeps its dtype (values are cast). Raises TypeError for another
       layer or weights, KeyError naming a missing tensor and ValueError naming one whose shape
       does not fit, or an FP8 weight without its scales.
     """
-    return load_parameters("load_attention_weights", "the attention layer", layer,
-                           layer_parameter_names(layer), _parameter, weights, prefix)
+    needed = layer_parameter_names(layer)
+    if names == "hf":
+        keys = {name: prefix + name for name in needed}
+        scale_key = lambda key: key + "_scale_inv"
+    elif names == "deepseek":
+        if not isinstance(layer, V4Attention):
+            raise ValueError("load_attention_weights: names='deepseek' are DeepSeek-V4's own; "
+                             "DeepSeek's V3 and V3.2 releases use HF's names: pass names='hf'")
+        keys = {name: prefix + DEEPSEEK_NAMES[name] for name in needed}
+        scale_key = lambda key: key.removesuffix(".weight") + ".scale"
+    else:
+        raise ValueError(f"load_attention_weights: names must be 'hf' or 'deepseek'; got "
+                         f"{names!r}")
+    return load_parameters("load_attention_weights", "the attention layer", layer, keys,
+                           _parameter, weights, scale_key)
 
 
-def load_parameters(where, needed_by, layer, names, parameter, weights, prefix):
-    """Loads HF's tensors `names` (each under prefix + name) into layer's parameters, cast to
-    their dtypes. parameter(layer, name) gives the nnx.Param a name loads into and whether
-    HF's value is its transpose. weights: a mapping from HF names to tensors, or the path of a
-    safetensors checkpoint (only the names needed are read, and the FP8 ones' scales); an FP8
-    weight is dequantized (checkpoint.tensor). Raises TypeError for other weights, KeyError
-    naming a missing tensor (needed by `needed_by`), ValueError naming one whose shape does
-    not fit or an FP8 weight without its scales."""
+def load_parameters(where, needed_by, layer, keys, parameter, weights, scale_key):
+    """Loads the tensors keys[name] into the layer's parameters of HF's `name`s, cast to their
+    dtypes. parameter(layer, name) gives the nnx.Param a name loads into and whether HF's
+    value is its transpose. weights: a mapping from keys to tensors, or the path of a
+    safetensors checkpoint (only the keys needed are read, and the FP8 ones' scales); an FP8
+    weight is dequantized by weights[scale_key(key)] (checkpoint.tensor). Raises TypeError for
+    other weights, KeyError naming a missing tensor (needed by `needed_by`), ValueError naming
+    one whose shape does not fit or an FP8 weight without its scales."""
     if isinstance(weights, (str, os.PathLike)):
-        keys = [prefix + name for name in names]
         weights = checkpoint.read_safetensors(
-            os.fspath(weights), keys, optional=[key + checkpoint.SCALE_SUFFIX for key in keys
-                                                if key.endswith(".weight")])
+            os.fspath(weights), keys.values(),
+            optional=[scale_key(key) for key in keys.values() if key.endswith(".weight")])
     elif not isinstance(weights, Mapping):
         raise TypeError(f"{where}: weights must be a mapping from HF names to tensors or the "
                         f"path of a safetensors checkpoint; got {type(weights).__name__}")
-    for name in names:
-        key = prefix + name
+    for name, key in keys.items():
         if key not in weights:
             raise KeyError(f"weights has no {key!r} (needed by {needed_by})")
         param, transposed = parameter(layer, name)
-        value = jnp.asarray(checkpoint.tensor(weights, key))
+        value = jnp.asarray(checkpoint.tensor(weights, key, scale_key(key)))
         seen = tuple(value.shape)
         if transposed:
             value = value.T
