@@ -4,10 +4,10 @@ weights, dequantized.
 DeepSeek's released checkpoints (V3, V3.2, V4) store most Linear weights in float8_e4m3fn with
 one scale per block of 128 x 128 (config.json's quantization_config.weight_block_size) beside
 them (HF's name "<weight name>_scale_inv", DeepSeek's own "<module>.scale"): float32 in V3's,
-ue8m0 (float8_e8m0fnu, a power of two) in V4's. HF's FP8 layers multiply each block by its scale; so does tensor() here, in float32, where
-the product is exact (a 4-bit significand times a float32), before the layer casts it to its
-parameter dtype. Weights without a scale (V4-Flash's compressor and indexer projections, bf16)
-are read as they are.
+ue8m0 (float8_e8m0fnu, a power of two) in V4's. HF's FP8 layers multiply each block by its
+scale; so does tensor() here, in float32, where the product is exact (a 4-bit significand
+times a float32), before the layer casts it to its parameter dtype. Weights without a scale
+(V4-Flash's compressor and indexer projections, bf16) are read as they are.
 
 safetensors files are read by their header here, not by the safetensors package: its numpy
 and jax readers cannot make float8 arrays (numpy has no float8 type); ml_dtypes' can.
