@@ -192,3 +192,15 @@ def test_deepseeks_own_names_are_v4s_only():
     with pytest.raises(ValueError, match="names='deepseek' are DeepSeek-V4's own; DeepSeek's V3 "
                                          "and V3.2 releases use HF's names: pass names='hf'"):
         load_attention_weights(layer, hf_state_dict(config()), prefix=PREFIX, names="deepseek")
+
+
+def test_a_truncated_safetensors_file_is_refused(tmp_path):
+    st = pytest.importorskip("safetensors.torch")
+    cfg = config()
+    path = tmp_path / "model.safetensors"
+    st.save_file(hf_state_dict(cfg), str(path))
+    path.write_bytes(path.read_bytes()[:-100])  # the last tensor loses its last 25 floats
+    with pytest.raises(ValueError, match=r"should span \d+ bytes; its header gives \d+ and the "
+                                         r"file holds \d+ of them"):
+        load_attention_weights(MultiHeadLatentAttention(cfg, rngs=nnx.Rngs(0)), path,
+                               prefix=PREFIX)

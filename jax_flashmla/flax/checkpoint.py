@@ -13,6 +13,7 @@ safetensors files are read by their header here, not by the safetensors package:
 and jax readers cannot make float8 arrays (numpy has no float8 type); ml_dtypes' can.
 """
 import json
+import math
 import os
 import struct
 
@@ -115,10 +116,15 @@ def _read_file(file, keys, optional):
             if entry["dtype"] not in SAFETENSORS_DTYPES:
                 raise ValueError(f"{file}: {key!r} is {entry['dtype']}; an attention layer's "
                                  f"tensors are one of {', '.join(SAFETENSORS_DTYPES)}")
+            dtype, shape = np.dtype(SAFETENSORS_DTYPES[entry["dtype"]]), entry["shape"]
             begin, end = entry["data_offsets"]
             f.seek(8 + size + begin)
-            out[key] = np.frombuffer(f.read(end - begin),
-                                     SAFETENSORS_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+            data = f.read(end - begin)
+            if len(data) != end - begin or end - begin != dtype.itemsize * math.prod(shape):
+                raise ValueError(f"{file}: {key!r} ({entry['dtype']} {shape}) should span "
+                                 f"{dtype.itemsize * math.prod(shape)} bytes; its header "
+                                 f"gives {end - begin} and the file holds {len(data)} of them")
+            out[key] = np.frombuffer(data, dtype).reshape(shape)
     return out
 
 
