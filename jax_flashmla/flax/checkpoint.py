@@ -41,7 +41,7 @@ def to_numpy(value, name):
         if _dtype_name(value) in ("bfloat16", "float16", "float8_e4m3fn", "float8_e8m0fnu"):
             value = value.float()
         return value.numpy()
-    if isinstance(value, np.ndarray) or hasattr(value, "__array__"):
+    if hasattr(value, "__array__"):  # numpy, jax and the like
         return value
     raise TypeError(f"weights[{name!r}] must be an array or a torch tensor; got {type(value)}")
 
