@@ -226,12 +226,15 @@ __host__ __device__ inline int64_t TopkCandidates(int64_t width, int64_t k) {
   return (pieces - 1) * k + Min(width - (pieces - 1) * kTopkPiece, k);
 }
 
-// A score as an unsigned key of the same order (totalOrder): flip the sign bit of positives,
-// every bit of negatives.
+// A score as an unsigned key of the same order (totalOrder, a NaN's sign dropped first, so that
+// every NaN ranks above +inf): flip the sign bit of positives, every bit of negatives.
 __device__ __forceinline__ uint32_t OrderedKey(float x) {
-  const uint32_t bits = __float_as_uint(x);
+  uint32_t bits = __float_as_uint(x);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) bits &= 0x7FFFFFFFu;
   return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
+
+constexpr uint32_t kNegInfKey = 0x007FFFFFu;  // OrderedKey(-inf)
 
 static_assert(kBinsPerThread == 4, "a thread reads its bins of each block as one uint4");
 
@@ -275,7 +278,8 @@ __device__ __forceinline__ void LoadKeys(const float* row, int64_t start, int64_
 // `row`. Its k best go to positions[row, part * k + i] (positions (rows, out_width)), i < k:
 // their positions in the row, or index[row, position] where index (rows, width) is given, and
 // with kept (rows, out_width) given their scores too. A piece of no more than k scores keeps
-// every one, then -1 up to out_width.
+// every one, then -1 up to out_width. Without kept (the last pass) a -inf score, which marks
+// a position the row does not see, is never taken: the row's picks above -inf, then -1.
 //
 // The blocks of a cluster (those that hold the piece's scores in registers, as many as fit
 // the clusters in one wave, up to kMaxCluster) each take one slice of the piece, each of their
@@ -311,11 +315,18 @@ __global__ void __launch_bounds__(kTopkThreads)
   };
 
   if (length <= k) {  // uniform across the cluster: no block waits on another
-    if (rank == 0)
-      for (int64_t i = tid; i < take; i += blockDim.x) {
-        if (i < length) emit(i, lo + i);
-        else positions[out_start + i] = -1;
-      }
+    if (rank != 0) return;
+    int64_t placed = 0;  // of the scores before i, those taken
+    for (int64_t first = 0; first < length; first += blockDim.x) {
+      const int64_t i = first + tid;
+      const int keep = i < length && (kept != nullptr || OrderedKey(row_scores[lo + i]) > kNegInfKey);
+      int before = 0, total = 0;
+      cub::BlockScan<int, kTopkThreads>(shared.scan).ExclusiveSum(keep, before, total);
+      if (keep) emit(placed + before, lo + i);
+      placed += total;
+      __syncthreads();  // the scan's storage is reused
+    }
+    for (int64_t i = placed + tid; i < take; i += blockDim.x) positions[out_start + i] = -1;
     return;
   }
   constexpr int64_t kSliceUnit = kTopkWarps * kStep;
@@ -472,6 +483,28 @@ __global__ void __launch_bounds__(kTopkThreads)
       compact(prefix);
   }
   const int compacted = shared.compact_count;
+  // The last pass where the k-th key is -inf: the row has fewer than k keys above -inf,
+  // which are taken; the rest of the k are -1 (uniform across the cluster).
+  const bool short_row = kept == nullptr && prefix == kNegInfKey;
+  if (short_row) {
+    prefix = kNegInfKey;
+    remaining = 0;
+    int mine = 0;  // this slice's keys above -inf
+    if (compacted >= 0) {
+      for (int i = tid; i < compacted; i += blockDim.x) mine += shared.compact_keys[i] > prefix;
+    } else {
+      for_each_step([&](int start, const uint32_t (&keys)[kPerLane]) {
+#pragma unroll
+        for (int e = 0; e < kPerLane; ++e) mine += start + e < last_position && keys[e] > prefix;
+      });
+    }
+    mine = cub::BlockReduce<int, kTopkThreads>(shared.reduce).Sum(mine);
+    if (tid == 0) {
+      shared.greater = mine;
+      shared.equal = 0;
+    }
+    sync_cluster();  // every slice's count is set
+  }
 
   // Of the row, the keys above the k-th and equal to it before this slice: the earlier
   // slices' (their blocks' totals).
@@ -480,6 +513,9 @@ __global__ void __launch_bounds__(kTopkThreads)
     greater_before += cluster.map_shared_rank(&shared.greater, r)[0];
     equal_before += cluster.map_shared_rank(&shared.equal, r)[0];
   }
+  if (short_row && rank == blocks - 1)
+    for (int64_t i = greater_before + shared.greater + tid; i < take; i += blockDim.x)
+      positions[out_start + i] = -1;
   // Position p is taken where its key is above the k-th, or equal to it with fewer than
   // `remaining` equal ones before it; it goes to out[greater before p + min(equal before p,
   // remaining)].
