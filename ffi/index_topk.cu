@@ -319,7 +319,8 @@ __global__ void __launch_bounds__(kTopkThreads)
     int64_t placed = 0;  // of the scores before i, those taken
     for (int64_t first = 0; first < length; first += blockDim.x) {
       const int64_t i = first + tid;
-      const int keep = i < length && (kept != nullptr || OrderedKey(row_scores[lo + i]) > kNegInfKey);
+      const int keep =
+          i < length && (kept != nullptr || OrderedKey(row_scores[lo + i]) > kNegInfKey);
       int before = 0, total = 0;
       cub::BlockScan<int, kTopkThreads>(shared.scan).ExclusiveSum(keep, before, total);
       if (keep) emit(placed + before, lo + i);
@@ -487,8 +488,7 @@ __global__ void __launch_bounds__(kTopkThreads)
   // which are taken; the rest of the k are -1 (uniform across the cluster).
   const bool short_row = kept == nullptr && prefix == kNegInfKey;
   if (short_row) {
-    prefix = kNegInfKey;
-    remaining = 0;
+    remaining = 0;  // of the keys equal to the k-th (-inf), none
     int mine = 0;  // this slice's keys above -inf
     if (compacted >= 0) {
       for (int i = tid; i < compacted; i += blockDim.x) mine += shared.compact_keys[i] > prefix;

@@ -33,9 +33,10 @@ cudaError_t LaunchIndexScores(const uint8_t* q, const float* weights, int64_t ro
 // positions (rows, k) int32: the positions of each row's k largest scores (of score_width)
 // above -inf, in ascending order, then -1 where fewer than k are. Scores are ordered as IEEE
 // totalOrder orders them with every NaN's sign dropped (every NaN above +inf); of equal scores
-// the lower position is taken first, as lax.top_k takes them. A -inf score (a position the row does not see) is never
-// taken, so that the picks need no reordering after. scratch: rows * TopkScratchWidth(score_width, k)
-// int32 the launch's kernels use between them (none where that is 0).
+// the lower position is taken first, as lax.top_k takes them. A -inf score (a position the
+// row does not see) is never taken, so that the picks need no reordering after. scratch:
+// rows * TopkScratchWidth(score_width, k) int32 the launch's kernels use between them (none
+// where that is 0).
 cudaError_t LaunchTopkPositions(const float* scores, int64_t rows, int64_t score_width,
                                 int64_t k, int32_t* positions, int32_t* scratch,
                                 cudaStream_t stream);
