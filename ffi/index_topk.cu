@@ -273,6 +273,12 @@ __device__ __forceinline__ void LoadKeys(const float* row, int64_t start, int64_
   for (int e = 0; e < kPerLane; ++e) keys[e] = start + e < end ? OrderedKey(row[start + e]) : 0;
 }
 
+// out[i] = -1 for i in [from, to), by the block's threads. Not inlined: inlined in
+// TopkPositionsKernel, at its 128 registers a thread, ptxas (CUDA 13.0) spilled.
+__device__ __noinline__ void FillUnpicked(int32_t* out, int64_t from, int64_t to) {
+  for (int64_t i = from + threadIdx.x; i < to; i += blockDim.x) out[i] = -1;
+}
+
 // Per cluster of blocks, one piece of a row: scores [part * piece, part * piece + piece) of
 // row `row` of scores (rows, width), cluster blockIdx.x / blocks being piece `part` of row
 // `row`. Its k best go to positions[row, part * k + i] (positions (rows, out_width)), i < k:
@@ -484,26 +490,17 @@ __global__ void __launch_bounds__(kTopkThreads)
       compact(prefix);
   }
   const int compacted = shared.compact_count;
-  // The last pass where the k-th key is -inf: the row has fewer than k keys above -inf,
-  // which are taken; the rest of the k are -1 (uniform across the cluster).
-  const bool short_row = kept == nullptr && prefix == kNegInfKey;
-  if (short_row) {
+  // The last pass where the k-th key is -inf: the row has fewer than k keys above -inf, which
+  // are taken (each slice's are the shared.greater its passes counted); the rest of the k are
+  // -1, written by the last block (uniform across the cluster; no pick lies past them).
+  if (kept == nullptr && prefix == kNegInfKey) {
     remaining = 0;  // of the keys equal to the k-th (-inf), none
-    int mine = 0;  // this slice's keys above -inf
-    if (compacted >= 0) {
-      for (int i = tid; i < compacted; i += blockDim.x) mine += shared.compact_keys[i] > prefix;
-    } else {
-      for_each_step([&](int start, const uint32_t (&keys)[kPerLane]) {
-#pragma unroll
-        for (int e = 0; e < kPerLane; ++e) mine += start + e < last_position && keys[e] > prefix;
-      });
+    if (rank == blocks - 1) {
+      int64_t picked = 0;
+      for (int r = 0; r < blocks; ++r)
+        picked += blocks == 1 ? shared.greater : cluster.map_shared_rank(&shared.greater, r)[0];
+      FillUnpicked(positions + out_start, picked, take);
     }
-    mine = cub::BlockReduce<int, kTopkThreads>(shared.reduce).Sum(mine);
-    if (tid == 0) {
-      shared.greater = mine;
-      shared.equal = 0;
-    }
-    sync_cluster();  // every slice's count is set
   }
 
   // Of the row, the keys above the k-th and equal to it before this slice: the earlier
@@ -513,9 +510,6 @@ __global__ void __launch_bounds__(kTopkThreads)
     greater_before += cluster.map_shared_rank(&shared.greater, r)[0];
     equal_before += cluster.map_shared_rank(&shared.equal, r)[0];
   }
-  if (short_row && rank == blocks - 1)
-    for (int64_t i = greater_before + shared.greater + tid; i < take; i += blockDim.x)
-      positions[out_start + i] = -1;
   // Position p is taken where its key is above the k-th, or equal to it with fewer than
   // `remaining` equal ones before it; it goes to out[greater before p + min(equal before p,
   // remaining)].
