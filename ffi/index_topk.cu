@@ -60,9 +60,9 @@ __device__ __forceinline__ uint64_t TileDescriptor(const uint8_t* tile) {
 }
 
 // d (64 keys x 64 heads, float32) = a (64 keys x 32) . b (64 heads x 32)^T + (accumulate ? d :
-// 0), e4m3 from shared memory, issued by the whole warpgroup; with accumulate 0 it reads no d. Thread t of the warpgroup holds
-// rows 16 (t / 32) + (t % 32) / 4 (+ 8 in d[4 j + 2..3]), columns 8 j + 2 (t % 4) (+ 1 in
-// d[4 j + 1], d[4 j + 3]), j < 8.
+// 0), e4m3 from shared memory, issued by the whole warpgroup; with accumulate 0 it reads no d.
+// Thread t of the warpgroup holds rows 16 (t / 32) + (t % 32) / 4 (+ 8 in d[4 j + 2..3]),
+// columns 8 j + 2 (t % 4) (+ 1 in d[4 j + 1], d[4 j + 3]), j < 8.
 __device__ __forceinline__ void WgmmaE4m3(float (&d)[32], uint64_t a, uint64_t b,
                                           int accumulate) {
   asm volatile(
