@@ -29,8 +29,13 @@ constexpr float kNegInf = -__builtin_huge_valf();
 __host__ __device__ inline int64_t Min(int64_t a, int64_t b) { return a < b ? a : b; }
 __host__ __device__ inline int64_t Max(int64_t a, int64_t b) { return a > b ? a : b; }
 
-// relu that keeps NaN, as jax.nn.relu does (fmaxf(NaN, 0) would give 0).
-__device__ __forceinline__ float Relu(float x) { return x < 0.f ? 0.f : x; }
+// relu that keeps NaN, as jax.nn.relu does (fmaxf(NaN, 0) would give 0), in one instruction
+// (a compare and a select take two).
+__device__ __forceinline__ float Relu(float x) {
+  float y;
+  asm("max.NaN.f32 %0, %1, 0f00000000;" : "=f"(y) : "f"(x));
+  return y;
+}
 
 // The byte offset of 16-byte chunk `chunk` of 128-byte row `row` in a tile of rows stored with
 // the 128-byte swizzle the wgmma descriptors below name: chunk c of row r sits at c ^ (r % 8),
@@ -55,9 +60,9 @@ __device__ __forceinline__ uint64_t TileDescriptor(const uint8_t* tile) {
 }
 
 // d (64 keys x 64 heads, float32) = a (64 keys x 32) . b (64 heads x 32)^T + (accumulate ? d :
-// 0), e4m3 from shared memory, issued by the whole warpgroup. Thread t of the warpgroup holds
-// rows 16 (t / 32) + (t % 32) / 4 (+ 8 in d[4 j + 2..3]), columns 8 j + 2 (t % 4) (+ 1 in
-// d[4 j + 1], d[4 j + 3]), j < 8.
+// 0), e4m3 from shared memory, issued by the whole warpgroup; with accumulate 0 it reads no d.
+// Thread t of the warpgroup holds rows 16 (t / 32) + (t % 32) / 4 (+ 8 in d[4 j + 2..3]),
+// columns 8 j + 2 (t % 4) (+ 1 in d[4 j + 1], d[4 j + 3]), j < 8.
 __device__ __forceinline__ void WgmmaE4m3(float (&d)[32], uint64_t a, uint64_t b,
                                           int accumulate) {
   asm volatile(
@@ -129,13 +134,23 @@ __global__ void __launch_bounds__(kScoreThreads)
   if (count <= 0) return;  // uniform across the block, before any barrier
 
   auto in_cache = [&](int64_t j) { return row_pages[j] >= 0 && row_pages[j] < num_pages; };
+  // A thread copies a page's 16-byte chunks tid + kScoreThreads n: chunk i is row i / 8's chunk
+  // i % 8, and rows kScoreThreads / 8 apart (a multiple of 8) share their swizzle, so that its
+  // chunks lie kCopyStride apart in the page and in the buffer alike, from one offset computed
+  // once (the copies are most of a page's instructions otherwise).
+  constexpr int kCopyStride = 16 * kScoreThreads;
+  static_assert(kScoreThreads % 64 == 0 && kKeyBytes % kCopyStride == 0,
+                "a thread's chunks share their swizzle");
+  const int copy_offset = Swizzled(tid / 8, tid % 8);
   // A page outside the cache is not copied: its buffer's stale bytes give scores that are
   // replaced by -inf.
   auto copy_page = [&](int64_t j, int stage) {
     if (!in_cache(j)) return;
     const uint8_t* bytes = cache + static_cast<int64_t>(row_pages[j]) * kPageBytes;
-    for (int i = tid; i < kKeyBytes / 16; i += blockDim.x)
-      CopyAsync16(smem.keys(stage) + Swizzled(i / 8, i % 8), bytes + i * 16);
+#pragma unroll
+    for (int n = 0; n < kKeyBytes / kCopyStride; ++n)
+      CopyAsync16(smem.keys(stage) + copy_offset + n * kCopyStride,
+                  bytes + tid * 16 + n * kCopyStride);
     if (tid < kTokens * 4 / 16)
       CopyAsync16(smem.scales(stage) + tid * 4, bytes + kKeyBytes + tid * 16);
   };
@@ -152,6 +167,12 @@ __global__ void __launch_bounds__(kScoreThreads)
   }
   for (int h = tid; h < chunks * kHeadChunk; h += blockDim.x)
     smem.w()[h] = h < heads ? weights[row * heads + h] : 0.f;
+  __syncthreads();
+  // The first chunk's weights of this thread's heads (8 j + 2 in_group and the next), held.
+  float2 first_weights[kHeadChunk / 8];
+#pragma unroll
+  for (int j = 0; j < kHeadChunk / 8; ++j)
+    first_weights[j] = reinterpret_cast<const float2*>(smem.w())[4 * j + in_group];
 
   for (int i = 0; i < count; ++i) {
     const int stage = i % kStages;
@@ -166,9 +187,7 @@ __global__ void __launch_bounds__(kScoreThreads)
 
     float sum0 = 0.f, sum8 = 0.f;  // tokens 16 warp + group and + 8
     for (int chunk = 0; chunk < chunks; ++chunk) {
-      float d[32];
-#pragma unroll
-      for (int r = 0; r < 32; ++r) d[r] = 0.f;
+      float d[32];  // the first wgmma (ks 0) writes it without reading it
       const uint64_t a = TileDescriptor(smem.keys(stage)), b = TileDescriptor(smem.q(chunk));
       asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
@@ -178,9 +197,11 @@ __global__ void __launch_bounds__(kScoreThreads)
       const float2* w = reinterpret_cast<const float2*>(smem.w() + chunk * kHeadChunk) + in_group;
 #pragma unroll
       for (int j = 0; j < kHeadChunk / 8; ++j) {
-        const float2 wj = w[4 * j];  // heads 8 j + 2 in_group and the next
-        sum0 += Relu(d[4 * j]) * wj.x + Relu(d[4 * j + 1]) * wj.y;
-        sum8 += Relu(d[4 * j + 2]) * wj.x + Relu(d[4 * j + 3]) * wj.y;
+        const float2 wj = chunk == 0 ? first_weights[j] : w[4 * j];
+        sum0 = fmaf(Relu(d[4 * j]), wj.x, sum0);
+        sum0 = fmaf(Relu(d[4 * j + 1]), wj.y, sum0);
+        sum8 = fmaf(Relu(d[4 * j + 2]), wj.x, sum8);
+        sum8 = fmaf(Relu(d[4 * j + 3]), wj.y, sum8);
       }
     }
 #pragma unroll
