@@ -112,6 +112,9 @@ __global__ void __launch_bounds__(kScoreThreads)
                       int64_t max_pages, const int32_t* visible, float* scores,
                       int64_t score_width, int64_t pages_per_block) {
   extern __shared__ uint8_t shared[];
+  // The top-k after it may be launched now: its blocks wait (griddepcontrol.wait) for every
+  // score, and take multiprocessors only as this wave's blocks leave them.
+  asm volatile("griddepcontrol.launch_dependents;");
   const ScoreLayout smem(shared, chunks);
   const int64_t row = blockIdx.x;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -319,6 +322,8 @@ __global__ void __launch_bounds__(kTopkThreads)
     TopkPositionsKernel(const float* scores, const int32_t* index, int64_t width, int64_t piece,
                         int64_t k, int32_t* positions, float* kept, int64_t out_width) {
   namespace cg = cooperative_groups;
+  // Launched as the scoring's programmatic dependent: every score written and visible first.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   __shared__ TopkShared shared;
   cg::cluster_group cluster = cg::this_cluster();
   const int blocks = static_cast<int>(cluster.num_blocks());
@@ -684,15 +689,19 @@ cudaError_t LaunchTopkPositions(const float* scores, int64_t rows, int64_t score
   if (rows == 0 || k == 0) return cudaSuccess;
   int device = 0;
   if (cudaError_t status = cudaGetDevice(&device); status != cudaSuccess) return status;
-  cudaLaunchAttribute cluster_dims[1];
-  cluster_dims[0].id = cudaLaunchAttributeClusterDimension;
-  cluster_dims[0].val.clusterDim.x = cluster_dims[0].val.clusterDim.y =
-      cluster_dims[0].val.clusterDim.z = 1;
+  cudaLaunchAttribute attributes[2];
+  attributes[0].id = cudaLaunchAttributeClusterDimension;
+  attributes[0].val.clusterDim.x = attributes[0].val.clusterDim.y =
+      attributes[0].val.clusterDim.z = 1;
+  // Launched before the kernel ahead of it ends (programmatic dependent launch: the scoring's
+  // blocks allow it as they start): the launch's latency overlaps that kernel's tail.
+  attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attributes[1].val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t config = {};
   config.blockDim = dim3(kTopkThreads);
   config.stream = stream;
-  config.attrs = cluster_dims;
-  config.numAttrs = 1;
+  config.attrs = attributes;
+  config.numAttrs = 2;
 
   // Blocks a row's cluster takes over `width` scores: enough to hold them in registers (a
   // cluster's barriers and reads of the others' histograms cost more than a block's own passes
@@ -703,17 +712,19 @@ cudaError_t LaunchTopkPositions(const float* scores, int64_t rows, int64_t score
     *blocks = 1;
     while (*blocks < kMaxCluster && *blocks * kTopkPiece < width) *blocks *= 2;
     for (; *blocks > 1; *blocks /= 2) {
-      cluster_dims[0].val.clusterDim.x = *blocks;
+      attributes[0].val.clusterDim.x = *blocks;
       config.gridDim = dim3(static_cast<unsigned>(rows * *blocks));
       int active = 0;
       if (cudaError_t status = AskedOnce(device, *blocks, &active, [&config](int* value) {
-            return cudaOccupancyMaxActiveClusters(value, TopkPositionsKernel, &config);
+            cudaLaunchConfig_t clusters_only = config;  // the query takes the cluster alone
+            clusters_only.numAttrs = 1;
+            return cudaOccupancyMaxActiveClusters(value, TopkPositionsKernel, &clusters_only);
           });
           status != cudaSuccess)
         return status;
       if (rows <= active) break;
     }
-    cluster_dims[0].val.clusterDim.x = *blocks;
+    attributes[0].val.clusterDim.x = *blocks;
     config.gridDim = dim3(static_cast<unsigned>(rows * *blocks));
     return cudaSuccess;
   };
@@ -735,7 +746,7 @@ cudaError_t LaunchTopkPositions(const float* scores, int64_t rows, int64_t score
     const int64_t candidates = TopkCandidates(width, k);
     float* kept = reinterpret_cast<float*>(halves[pass % 2]);
     int32_t* kept_positions = halves[pass % 2] + rows * candidates;
-    cluster_dims[0].val.clusterDim.x = 1;
+    attributes[0].val.clusterDim.x = 1;
     config.gridDim = dim3(static_cast<unsigned>(rows * ((width + kTopkPiece - 1) / kTopkPiece)));
     if (cudaError_t status = cudaLaunchKernelEx(&config, TopkPositionsKernel, in, index, width,
                                                 kTopkPiece, k, kept_positions, kept, candidates);
