@@ -260,7 +260,6 @@ def test_equal_scores_keep_the_earlier_tokens():
     np.testing.assert_array_equal(np.asarray(got)[0, 0], expected[0])
 
 
-
 def test_a_page_missing_from_the_cache_leaves_no_gap_in_the_selection():
     """A block-table entry past the cache among the visible tokens: its tokens score -inf and
     are never taken; the others stay in position order, every -1 after them."""
@@ -285,6 +284,7 @@ def test_nan_scores_of_either_sign_are_taken_first():
     got = np.asarray(_decode(query, IndexKeyCache(jnp.asarray(data)), problem.block_table,
                              problem.lengths, topk=8))[0, 0]
     assert set(problem.slots(0, nan_tokens).tolist()) <= set(got.tolist()), got
+
 
 def test_prefill_is_causal_over_a_cached_prefix_and_matches_decode():
     lengths = [110, 50, 12, 0]
