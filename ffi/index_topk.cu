@@ -29,8 +29,13 @@ constexpr float kNegInf = -__builtin_huge_valf();
 __host__ __device__ inline int64_t Min(int64_t a, int64_t b) { return a < b ? a : b; }
 __host__ __device__ inline int64_t Max(int64_t a, int64_t b) { return a > b ? a : b; }
 
-// relu that keeps NaN, as jax.nn.relu does (fmaxf(NaN, 0) would give 0).
-__device__ __forceinline__ float Relu(float x) { return x < 0.f ? 0.f : x; }
+// relu that keeps NaN, as jax.nn.relu does (fmaxf(NaN, 0) would give 0), in one instruction
+// (a compare and a select take two).
+__device__ __forceinline__ float Relu(float x) {
+  float y;
+  asm("max.NaN.f32 %0, %1, 0f00000000;" : "=f"(y) : "f"(x));
+  return y;
+}
 
 // The byte offset of 16-byte chunk `chunk` of 128-byte row `row` in a tile of rows stored with
 // the 128-byte swizzle the wgmma descriptors below name: chunk c of row r sits at c ^ (r % 8),
@@ -55,9 +60,9 @@ __device__ __forceinline__ uint64_t TileDescriptor(const uint8_t* tile) {
 }
 
 // d (64 keys x 64 heads, float32) = a (64 keys x 32) . b (64 heads x 32)^T + (accumulate ? d :
-// 0), e4m3 from shared memory, issued by the whole warpgroup. Thread t of the warpgroup holds
-// rows 16 (t / 32) + (t % 32) / 4 (+ 8 in d[4 j + 2..3]), columns 8 j + 2 (t % 4) (+ 1 in
-// d[4 j + 1], d[4 j + 3]), j < 8.
+// 0), e4m3 from shared memory, issued by the whole warpgroup; with accumulate 0 it reads no d.
+// Thread t of the warpgroup holds rows 16 (t / 32) + (t % 32) / 4 (+ 8 in d[4 j + 2..3]),
+// columns 8 j + 2 (t % 4) (+ 1 in d[4 j + 1], d[4 j + 3]), j < 8.
 __device__ __forceinline__ void WgmmaE4m3(float (&d)[32], uint64_t a, uint64_t b,
                                           int accumulate) {
   asm volatile(
@@ -107,6 +112,9 @@ __global__ void __launch_bounds__(kScoreThreads)
                       int64_t max_pages, const int32_t* visible, float* scores,
                       int64_t score_width, int64_t pages_per_block) {
   extern __shared__ uint8_t shared[];
+  // The top-k after it may be launched now: its blocks wait (griddepcontrol.wait) for every
+  // score, and take multiprocessors only as this wave's blocks leave them.
+  asm volatile("griddepcontrol.launch_dependents;");
   const ScoreLayout smem(shared, chunks);
   const int64_t row = blockIdx.x;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -129,13 +137,23 @@ __global__ void __launch_bounds__(kScoreThreads)
   if (count <= 0) return;  // uniform across the block, before any barrier
 
   auto in_cache = [&](int64_t j) { return row_pages[j] >= 0 && row_pages[j] < num_pages; };
+  // A thread copies a page's 16-byte chunks tid + kScoreThreads n: chunk i is row i / 8's chunk
+  // i % 8, and rows kScoreThreads / 8 apart (a multiple of 8) share their swizzle, so that its
+  // chunks lie kCopyStride apart in the page and in the buffer alike, from one offset computed
+  // once (the copies are most of a page's instructions otherwise).
+  constexpr int kCopyStride = 16 * kScoreThreads;
+  static_assert(kScoreThreads % 64 == 0 && kKeyBytes % kCopyStride == 0,
+                "a thread's chunks share their swizzle");
+  const int copy_offset = Swizzled(tid / 8, tid % 8);
   // A page outside the cache is not copied: its buffer's stale bytes give scores that are
   // replaced by -inf.
   auto copy_page = [&](int64_t j, int stage) {
     if (!in_cache(j)) return;
     const uint8_t* bytes = cache + static_cast<int64_t>(row_pages[j]) * kPageBytes;
-    for (int i = tid; i < kKeyBytes / 16; i += blockDim.x)
-      CopyAsync16(smem.keys(stage) + Swizzled(i / 8, i % 8), bytes + i * 16);
+#pragma unroll
+    for (int n = 0; n < kKeyBytes / kCopyStride; ++n)
+      CopyAsync16(smem.keys(stage) + copy_offset + n * kCopyStride,
+                  bytes + tid * 16 + n * kCopyStride);
     if (tid < kTokens * 4 / 16)
       CopyAsync16(smem.scales(stage) + tid * 4, bytes + kKeyBytes + tid * 16);
   };
@@ -152,6 +170,12 @@ __global__ void __launch_bounds__(kScoreThreads)
   }
   for (int h = tid; h < chunks * kHeadChunk; h += blockDim.x)
     smem.w()[h] = h < heads ? weights[row * heads + h] : 0.f;
+  __syncthreads();
+  // The first chunk's weights of this thread's heads (8 j + 2 in_group and the next), held.
+  float2 first_weights[kHeadChunk / 8];
+#pragma unroll
+  for (int j = 0; j < kHeadChunk / 8; ++j)
+    first_weights[j] = reinterpret_cast<const float2*>(smem.w())[4 * j + in_group];
 
   for (int i = 0; i < count; ++i) {
     const int stage = i % kStages;
@@ -166,9 +190,7 @@ __global__ void __launch_bounds__(kScoreThreads)
 
     float sum0 = 0.f, sum8 = 0.f;  // tokens 16 warp + group and + 8
     for (int chunk = 0; chunk < chunks; ++chunk) {
-      float d[32];
-#pragma unroll
-      for (int r = 0; r < 32; ++r) d[r] = 0.f;
+      float d[32];  // the first wgmma (ks 0) writes it without reading it
       const uint64_t a = TileDescriptor(smem.keys(stage)), b = TileDescriptor(smem.q(chunk));
       asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
@@ -178,9 +200,11 @@ __global__ void __launch_bounds__(kScoreThreads)
       const float2* w = reinterpret_cast<const float2*>(smem.w() + chunk * kHeadChunk) + in_group;
 #pragma unroll
       for (int j = 0; j < kHeadChunk / 8; ++j) {
-        const float2 wj = w[4 * j];  // heads 8 j + 2 in_group and the next
-        sum0 += Relu(d[4 * j]) * wj.x + Relu(d[4 * j + 1]) * wj.y;
-        sum8 += Relu(d[4 * j + 2]) * wj.x + Relu(d[4 * j + 3]) * wj.y;
+        const float2 wj = chunk == 0 ? first_weights[j] : w[4 * j];
+        sum0 = fmaf(Relu(d[4 * j]), wj.x, sum0);
+        sum0 = fmaf(Relu(d[4 * j + 1]), wj.y, sum0);
+        sum8 = fmaf(Relu(d[4 * j + 2]), wj.x, sum8);
+        sum8 = fmaf(Relu(d[4 * j + 3]), wj.y, sum8);
       }
     }
 #pragma unroll
@@ -226,12 +250,15 @@ __host__ __device__ inline int64_t TopkCandidates(int64_t width, int64_t k) {
   return (pieces - 1) * k + Min(width - (pieces - 1) * kTopkPiece, k);
 }
 
-// A score as an unsigned key of the same order (totalOrder): flip the sign bit of positives,
-// every bit of negatives.
+// A score as an unsigned key of the same order (totalOrder, a NaN's sign dropped first, so that
+// every NaN ranks above +inf): flip the sign bit of positives, every bit of negatives.
 __device__ __forceinline__ uint32_t OrderedKey(float x) {
-  const uint32_t bits = __float_as_uint(x);
+  uint32_t bits = __float_as_uint(x);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) bits &= 0x7FFFFFFFu;
   return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
+
+constexpr uint32_t kNegInfKey = 0x007FFFFFu;  // OrderedKey(-inf)
 
 static_assert(kBinsPerThread == 4, "a thread reads its bins of each block as one uint4");
 
@@ -270,12 +297,19 @@ __device__ __forceinline__ void LoadKeys(const float* row, int64_t start, int64_
   for (int e = 0; e < kPerLane; ++e) keys[e] = start + e < end ? OrderedKey(row[start + e]) : 0;
 }
 
+// out[i] = -1 for i in [from, to), by the block's threads. Not inlined: inlined in
+// TopkPositionsKernel, at its 128 registers a thread, ptxas (CUDA 13.0) spilled.
+__device__ __noinline__ void FillUnpicked(int32_t* out, int64_t from, int64_t to) {
+  for (int64_t i = from + threadIdx.x; i < to; i += blockDim.x) out[i] = -1;
+}
+
 // Per cluster of blocks, one piece of a row: scores [part * piece, part * piece + piece) of
 // row `row` of scores (rows, width), cluster blockIdx.x / blocks being piece `part` of row
 // `row`. Its k best go to positions[row, part * k + i] (positions (rows, out_width)), i < k:
 // their positions in the row, or index[row, position] where index (rows, width) is given, and
 // with kept (rows, out_width) given their scores too. A piece of no more than k scores keeps
-// every one, then -1 up to out_width.
+// every one, then -1 up to out_width. Without kept (the last pass) a -inf score, which marks
+// a position the row does not see, is never taken: the row's picks above -inf, then -1.
 //
 // The blocks of a cluster (those that hold the piece's scores in registers, as many as fit
 // the clusters in one wave, up to kMaxCluster) each take one slice of the piece, each of their
@@ -288,6 +322,8 @@ __global__ void __launch_bounds__(kTopkThreads)
     TopkPositionsKernel(const float* scores, const int32_t* index, int64_t width, int64_t piece,
                         int64_t k, int32_t* positions, float* kept, int64_t out_width) {
   namespace cg = cooperative_groups;
+  // Launched as the scoring's programmatic dependent: every score written and visible first.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   __shared__ TopkShared shared;
   cg::cluster_group cluster = cg::this_cluster();
   const int blocks = static_cast<int>(cluster.num_blocks());
@@ -311,11 +347,19 @@ __global__ void __launch_bounds__(kTopkThreads)
   };
 
   if (length <= k) {  // uniform across the cluster: no block waits on another
-    if (rank == 0)
-      for (int64_t i = tid; i < take; i += blockDim.x) {
-        if (i < length) emit(i, lo + i);
-        else positions[out_start + i] = -1;
-      }
+    if (rank != 0) return;
+    int64_t placed = 0;  // of the scores before i, those taken
+    for (int64_t first = 0; first < length; first += blockDim.x) {
+      const int64_t i = first + tid;
+      const int keep =
+          i < length && (kept != nullptr || OrderedKey(row_scores[lo + i]) > kNegInfKey);
+      int before = 0, total = 0;
+      cub::BlockScan<int, kTopkThreads>(shared.scan).ExclusiveSum(keep, before, total);
+      if (keep) emit(placed + before, lo + i);
+      placed += total;
+      __syncthreads();  // the scan's storage is reused
+    }
+    for (int64_t i = placed + tid; i < take; i += blockDim.x) positions[out_start + i] = -1;
     return;
   }
   constexpr int64_t kSliceUnit = kTopkWarps * kStep;
@@ -472,6 +516,18 @@ __global__ void __launch_bounds__(kTopkThreads)
       compact(prefix);
   }
   const int compacted = shared.compact_count;
+  // The last pass where the k-th key is -inf: the row has fewer than k keys above -inf, which
+  // are taken (each slice's are the shared.greater its passes counted); the rest of the k are
+  // -1, written by the last block (uniform across the cluster; no pick lies past them).
+  if (kept == nullptr && prefix == kNegInfKey) {
+    remaining = 0;  // of the keys equal to the k-th (-inf), none
+    if (rank == blocks - 1) {
+      int64_t picked = 0;
+      for (int r = 0; r < blocks; ++r)
+        picked += blocks == 1 ? shared.greater : cluster.map_shared_rank(&shared.greater, r)[0];
+      FillUnpicked(positions + out_start, picked, take);
+    }
+  }
 
   // Of the row, the keys above the k-th and equal to it before this slice: the earlier
   // slices' (their blocks' totals).
@@ -633,15 +689,19 @@ cudaError_t LaunchTopkPositions(const float* scores, int64_t rows, int64_t score
   if (rows == 0 || k == 0) return cudaSuccess;
   int device = 0;
   if (cudaError_t status = cudaGetDevice(&device); status != cudaSuccess) return status;
-  cudaLaunchAttribute cluster_dims[1];
-  cluster_dims[0].id = cudaLaunchAttributeClusterDimension;
-  cluster_dims[0].val.clusterDim.x = cluster_dims[0].val.clusterDim.y =
-      cluster_dims[0].val.clusterDim.z = 1;
+  cudaLaunchAttribute attributes[2];
+  attributes[0].id = cudaLaunchAttributeClusterDimension;
+  attributes[0].val.clusterDim.x = attributes[0].val.clusterDim.y =
+      attributes[0].val.clusterDim.z = 1;
+  // Launched before the kernel ahead of it ends (programmatic dependent launch: the scoring's
+  // blocks allow it as they start): the launch's latency overlaps that kernel's tail.
+  attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attributes[1].val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t config = {};
   config.blockDim = dim3(kTopkThreads);
   config.stream = stream;
-  config.attrs = cluster_dims;
-  config.numAttrs = 1;
+  config.attrs = attributes;
+  config.numAttrs = 2;
 
   // Blocks a row's cluster takes over `width` scores: enough to hold them in registers (a
   // cluster's barriers and reads of the others' histograms cost more than a block's own passes
@@ -652,17 +712,19 @@ cudaError_t LaunchTopkPositions(const float* scores, int64_t rows, int64_t score
     *blocks = 1;
     while (*blocks < kMaxCluster && *blocks * kTopkPiece < width) *blocks *= 2;
     for (; *blocks > 1; *blocks /= 2) {
-      cluster_dims[0].val.clusterDim.x = *blocks;
+      attributes[0].val.clusterDim.x = *blocks;
       config.gridDim = dim3(static_cast<unsigned>(rows * *blocks));
       int active = 0;
       if (cudaError_t status = AskedOnce(device, *blocks, &active, [&config](int* value) {
-            return cudaOccupancyMaxActiveClusters(value, TopkPositionsKernel, &config);
+            cudaLaunchConfig_t clusters_only = config;  // the query takes the cluster alone
+            clusters_only.numAttrs = 1;
+            return cudaOccupancyMaxActiveClusters(value, TopkPositionsKernel, &clusters_only);
           });
           status != cudaSuccess)
         return status;
       if (rows <= active) break;
     }
-    cluster_dims[0].val.clusterDim.x = *blocks;
+    attributes[0].val.clusterDim.x = *blocks;
     config.gridDim = dim3(static_cast<unsigned>(rows * *blocks));
     return cudaSuccess;
   };
@@ -684,7 +746,7 @@ cudaError_t LaunchTopkPositions(const float* scores, int64_t rows, int64_t score
     const int64_t candidates = TopkCandidates(width, k);
     float* kept = reinterpret_cast<float*>(halves[pass % 2]);
     int32_t* kept_positions = halves[pass % 2] + rows * candidates;
-    cluster_dims[0].val.clusterDim.x = 1;
+    attributes[0].val.clusterDim.x = 1;
     config.gridDim = dim3(static_cast<unsigned>(rows * ((width + kTopkPiece - 1) / kTopkPiece)));
     if (cudaError_t status = cudaLaunchKernelEx(&config, TopkPositionsKernel, in, index, width,
                                                 kTopkPiece, k, kept_positions, kept, candidates);

@@ -30,11 +30,14 @@ cudaError_t LaunchIndexScores(const uint8_t* q, const float* weights, int64_t ro
                               const int32_t* visible, float* scores, int64_t score_width,
                               cudaStream_t stream);
 
-// positions (rows, k) int32: the positions of each row's k largest scores (of score_width),
-// in ascending order. Scores are ordered as IEEE totalOrder is (NaN above +inf, -NaN below
-// -inf); of equal scores the lower position is taken first, as lax.top_k takes them. Where
-// score_width < k, every position, then -1. scratch: rows * TopkScratchWidth(score_width, k)
-// int32 the launch's kernels use between them (none where that is 0).
+// positions (rows, k) int32: the positions of each row's k largest scores (of score_width)
+// above -inf, in ascending order, then -1 where fewer than k are. Scores are ordered as IEEE
+// totalOrder orders them with every NaN's sign dropped (every NaN above +inf); of equal scores
+// the lower position is taken first, as lax.top_k takes them. A -inf score (a position the
+// row does not see) is never taken, so that the picks need no reordering after. scratch:
+// rows * TopkScratchWidth(score_width, k) int32 the launch's kernels use between them (none
+// where that is 0). They are launched as programmatic dependents of the kernel before them on
+// the stream (its tail overlaps their launch) and wait for it to complete before they read.
 cudaError_t LaunchTopkPositions(const float* scores, int64_t rows, int64_t score_width,
                                 int64_t k, int32_t* positions, int32_t* scratch,
                                 cudaStream_t stream);

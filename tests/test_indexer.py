@@ -260,6 +260,32 @@ def test_equal_scores_keep_the_earlier_tokens():
     np.testing.assert_array_equal(np.asarray(got)[0, 0], expected[0])
 
 
+def test_a_page_missing_from_the_cache_leaves_no_gap_in_the_selection():
+    """A block-table entry past the cache among the visible tokens: its tokens score -inf and
+    are never taken; the others stay in position order, every -1 after them."""
+    problem, query = _decode_problem(13, [200], s_q=1)
+    table = problem.block_table.copy()
+    table[0, 1] = problem.cache.data.shape[0] + 7  # tokens 64 to 127
+    got = np.asarray(_decode(query, problem.cache, table, problem.lengths, topk=256))[0, 0]
+    readable = problem.slots(0, np.r_[0:64, 128:200])
+    np.testing.assert_array_equal(got, np.r_[readable, np.full(256 - len(readable), -1)])
+
+
+def test_nan_scores_of_either_sign_are_taken_first():
+    """Key scales of NaN with and without the sign bit (garbage in a page): those tokens score
+    NaN, which ranks above every number whatever its sign."""
+    problem, query = _decode_problem(14, [300], s_q=1)
+    data = np.asarray(problem.cache.data).copy()
+    nan_tokens = [5, 77, 150, 299]
+    for position, bits in zip(nan_tokens, [0xFFFFFFFF, 0xFFC00000, 0x7FC00000, 0x7FFFFFFF]):
+        slot = int(problem.slots(0, [position])[0])
+        scale = 128 * PAGE + 4 * (slot % PAGE)
+        data[slot // PAGE, scale:scale + 4] = np.asarray([bits], np.uint32).view(np.uint8)
+    got = np.asarray(_decode(query, IndexKeyCache(jnp.asarray(data)), problem.block_table,
+                             problem.lengths, topk=8))[0, 0]
+    assert set(problem.slots(0, nan_tokens).tolist()) <= set(got.tolist()), got
+
+
 def test_prefill_is_causal_over_a_cached_prefix_and_matches_decode():
     lengths = [110, 50, 12, 0]
     new = [70, 50, 0, 0]  # request 0 extends a 40-token prefix; request 2 adds nothing

@@ -194,13 +194,17 @@ def _select_types(avals, *, topk):
 
 
 def _reference_select(named, *, topk):
-    """(n, topk) positions of each row's top scores in ascending order, and the (n,
-    max(max_pages * 64, topk)) scores, -inf past the table."""
+    """(n, topk) positions of each row's top scores above -inf in ascending order, -1 after
+    them, and the (n, max(max_pages * 64, topk)) scores, -inf past the table."""
     scores = _scores(IndexQuery(named["values"], named["weights"]), named["cache"],
                      named["block_table"], named["visible"])
     if scores.shape[1] < topk:  # positions past the table are never visible
         scores = jnp.pad(scores, ((0, 0), (0, topk - scores.shape[1])), constant_values=-jnp.inf)
-    return jnp.sort(jax.lax.top_k(scores, topk)[1], axis=-1), scores
+    # Every NaN ranks above +inf, as the kernel ranks them (abs drops a NaN's sign bit).
+    top, positions = jax.lax.top_k(jnp.where(jnp.isnan(scores), jnp.abs(scores), scores), topk)
+    last = jnp.iinfo(jnp.int32).max  # -inf marks what a row does not see: never taken
+    positions = jnp.sort(jnp.where(jnp.isneginf(top), last, positions), axis=-1)
+    return jnp.where(positions < last, positions, -1), scores
 
 
 def _kernel_select(named, *, topk):
@@ -237,25 +241,19 @@ def _positions_and_scores(query, data, block_table, visible, topk, implementatio
 
 
 def _top_positions(query, data, block_table, visible, topk, implementation):
-    """(positions, slots, readable), each (n, topk): each row's top positions in ascending
-    order, their slots, and whether each lies before its row's visible count on a page of the
-    cache."""
-    if visible.shape[0] == 0:  # token_slots cannot reshape no rows
-        empty = jnp.zeros((0, topk), jnp.int32)
-        return empty, empty, empty.astype(bool)
-    positions, _ = _positions_and_scores(query, data, block_table, visible, topk,
-                                         implementation)
-    slots = token_slots(block_table, positions)
-    readable = ((positions >= 0) & (positions < visible[:, None]) & (slots >= 0)
-                & (slots < data.shape[0] * PAGE_SIZE))
-    return positions, slots, readable
+    """(n, topk) int32: each row's top positions in ascending order, -1 after them. Only
+    readable positions are taken (before the row's visible count, on a page of the cache): the
+    others score -inf."""
+    if visible.shape[0] == 0:  # no rows: nothing to call, and token_slots cannot reshape them
+        return jnp.zeros((0, topk), jnp.int32)
+    return _positions_and_scores(query, data, block_table, visible, topk, implementation)[0]
 
 
 def _select(query, data, block_table, visible, topk, implementation):
-    """(n, topk) int32 slots of each row's top tokens in ascending position order; -1 for
-    positions past its visible tokens and where its block table names no page of the cache."""
-    _, slots, readable = _top_positions(query, data, block_table, visible, topk, implementation)
-    return jnp.where(readable, slots, -1)
+    """(n, topk) int32 slots of each row's top tokens in ascending position order, -1 after
+    them where fewer than topk tokens are visible on pages of the cache."""
+    positions = _top_positions(query, data, block_table, visible, topk, implementation)
+    return token_slots(block_table, positions) if positions.shape[0] else positions
 
 
 def _implementation(where, implementation, query):
@@ -356,19 +354,16 @@ def index_topk(query, cache, block_table, visible, *, topk, implementation=None)
     Returns:
       (n, topk) int32: the positions of row i's min(topk, readable) highest scores in
       ascending order, -1 after them, where readable counts its positions p < visible[i]
-      whose page is in the cache; of equal scores the lower position is taken (as lax.top_k
-      takes them). Unlike indexer_decode's, these are positions, not slots.
+      whose page is in the cache and whose score is above -inf; of equal scores the lower
+      position is taken (as lax.top_k takes them). Unlike indexer_decode's, these are
+      positions, not slots.
     """
     where = "index_topk"
     data = _check_rows(where, query, cache, block_table, ("n",))
     visible = _check_lengths(where, "visible", visible, tuple(query.values.shape[:1]))
     _check_topk(where, topk)
-    positions, _, readable = _top_positions(query, data, jnp.asarray(block_table), visible, topk,
-                                            _implementation(where, implementation, query))
-    # A page missing from the cache can put an unreadable position before readable ones.
-    last = jnp.iinfo(jnp.int32).max
-    positions = jnp.sort(jnp.where(readable, positions, last), axis=-1)
-    return jnp.where(positions < last, positions, -1)
+    return _top_positions(query, data, jnp.asarray(block_table), visible, topk,
+                          _implementation(where, implementation, query))
 
 
 def indexer_decode(query, cache, block_table, seq_lens, *, topk=INDEX_TOPK,
