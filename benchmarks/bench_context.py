@@ -54,7 +54,8 @@ holds the table and the bar):
                4 * entries sees them all, seq_len 1).
 Each is timed as a layer is, and on a GPU its device time is split by a trace of its own into
 the custom call's two kernels (ffi/index_topk.cu): the scoring (IndexScoresKernel) and the
-top-k (TopkPositionsKernel); the rest is XLA's own kernels and the gaps between them.
+top-k (TopkPositionsKernel) after it (its time beside the scoring's, where its launch overlaps
+it, not counted); the rest is XLA's own kernels and the gaps between them.
 
   python benchmarks/bench_context.py --out benchmarks/results/context_h200
   python benchmarks/bench_context.py --families v32_indexer v4_indexer --out ...  # indexers
@@ -314,13 +315,18 @@ def out_finite(out):
 
 def kernel_us(gpu, calls, kernels):
     """{key: µs a call} of each kernel in kernels (key -> a part of its name) among a trace's
-    GPU activities over `calls` calls: the sum of its activities' durations over calls."""
-    split = {}
+    GPU activities over `calls` calls: the sum of its activities' durations over calls, less
+    where they overlap an activity of a kernel named before it. The top-k is launched as the
+    scoring's programmatic dependent: it starts, and waits, while the scoring runs."""
+    split, earlier = {}, []  # earlier: (start, end) of the kernels named before
     for key, name in kernels.items():
-        durations = [e.end - e.start for e in gpu if name in e.name]
-        if not durations:
+        spans = [(e.start, e.end) for e in gpu if name in e.name]
+        if not spans:
             raise RuntimeError(f"no kernel named like {name} in the trace")
-        split[key] = round(sum(durations) / calls / 1e3, 2)
+        own = sum(end - start - sum(max(0, min(end, e) - max(start, s)) for s, e in earlier)
+                  for start, end in spans)
+        split[key] = round(own / calls / 1e3, 2)
+        earlier += spans
     return split
 
 

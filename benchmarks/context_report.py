@@ -239,8 +239,9 @@ def markdown(result):
                   f"The call alone ({calls}), {meta['index_heads']} index heads, top "
                   f"{meta['v32_topk']} (V3.2) and {meta['csa_topk']} (V4), one new token a "
                   "request. The floor: the index keys' bytes (132 an entry) over the device's "
-                  "peak HBM bandwidth. Scoring and top-k: the custom call's two kernels; the "
-                  "rest: XLA's own kernels and the gaps between them.", "", *bar_lines(result)]
+                  "peak HBM bandwidth. Scoring and top-k: the custom call's two kernels (the "
+                  "top-k's time beside the scoring's, where its launch overlaps it, not "
+                  "counted); the rest: XLA's own kernels and the gaps between them.", "", *bar_lines(result)]
     left_out = gaps(result)
     if left_out:
         lines += ["", "## Left out", "", *left_out]

@@ -114,6 +114,11 @@ def test_the_indexer_split_sums_each_kernel_over_the_calls():
     gpu = [Event(start * 1000, end * 1000, name, "l", {}) for start, end, name in spans]
     assert bench_context.kernel_us(gpu, 2, bench_context.INDEXER_KERNELS) == dict(
         scoring_us=11.0, topk_us=5.0)
+    # A top-k launched while the scoring runs (a programmatic dependent) counts from its end.
+    overlapped = [(0, 10, scoring), (6, 14, topk), (20, 32, scoring), (25, 38, topk)]
+    gpu = [Event(start * 1000, end * 1000, name, "l", {}) for start, end, name in overlapped]
+    assert bench_context.kernel_us(gpu, 2, bench_context.INDEXER_KERNELS) == dict(
+        scoring_us=11.0, topk_us=5.0)
     with pytest.raises(RuntimeError, match="TopkPositionsKernel"):
         bench_context.kernel_us(gpu[:1], 1, bench_context.INDEXER_KERNELS)
 
