@@ -241,7 +241,8 @@ def markdown(result):
                   "request. The floor: the index keys' bytes (132 an entry) over the device's "
                   "peak HBM bandwidth. Scoring and top-k: the custom call's two kernels (the "
                   "top-k's time beside the scoring's, where its launch overlaps it, not "
-                  "counted); the rest: XLA's own kernels and the gaps between them.", "", *bar_lines(result)]
+                  "counted); the rest: XLA's own kernels and the gaps between them.", "",
+                  *bar_lines(result)]
     left_out = gaps(result)
     if left_out:
         lines += ["", "## Left out", "", *left_out]

@@ -13,6 +13,7 @@ mla_decode.
 """
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -237,7 +238,7 @@ def token_slots(block_table, positions):
     if positions.ndim < 1 or positions.shape[0] != batch:
         raise ValueError(f"token_slots: positions must have shape ({batch}, ...) for "
                          f"block_table's batch {batch}; got {tuple(positions.shape)}")
-    flat = positions.reshape(batch, -1)
+    flat = positions.reshape(batch, math.prod(positions.shape[1:]))  # -1 fails with no rows
     page_index = flat // PAGE_SIZE
     in_table = (flat >= 0) & (page_index < max_pages)
     pages = jnp.take_along_axis(block_table, jnp.clip(page_index, 0, max_pages - 1), axis=1)

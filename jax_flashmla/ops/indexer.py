@@ -244,7 +244,7 @@ def _top_positions(query, data, block_table, visible, topk, implementation):
     """(n, topk) int32: each row's top positions in ascending order, -1 after them. Only
     readable positions are taken (before the row's visible count, on a page of the cache): the
     others score -inf."""
-    if visible.shape[0] == 0:  # no rows: nothing to call, and token_slots cannot reshape them
+    if visible.shape[0] == 0:  # no rows: nothing to call
         return jnp.zeros((0, topk), jnp.int32)
     return _positions_and_scores(query, data, block_table, visible, topk, implementation)[0]
 
@@ -253,7 +253,7 @@ def _select(query, data, block_table, visible, topk, implementation):
     """(n, topk) int32 slots of each row's top tokens in ascending position order, -1 after
     them where fewer than topk tokens are visible on pages of the cache."""
     positions = _top_positions(query, data, block_table, visible, topk, implementation)
-    return token_slots(block_table, positions) if positions.shape[0] else positions
+    return token_slots(block_table, positions)
 
 
 def _implementation(where, implementation, query):
