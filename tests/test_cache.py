@@ -118,6 +118,11 @@ def test_token_slots_matches_numpy():
     np.testing.assert_array_equal(np.asarray(got), _slots_oracle(block_table, positions))
 
 
+def test_token_slots_of_no_requests_are_empty():
+    got = jax.jit(token_slots)(jnp.zeros((0, 4), jnp.int32), jnp.zeros((0, 2, 3), jnp.int32))
+    assert got.shape == (0, 2, 3) and got.dtype == jnp.int32
+
+
 def test_a_page_whose_slots_overflow_int32_places_nothing():
     """page * 64 of a page >= 2**25 wraps around int32, onto another request's slots (2**26 + 3
     would land on page 3): such a page holds no slot."""
